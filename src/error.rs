@@ -1,0 +1,94 @@
+//! Status codes and the error type shared by every layer.
+
+use std::fmt;
+
+/// Result status of every fallible call (`so_status` in C). `SO_STATUS_OK` (0) is success.
+///
+/// Values are grouped by origin and never reused: 1–19 arguments, 20–29 numerics,
+/// 30–39 resources, 90–99 internal.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Status {
+    /// Success.
+    Ok = 0,
+    /// A pointer that must not be NULL was NULL.
+    NullArgument = 1,
+    /// An argument is out of range or inconsistent with another one.
+    InvalidArgument = 2,
+    /// An options or arguments struct has a `struct_size` this library cannot read.
+    StructSize = 3,
+    /// The request is valid but not supported (dtype combination, ISA, mode).
+    Unsupported = 4,
+    /// Two buffers that must be disjoint overlap.
+    Aliasing = 5,
+    /// A gradient element (after scaling) is inf or NaN; nothing was modified.
+    NonFinite = 20,
+    /// Memory or threads could not be obtained.
+    OutOfResources = 30,
+    /// A panic was caught inside the library; this is a bug in superoffload.
+    Panic = 99,
+}
+
+impl Status {
+    /// Static, NUL-terminated description of a status value.
+    pub fn description(self) -> &'static std::ffi::CStr {
+        match self {
+            Status::Ok => c"success",
+            Status::NullArgument => c"a required pointer argument is NULL",
+            Status::InvalidArgument => c"an argument is out of range or inconsistent",
+            Status::StructSize => c"struct_size does not match a layout this library knows",
+            Status::Unsupported => c"the request is valid but not supported",
+            Status::Aliasing => c"buffers that must be disjoint overlap",
+            Status::NonFinite => c"a scaled gradient element is inf or NaN; nothing was modified",
+            Status::OutOfResources => c"memory or threads could not be obtained",
+            Status::Panic => c"internal error (caught panic) in superoffload",
+        }
+    }
+
+    /// Maps a raw value from C back to a status, if it is one.
+    pub fn from_raw(raw: u32) -> Option<Status> {
+        const ALL: [Status; 9] = [
+            Status::Ok,
+            Status::NullArgument,
+            Status::InvalidArgument,
+            Status::StructSize,
+            Status::Unsupported,
+            Status::Aliasing,
+            Status::NonFinite,
+            Status::OutOfResources,
+            Status::Panic,
+        ];
+        ALL.into_iter().find(|s| *s as u32 == raw)
+    }
+}
+
+/// An error: a status plus a message that says what was wrong with which argument.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Error {
+    pub status: Status,
+    pub message: String,
+}
+
+impl Error {
+    pub fn new(status: Status, message: impl Into<String>) -> Self {
+        Error { status, message: message.into() }
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Error::new(Status::InvalidArgument, message)
+    }
+
+    pub fn unsupported(message: impl Into<String>) -> Self {
+        Error::new(Status::Unsupported, message)
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({:?})", self.message, self.status)
+    }
+}
+
+impl std::error::Error for Error {}
+
+pub type Result<T> = std::result::Result<T, Error>;

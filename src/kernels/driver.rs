@@ -1,0 +1,129 @@
+//! The loops every back-end runs, written once. A buffer is cut into blocks of
+//! [`BLOCK`] elements; each block yields one f64 partial of the sum of squares, so that the
+//! total (partials added in block order) is the same for every thread count. A block's
+//! last partial vector is padded through a stack buffer and computed by the same vector
+//! code, so no element takes a different (scalar) path.
+//!
+//! Everything here is `#[inline(always)]` and closure-free: it is inlined into each
+//! back-end's `#[target_feature]` entry point, which is what lets the intrinsics inline.
+
+use super::dtype::Elem;
+use super::math::LaneOp;
+use super::simd::{MAX_LANES, Simd};
+
+/// Elements per sum-of-squares partial; chunk boundaries between threads are multiples
+/// of it (and so of every vector width).
+pub(crate) const BLOCK: usize = 8192;
+
+/// The slices of one thread's share of a step-shaped pass.
+pub(crate) struct StepChunk<'a, P, G, M, C> {
+    pub p: &'a mut [P],
+    pub g: &'a [G],
+    pub m: &'a mut [M],
+    pub v: &'a mut [M],
+    pub out: Option<&'a mut [C]>,
+    /// One entry per block of this chunk, when the sum of squares is wanted.
+    pub partials: Option<&'a mut [f64]>,
+}
+
+#[inline(always)]
+pub(crate) fn step_chunk<S: Simd, O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>(
+    s: S,
+    op: &O,
+    chunk: StepChunk<'_, P, G, M, C>,
+) {
+    let StepChunk { p, g, m, v, mut out, mut partials } = chunk;
+    let n = p.len();
+    let lanes = S::LANES;
+    let mut start = 0;
+    let mut block = 0;
+    while start < n {
+        let end = (start + BLOCK).min(n);
+        let mut acc = s.acc_zero();
+        let mut i = start;
+        while i + lanes <= end {
+            let r = op.apply(
+                s,
+                s.load(&p[i..i + lanes]),
+                s.load(&g[i..i + lanes]),
+                s.load(&m[i..i + lanes]),
+                s.load(&v[i..i + lanes]),
+            );
+            s.store(&mut p[i..i + lanes], r.p);
+            s.store(&mut m[i..i + lanes], r.m);
+            s.store(&mut v[i..i + lanes], r.v);
+            if let Some(out) = out.as_deref_mut() {
+                s.store(&mut out[i..i + lanes], r.p);
+            }
+            if partials.is_some() {
+                acc = s.acc_add_squares(acc, r.g);
+            }
+            i += lanes;
+        }
+        if i < end {
+            let len = end - i;
+            let mut tp = [P::ZERO; MAX_LANES];
+            let mut tg = [G::ZERO; MAX_LANES];
+            let mut tm = [M::ZERO; MAX_LANES];
+            let mut tv = [M::ZERO; MAX_LANES];
+            tp[..len].copy_from_slice(&p[i..end]);
+            tg[..len].copy_from_slice(&g[i..end]);
+            tm[..len].copy_from_slice(&m[i..end]);
+            tv[..len].copy_from_slice(&v[i..end]);
+            let r = op.apply(
+                s,
+                s.load(&tp[..lanes]),
+                s.load(&tg[..lanes]),
+                s.load(&tm[..lanes]),
+                s.load(&tv[..lanes]),
+            );
+            s.store(&mut tp[..lanes], r.p);
+            s.store(&mut tm[..lanes], r.m);
+            s.store(&mut tv[..lanes], r.v);
+            p[i..end].copy_from_slice(&tp[..len]);
+            m[i..end].copy_from_slice(&tm[..len]);
+            v[i..end].copy_from_slice(&tv[..len]);
+            if let Some(out) = out.as_deref_mut() {
+                let mut to = [C::ZERO; MAX_LANES];
+                s.store(&mut to[..lanes], r.p);
+                out[i..end].copy_from_slice(&to[..len]);
+            }
+            if partials.is_some() {
+                // Padding lanes hold a zero gradient, which adds exactly nothing.
+                acc = s.acc_add_squares(acc, r.g);
+            }
+        }
+        if let Some(partials) = partials.as_deref_mut() {
+            partials[block] = s.acc_total(acc);
+        }
+        start = end;
+        block += 1;
+    }
+}
+
+/// Sum of squares of `scale * g`, one partial per block, reading nothing else.
+#[inline(always)]
+pub(crate) fn sumsq_chunk<S: Simd, G: Elem>(s: S, scale: f32, g: &[G], partials: &mut [f64]) {
+    let n = g.len();
+    let lanes = S::LANES;
+    let scale = s.splat(scale);
+    let mut start = 0;
+    let mut block = 0;
+    while start < n {
+        let end = (start + BLOCK).min(n);
+        let mut acc = s.acc_zero();
+        let mut i = start;
+        while i + lanes <= end {
+            acc = s.acc_add_squares(acc, s.mul(s.load(&g[i..i + lanes]), scale));
+            i += lanes;
+        }
+        if i < end {
+            let mut tg = [G::ZERO; MAX_LANES];
+            tg[..end - i].copy_from_slice(&g[i..end]);
+            acc = s.acc_add_squares(acc, s.mul(s.load(&tg[..lanes]), scale));
+        }
+        partials[block] = s.acc_total(acc);
+        start = end;
+        block += 1;
+    }
+}

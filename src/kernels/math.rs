@@ -1,0 +1,180 @@
+//! The Adam math, written once for every instruction set.
+//!
+//! Each operation maps the lanes `(p, g, m, v)` of one vector block to new `(p, m, v)`.
+//! The sequence of single-rounded operations here *is* the definition of our results:
+//! every back-end executes exactly this sequence, so results are bit-identical across
+//! back-ends and thread counts.
+
+use super::simd::Simd;
+use super::{AdamHyper, AdamMode};
+
+/// New lane values of one vector block. `g` is the scaled gradient (before any L2 term),
+/// whose squares feed the optional sum of squares.
+pub(crate) struct Lanes<F> {
+    pub p: F,
+    pub m: F,
+    pub v: F,
+    pub g: F,
+}
+
+/// A pass over `(p, g, m, v)` lanes.
+pub(crate) trait LaneOp: Sync {
+    fn apply<S: Simd>(&self, s: S, p: S::F, g: S::F, m: S::F, v: S::F) -> Lanes<S::F>;
+}
+
+/// Per-call constants of one Adam step, in f32, derived once from the hyperparameters.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StepConstants {
+    beta1: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    eps: f32,
+    /// `sqrt(1 - beta2^t)`, or 1 without bias correction.
+    sqrt_bc2: f32,
+    /// `lr / (1 - beta1^t)`, or `lr` without bias correction.
+    step_size: f32,
+    /// AdamW's `1 - lr * wd`; 1 for Adam-L2.
+    decay: f32,
+    /// Adam-L2's weight decay, folded into the gradient; `None` for AdamW or `wd == 0`.
+    l2_decay: Option<f32>,
+}
+
+impl StepConstants {
+    pub(crate) fn new(hp: &AdamHyper) -> Self {
+        let (bc1, bc2) = hp.bias_corrections();
+        let decay = match hp.mode {
+            AdamMode::AdamW => (1.0 - hp.lr as f64 * hp.weight_decay as f64) as f32,
+            AdamMode::L2 => 1.0,
+        };
+        let l2_decay = (hp.mode == AdamMode::L2 && hp.weight_decay != 0.0).then_some(hp.weight_decay);
+        StepConstants {
+            beta1: hp.beta1,
+            one_minus_beta1: 1.0 - hp.beta1,
+            beta2: hp.beta2,
+            one_minus_beta2: 1.0 - hp.beta2,
+            eps: hp.eps,
+            sqrt_bc2: bc2.sqrt(),
+            step_size: hp.lr / bc1,
+            decay,
+            l2_decay,
+        }
+    }
+
+    /// `sqrt(v) / sqrt(bc2) + eps`.
+    #[inline(always)]
+    fn denom<S: Simd>(&self, s: S, v: S::F) -> S::F {
+        s.add(s.div(s.sqrt(v), s.splat(self.sqrt_bc2)), s.splat(self.eps))
+    }
+
+    /// The gradient that enters the moments: Adam-L2 adds `wd * p_prev`.
+    #[inline(always)]
+    fn effective_grad<S: Simd>(&self, s: S, scaled: S::F, p_prev: S::F) -> S::F {
+        match self.l2_decay {
+            Some(wd) => s.mul_add(s.splat(wd), p_prev, scaled),
+            None => scaled,
+        }
+    }
+}
+
+/// One Adam step on `grad_scale * g`.
+pub(crate) struct Update {
+    pub k: StepConstants,
+    pub grad_scale: f32,
+}
+
+impl LaneOp for Update {
+    #[inline(always)]
+    fn apply<S: Simd>(&self, s: S, p: S::F, g: S::F, m: S::F, v: S::F) -> Lanes<S::F> {
+        let k = &self.k;
+        let g = s.mul(g, s.splat(self.grad_scale));
+        let ge = k.effective_grad(s, g, p);
+        let m = s.mul_add(s.splat(k.one_minus_beta1), ge, s.mul(s.splat(k.beta1), m));
+        let v = s.mul_add(s.splat(k.one_minus_beta2), s.mul(ge, ge), s.mul(s.splat(k.beta2), v));
+        let u = s.div(m, k.denom(s, v));
+        let p = s.mul_add(s.splat(-k.step_size), u, s.mul(p, s.splat(k.decay)));
+        Lanes { p, m, v, g }
+    }
+}
+
+/// The inverse of [`Update`] for the same gradient, scale and hyperparameters: the
+/// parameter is recovered first, from the post-step moments, then the moments.
+pub(crate) struct Rollback {
+    pub k: StepConstants,
+    pub grad_scale: f32,
+}
+
+impl LaneOp for Rollback {
+    #[inline(always)]
+    fn apply<S: Simd>(&self, s: S, p: S::F, g: S::F, m: S::F, v: S::F) -> Lanes<S::F> {
+        let k = &self.k;
+        let u = s.div(m, k.denom(s, v));
+        let p = s.div(s.mul_add(s.splat(k.step_size), u, p), s.splat(k.decay));
+        let g = s.mul(g, s.splat(self.grad_scale));
+        let ge = k.effective_grad(s, g, p);
+        let m = s.div(s.mul_add(s.splat(-k.one_minus_beta1), ge, m), s.splat(k.beta1));
+        let v_raw = s.mul_add(s.splat(-k.one_minus_beta2), s.mul(ge, ge), v);
+        let v = s.max0(s.div(v_raw, s.splat(k.beta2)));
+        Lanes { p, m, v, g }
+    }
+}
+
+/// Turns a step taken on `old_scale * g` into the step on `new_scale * g` from the same
+/// starting state. AdamW's decay of `p` does not depend on the gradient and cancels; for
+/// Adam-L2 the L2 term's cross product with `g` needs `p_prev`, recovered first.
+pub(crate) struct Rescale {
+    pub k: StepConstants,
+    /// `(1 - beta1) * (new - old)`.
+    pub dm: f32,
+    /// `(1 - beta2) * (new^2 - old^2)`.
+    pub dv: f32,
+    /// `2 * (1 - beta2) * wd * (new - old)`, the L2 cross term (0 for AdamW).
+    pub dv_cross: f32,
+}
+
+impl Rescale {
+    pub(crate) fn new(hp: &AdamHyper, old_scale: f32, new_scale: f32) -> Self {
+        let k = StepConstants::new(hp);
+        let (old, new) = (old_scale as f64, new_scale as f64);
+        let one_minus_beta2 = k.one_minus_beta2 as f64;
+        let wd = k.l2_decay.unwrap_or(0.0) as f64;
+        Rescale {
+            k,
+            dm: (k.one_minus_beta1 as f64 * (new - old)) as f32,
+            dv: (one_minus_beta2 * (new * new - old * old)) as f32,
+            dv_cross: (2.0 * one_minus_beta2 * wd * (new - old)) as f32,
+        }
+    }
+}
+
+impl LaneOp for Rescale {
+    #[inline(always)]
+    fn apply<S: Simd>(&self, s: S, p: S::F, g: S::F, m: S::F, v: S::F) -> Lanes<S::F> {
+        let k = &self.k;
+        let u_old = s.div(m, k.denom(s, v));
+        let m_new = s.mul_add(s.splat(self.dm), g, m);
+        let mut v_new = s.mul_add(s.splat(self.dv), s.mul(g, g), v);
+        if k.l2_decay.is_some() {
+            let p_prev = s.mul_add(s.splat(k.step_size), u_old, p);
+            v_new = s.mul_add(s.splat(self.dv_cross), s.mul(g, p_prev), v_new);
+        }
+        let v_new = s.max0(v_new);
+        let u_new = s.div(m_new, k.denom(s, v_new));
+        let p = s.mul_add(s.splat(-k.step_size), s.sub(u_new, u_old), p);
+        Lanes { p, m: m_new, v: v_new, g }
+    }
+}
+
+/// Adam-shaped memory floor for benchmarks: the same loads and stores as [`Update`]
+/// (same dtypes, same copy-out) with trivial arithmetic.
+pub(crate) struct MemoryFloor {
+    pub grad_scale: f32,
+}
+
+impl LaneOp for MemoryFloor {
+    #[inline(always)]
+    fn apply<S: Simd>(&self, s: S, p: S::F, g: S::F, m: S::F, v: S::F) -> Lanes<S::F> {
+        let g = s.mul(g, s.splat(self.grad_scale));
+        Lanes { p: s.add(p, g), m: s.add(m, g), v: s.add(v, g), g }
+    }
+}

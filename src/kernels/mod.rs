@@ -1,0 +1,557 @@
+//! CPU Adam kernels: update, rollback and rescale of one step, over typed slices.
+//!
+//! Per element, all arithmetic in f32 (see `math.rs` for the exact sequence):
+//! `g ← s·g`; Adam-L2 with `wd ≠ 0`: `g ← g + wd·p`; `m ← β1·m + (1-β1)·g`;
+//! `v ← β2·v + (1-β2)·g²`; `denom = √v / √bc2 + ε`; AdamW: `p ← p·(1 - lr·wd)`;
+//! then `p ← p - (lr/bc1)·m/denom`, with `bc1 = 1-β1^t`, `bc2 = 1-β2^t` computed in f64
+//! and rounded once to f32 (both 1 without bias correction).
+
+mod driver;
+pub mod dtype;
+mod math;
+pub mod pool;
+mod simd;
+
+use half::{bf16, f16};
+
+pub use dtype::{DType, Elem};
+pub use pool::{Isa, Pool, PoolOptions};
+
+use crate::error::{Error, Result, Status};
+use driver::{BLOCK, StepChunk};
+use math::{LaneOp, MemoryFloor, Rescale, Rollback, StepConstants, Update};
+use simd::Simd;
+
+/// Calls `$body` with `$s` bound to the token of the pool's instruction set.
+macro_rules! with_isa {
+    ($pool:expr, $s:ident => $body:expr) => {
+        match $pool.isa() {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                let $s = simd::avx512::Avx512::detect().ok_or_else(isa_vanished)?;
+                $body
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                let $s = simd::avx2::Avx2::detect().ok_or_else(isa_vanished)?;
+                $body
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx512 | Isa::Avx2 => return Err(isa_vanished()),
+            Isa::Portable => {
+                let $s = simd::portable::Portable;
+                $body
+            }
+        }
+    };
+}
+
+/// How weight decay enters the step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AdamMode {
+    /// Decoupled decay (Loshchilov & Hutter): `p ← p·(1 - lr·wd)` before the update.
+    AdamW,
+    /// Classic Adam with L2 regularisation: `g ← g + wd·p` before the moments.
+    L2,
+}
+
+/// Hyperparameters of one Adam step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamHyper {
+    pub mode: AdamMode,
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    pub bias_correction: bool,
+    /// The step being taken, counting from 1.
+    pub step: u64,
+}
+
+impl Default for AdamHyper {
+    /// `torch.optim.AdamW`'s defaults, first step.
+    fn default() -> Self {
+        AdamHyper {
+            mode: AdamMode::AdamW,
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 1e-2,
+            bias_correction: true,
+            step: 1,
+        }
+    }
+}
+
+impl AdamHyper {
+    /// Checks every field; the message names the field and its value.
+    pub fn validate(&self) -> Result<()> {
+        fn check(name: &str, x: f32, ok: bool, range: &str) -> Result<()> {
+            if ok && x.is_finite() {
+                Ok(())
+            } else {
+                Err(Error::invalid(format!("{name} = {x} is out of range: it must be {range}")))
+            }
+        }
+        check("lr", self.lr, self.lr >= 0.0, "finite and >= 0")?;
+        check("beta1", self.beta1, (0.0..1.0).contains(&self.beta1), "in [0, 1)")?;
+        check("beta2", self.beta2, (0.0..1.0).contains(&self.beta2), "in [0, 1)")?;
+        check("eps", self.eps, self.eps >= 0.0, "finite and >= 0")?;
+        check("weight_decay", self.weight_decay, self.weight_decay >= 0.0, "finite and >= 0")?;
+        if self.step == 0 {
+            return Err(Error::invalid("step = 0 is out of range: steps count from 1"));
+        }
+        Ok(())
+    }
+
+    /// `(1 - beta1^t, 1 - beta2^t)` computed in f64 and rounded once to f32; `(1, 1)`
+    /// without bias correction.
+    pub fn bias_corrections(&self) -> (f32, f32) {
+        if !self.bias_correction {
+            return (1.0, 1.0);
+        }
+        let t = self.step as f64;
+        ((1.0 - (self.beta1 as f64).powf(t)) as f32, (1.0 - (self.beta2 as f64).powf(t)) as f32)
+    }
+
+    /// Rollback and rescale divide by the betas and by AdamW's decay factor.
+    fn validate_invertible(&self, what: &str) -> Result<()> {
+        if self.beta1 == 0.0 || self.beta2 == 0.0 {
+            return Err(Error::invalid(format!(
+                "{what} needs beta1 > 0 and beta2 > 0 to recover the previous moments \
+                 (got beta1 = {}, beta2 = {})",
+                self.beta1, self.beta2
+            )));
+        }
+        if self.mode == AdamMode::AdamW && (1.0 - self.lr as f64 * self.weight_decay as f64) as f32 <= 0.0 {
+            return Err(Error::invalid(format!(
+                "{what} needs 1 - lr * weight_decay > 0 to undo AdamW's decay (lr = {}, weight_decay = {})",
+                self.lr, self.weight_decay
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The parameter being stepped.
+pub enum ParamMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [bf16]),
+    F16(&'a mut [f16]),
+}
+
+/// The gradient, in any dtype, independent of the parameter's.
+#[derive(Clone, Copy)]
+pub enum GradRef<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+/// Both moments (`exp_avg`, `exp_avg_sq`), in one dtype.
+pub enum MomentsMut<'a> {
+    F32 { exp_avg: &'a mut [f32], exp_avg_sq: &'a mut [f32] },
+    Bf16 { exp_avg: &'a mut [bf16], exp_avg_sq: &'a mut [bf16] },
+}
+
+/// A low-precision copy of the updated parameter, written in the same pass.
+pub enum CopyOutMut<'a> {
+    Bf16(&'a mut [bf16]),
+    F16(&'a mut [f16]),
+}
+
+impl ParamMut<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            ParamMut::F32(s) => s.len(),
+            ParamMut::Bf16(s) => s.len(),
+            ParamMut::F16(s) => s.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn dtype(&self) -> DType {
+        match self {
+            ParamMut::F32(_) => DType::F32,
+            ParamMut::Bf16(_) => DType::Bf16,
+            ParamMut::F16(_) => DType::F16,
+        }
+    }
+}
+
+impl GradRef<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            GradRef::F32(s) => s.len(),
+            GradRef::Bf16(s) => s.len(),
+            GradRef::F16(s) => s.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn dtype(&self) -> DType {
+        match self {
+            GradRef::F32(_) => DType::F32,
+            GradRef::Bf16(_) => DType::Bf16,
+            GradRef::F16(_) => DType::F16,
+        }
+    }
+}
+
+impl MomentsMut<'_> {
+    fn lens(&self) -> (usize, usize) {
+        match self {
+            MomentsMut::F32 { exp_avg, exp_avg_sq } => (exp_avg.len(), exp_avg_sq.len()),
+            MomentsMut::Bf16 { exp_avg, exp_avg_sq } => (exp_avg.len(), exp_avg_sq.len()),
+        }
+    }
+    pub fn dtype(&self) -> DType {
+        match self {
+            MomentsMut::F32 { .. } => DType::F32,
+            MomentsMut::Bf16 { .. } => DType::Bf16,
+        }
+    }
+}
+
+impl CopyOutMut<'_> {
+    fn len(&self) -> usize {
+        match self {
+            CopyOutMut::Bf16(s) => s.len(),
+            CopyOutMut::F16(s) => s.len(),
+        }
+    }
+}
+
+/// Everything one step reads and writes.
+pub struct AdamBuffers<'a> {
+    pub param: ParamMut<'a>,
+    pub grad: GradRef<'a>,
+    pub moments: MomentsMut<'a>,
+    pub copy_out: Option<CopyOutMut<'a>>,
+}
+
+impl AdamBuffers<'_> {
+    /// The common length of every buffer.
+    pub fn numel(&self) -> Result<usize> {
+        let n = self.param.len();
+        let (m, v) = self.moments.lens();
+        let copy = self.copy_out.as_ref().map_or(n, CopyOutMut::len);
+        let g = self.grad.len();
+        if [g, m, v, copy].iter().any(|&len| len != n) {
+            return Err(Error::invalid(format!(
+                "buffer lengths differ: param {n}, grad {g}, exp_avg {m}, exp_avg_sq {v}{}",
+                self.copy_out.as_ref().map_or(String::new(), |c| format!(", param copy {}", c.len()))
+            )));
+        }
+        Ok(n)
+    }
+}
+
+/// Options of [`update`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UpdateOptions {
+    /// Multiplies every gradient element as it is loaded (after promotion to f32).
+    pub grad_scale: f32,
+    /// Refuse the step, touching nothing, when any scaled gradient element is inf or NaN.
+    /// Costs a read-only pass over the gradient before the step.
+    pub check_finite: bool,
+    /// Also compute the f64 sum of squares of the scaled gradient.
+    pub grad_sumsq: bool,
+}
+
+impl Default for UpdateOptions {
+    fn default() -> Self {
+        UpdateOptions { grad_scale: 1.0, check_finite: false, grad_sumsq: false }
+    }
+}
+
+/// What [`update`] measured along the way.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct UpdateReport {
+    /// Sum of squares of the scaled gradient, when asked for. It is the same for every
+    /// instruction set and thread count.
+    pub grad_sumsq: Option<f64>,
+}
+
+fn check_scale(name: &str, scale: f32) -> Result<()> {
+    if scale.is_finite() && scale > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!("{name} = {scale} is out of range: it must be finite and > 0")))
+    }
+}
+
+/// One Adam step in one pass over memory. Every dtype combination is supported.
+///
+/// With `check_finite`, a non-finite scaled gradient returns `Status::NonFinite` and leaves
+/// every buffer bit for bit as it was.
+pub fn update(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, opts: &UpdateOptions) -> Result<UpdateReport> {
+    hp.validate()?;
+    check_scale("grad_scale", opts.grad_scale)?;
+    bufs.numel()?;
+    let prechecked = if opts.check_finite {
+        let sumsq = grad_sumsq(pool, bufs.grad, opts.grad_scale)?;
+        if !sumsq.is_finite() {
+            return Err(Error::new(
+                Status::NonFinite,
+                format!(
+                    "the gradient has an inf or NaN element after scaling by {}; nothing was modified",
+                    opts.grad_scale
+                ),
+            ));
+        }
+        Some(sumsq)
+    } else {
+        None
+    };
+    let op = Update { k: StepConstants::new(hp), grad_scale: opts.grad_scale };
+    let fused_sumsq = opts.grad_sumsq && prechecked.is_none();
+    let fused = run_step_pass(pool, &op, bufs, fused_sumsq)?;
+    Ok(UpdateReport { grad_sumsq: if opts.grad_sumsq { prechecked.or(fused) } else { None } })
+}
+
+/// Undoes one [`update`] taken with the same gradient, `grad_scale` and hyperparameters
+/// (including `step`). Needs f32 param and f32 moments.
+///
+/// In exact arithmetic this is the inverse; in f32 each recovered value is within a few
+/// ulps of the terms that formed it (the bounds are in the tests). `v` is clamped at 0,
+/// a NaN stays NaN.
+pub fn rollback(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, grad_scale: f32) -> Result<()> {
+    hp.validate()?;
+    hp.validate_invertible("rollback")?;
+    check_scale("grad_scale", grad_scale)?;
+    require_master_weights("rollback", &bufs)?;
+    bufs.numel()?;
+    run_step_pass(pool, &Rollback { k: StepConstants::new(hp), grad_scale }, bufs, false).map(drop)
+}
+
+/// Turns a step taken on `old_scale · g` into the step on `new_scale · g` from the same
+/// starting state, in one pass. A rescale to the same scale changes nothing. Needs f32
+/// param and f32 moments.
+pub fn rescale(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, old_scale: f32, new_scale: f32) -> Result<()> {
+    hp.validate()?;
+    check_scale("old_scale", old_scale)?;
+    check_scale("new_scale", new_scale)?;
+    require_master_weights("rescale", &bufs)?;
+    bufs.numel()?;
+    if old_scale == new_scale {
+        return Ok(());
+    }
+    run_step_pass(pool, &Rescale::new(hp, old_scale, new_scale), bufs, false).map(drop)
+}
+
+/// f64 sum of squares of `scale · g`, the same for every instruction set and thread count
+/// (and equal to what [`update`] reports for the same gradient and scale).
+pub fn grad_sumsq(pool: &Pool, grad: GradRef<'_>, scale: f32) -> Result<f64> {
+    check_scale("scale", scale)?;
+    let n = grad.len();
+    let mut partials = vec![0.0f64; n.div_ceil(BLOCK)];
+    let ranges = chunk_ranges(n, pool.num_threads());
+    with_isa!(pool, s => match grad {
+        GradRef::F32(g) => run_sumsq(pool, s, scale, g, &mut partials, &ranges),
+        GradRef::Bf16(g) => run_sumsq(pool, s, scale, g, &mut partials, &ranges),
+        GradRef::F16(g) => run_sumsq(pool, s, scale, g, &mut partials, &ranges),
+    });
+    Ok(partials.iter().sum())
+}
+
+/// The Adam-shaped memory floor: reads and writes exactly what [`update`] does for the same
+/// buffers, with trivial arithmetic. For benchmarks.
+pub fn memory_floor(pool: &Pool, bufs: AdamBuffers<'_>, grad_scale: f32) -> Result<()> {
+    check_scale("grad_scale", grad_scale)?;
+    bufs.numel()?;
+    run_step_pass(pool, &MemoryFloor { grad_scale }, bufs, false).map(drop)
+}
+
+fn require_master_weights(what: &str, bufs: &AdamBuffers<'_>) -> Result<()> {
+    let (p, m) = (bufs.param.dtype(), bufs.moments.dtype());
+    if p != DType::F32 || m != DType::F32 {
+        return Err(Error::unsupported(format!(
+            "{what} needs f32 param and f32 moments (the master-weight case); got param {} and moments {}",
+            p.name(),
+            m.name()
+        )));
+    }
+    Ok(())
+}
+
+
+fn isa_vanished() -> Error {
+    Error::new(Status::Unsupported, "the pool's instruction set is not available on this CPU")
+}
+
+/// Runs a step-shaped pass; returns the sum of squares when `want_sumsq`.
+fn run_step_pass<O: LaneOp>(pool: &Pool, op: &O, bufs: AdamBuffers<'_>, want_sumsq: bool) -> Result<Option<f64>> {
+    let n = bufs.numel()?;
+    let mut partials = want_sumsq.then(|| vec![0.0f64; n.div_ceil(BLOCK)]);
+    let pass = Pass { pool, op, ranges: chunk_ranges(n, pool.num_threads()), partials: partials.as_deref_mut() };
+    with_isa!(pool, s => pass.dispatch_param(s, bufs));
+    Ok(partials.map(|p| p.iter().sum()))
+}
+
+/// Splits `n` elements into at most `threads` contiguous ranges of whole blocks, at least
+/// `MIN_BLOCKS_PER_CHUNK` blocks each (small buffers are not worth waking every thread).
+fn chunk_ranges(n: usize, threads: usize) -> Vec<std::ops::Range<usize>> {
+    const MIN_BLOCKS_PER_CHUNK: usize = 4;
+    let blocks = n.div_ceil(BLOCK);
+    let chunks = (blocks / MIN_BLOCKS_PER_CHUNK).clamp(1, threads.max(1));
+    let (base, extra) = (blocks / chunks, blocks % chunks);
+    let mut ranges = Vec::with_capacity(chunks);
+    let mut start_block = 0;
+    for c in 0..chunks {
+        let end_block = start_block + base + usize::from(c < extra);
+        ranges.push(start_block * BLOCK..(end_block * BLOCK).min(n));
+        start_block = end_block;
+    }
+    ranges
+}
+
+fn run_sumsq<S: Simd, G: Elem>(
+    pool: &Pool,
+    s: S,
+    scale: f32,
+    grad: &[G],
+    partials: &mut [f64],
+    ranges: &[std::ops::Range<usize>],
+) {
+    let mut jobs = Vec::with_capacity(ranges.len());
+    let mut partials = partials;
+    for range in ranges {
+        let (mine, rest) = std::mem::take(&mut partials).split_at_mut(range.len().div_ceil(BLOCK));
+        partials = rest;
+        let g = &grad[range.clone()];
+        jobs.push(move || s.sumsq_chunk(scale, g, mine));
+    }
+    pool.run_all(jobs);
+}
+
+/// One step-shaped pass being dispatched from dtype-erased buffers to typed chunks.
+struct Pass<'p, O> {
+    pool: &'p Pool,
+    op: &'p O,
+    ranges: Vec<std::ops::Range<usize>>,
+    partials: Option<&'p mut [f64]>,
+}
+
+impl<O: LaneOp> Pass<'_, O> {
+    fn dispatch_param<S: Simd>(self, s: S, bufs: AdamBuffers<'_>) {
+        let AdamBuffers { param, grad, moments, copy_out } = bufs;
+        match param {
+            ParamMut::F32(p) => self.dispatch_grad(s, p, grad, moments, copy_out),
+            ParamMut::Bf16(p) => self.dispatch_grad(s, p, grad, moments, copy_out),
+            ParamMut::F16(p) => self.dispatch_grad(s, p, grad, moments, copy_out),
+        }
+    }
+
+    fn dispatch_grad<S: Simd, P: Elem>(
+        self,
+        s: S,
+        p: &mut [P],
+        grad: GradRef<'_>,
+        moments: MomentsMut<'_>,
+        copy_out: Option<CopyOutMut<'_>>,
+    ) {
+        match grad {
+            GradRef::F32(g) => self.dispatch_moments(s, p, g, moments, copy_out),
+            GradRef::Bf16(g) => self.dispatch_moments(s, p, g, moments, copy_out),
+            GradRef::F16(g) => self.dispatch_moments(s, p, g, moments, copy_out),
+        }
+    }
+
+    fn dispatch_moments<S: Simd, P: Elem, G: Elem>(
+        self,
+        s: S,
+        p: &mut [P],
+        g: &[G],
+        moments: MomentsMut<'_>,
+        copy_out: Option<CopyOutMut<'_>>,
+    ) {
+        match moments {
+            MomentsMut::F32 { exp_avg, exp_avg_sq } => self.dispatch_copy(s, p, g, exp_avg, exp_avg_sq, copy_out),
+            MomentsMut::Bf16 { exp_avg, exp_avg_sq } => self.dispatch_copy(s, p, g, exp_avg, exp_avg_sq, copy_out),
+        }
+    }
+
+    fn dispatch_copy<S: Simd, P: Elem, G: Elem, M: Elem>(
+        self,
+        s: S,
+        p: &mut [P],
+        g: &[G],
+        m: &mut [M],
+        v: &mut [M],
+        copy_out: Option<CopyOutMut<'_>>,
+    ) {
+        match copy_out {
+            None => self.run::<S, P, G, M, bf16>(s, p, g, m, v, None),
+            Some(CopyOutMut::Bf16(out)) => self.run(s, p, g, m, v, Some(out)),
+            Some(CopyOutMut::F16(out)) => self.run(s, p, g, m, v, Some(out)),
+        }
+    }
+
+    fn run<S: Simd, P: Elem, G: Elem, M: Elem, C: Elem>(
+        self,
+        s: S,
+        mut p: &mut [P],
+        mut g: &[G],
+        mut m: &mut [M],
+        mut v: &mut [M],
+        mut out: Option<&mut [C]>,
+    ) {
+        let Pass { pool, op, ranges, mut partials } = self;
+        let mut jobs = Vec::with_capacity(ranges.len());
+        for range in &ranges {
+            let len = range.len();
+            let (cp, rest) = std::mem::take(&mut p).split_at_mut(len);
+            p = rest;
+            let (cg, rest) = g.split_at(len);
+            g = rest;
+            let (cm, rest) = std::mem::take(&mut m).split_at_mut(len);
+            m = rest;
+            let (cv, rest) = std::mem::take(&mut v).split_at_mut(len);
+            v = rest;
+            let cout = match out.take() {
+                Some(o) => {
+                    let (mine, rest) = o.split_at_mut(len);
+                    out = Some(rest);
+                    Some(mine)
+                }
+                None => None,
+            };
+            let cpartials = match partials.take() {
+                Some(all) => {
+                    let (mine, rest) = all.split_at_mut(len.div_ceil(BLOCK));
+                    partials = Some(rest);
+                    Some(mine)
+                }
+                None => None,
+            };
+            let chunk = StepChunk { p: cp, g: cg, m: cm, v: cv, out: cout, partials: cpartials };
+            jobs.push(move || s.step_chunk(op, chunk));
+        }
+        pool.run_all(jobs);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_the_buffer_in_whole_blocks() {
+        for &(n, threads) in &[(0, 4), (1, 4), (BLOCK * 4 - 1, 16), (BLOCK * 100 + 17, 16), (BLOCK * 7, 3)] {
+            let ranges = chunk_ranges(n, threads);
+            assert!(ranges.len() <= threads.max(1));
+            let mut next = 0;
+            for r in &ranges {
+                assert_eq!(r.start, next);
+                assert_eq!(r.start % BLOCK, 0);
+                next = r.end;
+            }
+            assert_eq!(next, n);
+        }
+    }
+}

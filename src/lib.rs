@@ -1,0 +1,11 @@
+//! superoffload: CPU Adam for offloaded optimizer state, with speculative sub-group steps,
+//! behind a stable C ABI.
+//!
+//! Layers, each depending only on the ones before it: [`kernels`] (math, instruction-set
+//! paths, thread pool) and [`ffi`] (the C surface only).
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod error;
+pub mod kernels;
+pub mod ffi;
