@@ -181,8 +181,11 @@ pub unsafe extern "C" fn so_adam_rollback(
 /// AdamW's decay cancels. With Adam-L2 and `wd != 0`, `p_prev` is recovered first and the
 /// cross term `2 * (1 - b2) * wd * (new - old) * g * p_prev` joins `v`. If
 /// `old_scale == new_scale` nothing is touched. The result equals the direct step on
-/// `new_scale * g` up to f32 rounding; where `v` held little more than this step's own
-/// `g^2`, the relative rounding of `v` grows like `2^-24 * (old / new)^2`.
+/// `new_scale * g` up to f32 rounding, except that the stored `v` carries its own rounding
+/// (`2^-24 * v`) into the smaller `v_new`: its relative error grows like
+/// `2^-24 * v / v_new`, which is `2^-24 * (old / new)^2` for AdamW on a first step, and can
+/// exceed 1 with Adam-L2 where `new * g + wd * p` nearly cancels. An undo and redo
+/// (`so_adam_rollback` then `so_adam_update`) loses the same information.
 ///
 /// @param pool NULL for the default pool.
 /// @param hparams As passed to the step being rescaled.

@@ -7,7 +7,7 @@
 //! Everything here is `#[inline(always)]` and closure-free: it is inlined into each
 //! back-end's `#[target_feature]` entry point, which is what lets the intrinsics inline.
 
-use super::dtype::Elem;
+use super::dtype::{DType, Elem};
 use super::math::LaneOp;
 use super::simd::{MAX_LANES, Simd};
 
@@ -53,7 +53,7 @@ pub(crate) fn step_chunk<S: Simd, O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>
             s.store(&mut m[i..i + lanes], r.m);
             s.store(&mut v[i..i + lanes], r.v);
             if let Some(out) = out.as_deref_mut() {
-                s.store(&mut out[i..i + lanes], r.p);
+                s.store(&mut out[i..i + lanes], stored_param(s, r.p, &p[i..i + lanes]));
             }
             if partials.is_some() {
                 acc = s.acc_add_squares(acc, r.g);
@@ -85,7 +85,7 @@ pub(crate) fn step_chunk<S: Simd, O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>
             v[i..end].copy_from_slice(&tv[..len]);
             if let Some(out) = out.as_deref_mut() {
                 let mut to = [C::ZERO; MAX_LANES];
-                s.store(&mut to[..lanes], r.p);
+                s.store(&mut to[..lanes], stored_param(s, r.p, &tp[..lanes]));
                 out[i..end].copy_from_slice(&to[..len]);
             }
             if partials.is_some() {
@@ -99,6 +99,13 @@ pub(crate) fn step_chunk<S: Simd, O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>
         start = end;
         block += 1;
     }
+}
+
+/// The parameter as it was stored: the copy-out rounds what the parameter buffer holds, so
+/// that a bf16 or f16 parameter and its copy agree. For f32 parameters that is the value.
+#[inline(always)]
+fn stored_param<S: Simd, P: Elem>(s: S, value: S::F, stored: &[P]) -> S::F {
+    if P::DTYPE == DType::F32 { value } else { s.load(stored) }
 }
 
 /// Sum of squares of `scale * g`, one partial per block, reading nothing else.

@@ -61,10 +61,19 @@ impl StepConstants {
         }
     }
 
-    /// `sqrt(v) / sqrt(bc2) + eps`.
+    /// `sqrt(v) / sqrt(bc2) + eps`. Dividing by exactly 1 (no bias correction, or a late
+    /// step where `1 - beta2^t` rounds to 1) is skipped: same bits, one division less.
     #[inline(always)]
     fn denom<S: Simd>(&self, s: S, v: S::F) -> S::F {
-        s.add(s.div(s.sqrt(v), s.splat(self.sqrt_bc2)), s.splat(self.eps))
+        let root = s.sqrt(v);
+        let corrected = if self.sqrt_bc2 == 1.0 { root } else { s.div(root, s.splat(self.sqrt_bc2)) };
+        s.add(corrected, s.splat(self.eps))
+    }
+
+    /// Undoes AdamW's `p * (1 - lr * wd)`; dividing by exactly 1 is skipped (same bits).
+    #[inline(always)]
+    fn undo_decay<S: Simd>(&self, s: S, p: S::F) -> S::F {
+        if self.decay == 1.0 { p } else { s.div(p, s.splat(self.decay)) }
     }
 
     /// The gradient that enters the moments: Adam-L2 adds `wd * p_prev`.
@@ -109,7 +118,7 @@ impl LaneOp for Rollback {
     fn apply<S: Simd>(&self, s: S, p: S::F, g: S::F, m: S::F, v: S::F) -> Lanes<S::F> {
         let k = &self.k;
         let u = s.div(m, k.denom(s, v));
-        let p = s.div(s.mul_add(s.splat(k.step_size), u, p), s.splat(k.decay));
+        let p = k.undo_decay(s, s.mul_add(s.splat(k.step_size), u, p));
         let g = s.mul(g, s.splat(self.grad_scale));
         let ge = k.effective_grad(s, g, p);
         let m = s.div(s.mul_add(s.splat(-k.one_minus_beta1), ge, m), s.splat(k.beta1));

@@ -1,0 +1,409 @@
+//! Shared test support: a deterministic RNG, typed buffers of any dtype, and an f64
+//! reference of the kernels that carries a rigorous first-order bound of f32 rounding.
+#![allow(dead_code)]
+
+use half::{bf16, f16};
+use superoffload::kernels::{
+    AdamBuffers, AdamHyper, AdamMode, CopyOutMut, DType, GradRef, Isa, MomentsMut, ParamMut, Pool, PoolOptions,
+};
+
+/// splitmix64: small, fast, reproducible.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    pub fn range(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * self.unit()
+    }
+    /// Roughly normal (sum of uniforms), scaled, with an occasional wide exponent.
+    pub fn normalish(&mut self, scale: f64) -> f64 {
+        let x: f64 = (0..4).map(|_| self.unit()).sum::<f64>() - 2.0;
+        let spread = if self.next_u64() % 16 == 0 { 2f64.powi(self.range(-12.0, 6.0) as i32) } else { 1.0 };
+        x * scale * spread
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+}
+
+/// A buffer of one dtype. Equality is bit for bit (so -0 != 0 and NaN == the same NaN).
+#[derive(Clone, Debug)]
+pub enum Store {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl PartialEq for Store {
+    fn eq(&self, other: &Store) -> bool {
+        self.dtype() == other.dtype() && self.len() == other.len() && (0..self.len()).all(|i| self.bits(i) == other.bits(i))
+    }
+}
+
+impl Store {
+    pub fn from_f64(dtype: DType, values: impl Iterator<Item = f64>) -> Store {
+        match dtype {
+            DType::F32 => Store::F32(values.map(|x| x as f32).collect()),
+            DType::Bf16 => Store::Bf16(values.map(|x| bf16::from_f32(x as f32)).collect()),
+            DType::F16 => Store::F16(values.map(|x| f16::from_f32(x as f32)).collect()),
+        }
+    }
+    pub fn dtype(&self) -> DType {
+        match self {
+            Store::F32(_) => DType::F32,
+            Store::Bf16(_) => DType::Bf16,
+            Store::F16(_) => DType::F16,
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            Store::F32(v) => v.len(),
+            Store::Bf16(v) => v.len(),
+            Store::F16(v) => v.len(),
+        }
+    }
+    pub fn get(&self, i: usize) -> f64 {
+        match self {
+            Store::F32(v) => v[i] as f64,
+            Store::Bf16(v) => v[i].to_f32() as f64,
+            Store::F16(v) => v[i].to_f32() as f64,
+        }
+    }
+    pub fn set(&mut self, i: usize, x: f32) {
+        match self {
+            Store::F32(v) => v[i] = x,
+            Store::Bf16(v) => v[i] = bf16::from_f32(x),
+            Store::F16(v) => v[i] = f16::from_f32(x),
+        }
+    }
+    pub fn bits(&self, i: usize) -> u32 {
+        match self {
+            Store::F32(v) => v[i].to_bits(),
+            Store::Bf16(v) => v[i].to_bits() as u32,
+            Store::F16(v) => v[i].to_bits() as u32,
+        }
+    }
+    pub fn param(&mut self) -> ParamMut<'_> {
+        match self {
+            Store::F32(v) => ParamMut::F32(v),
+            Store::Bf16(v) => ParamMut::Bf16(v),
+            Store::F16(v) => ParamMut::F16(v),
+        }
+    }
+    pub fn grad(&self) -> GradRef<'_> {
+        match self {
+            Store::F32(v) => GradRef::F32(v),
+            Store::Bf16(v) => GradRef::Bf16(v),
+            Store::F16(v) => GradRef::F16(v),
+        }
+    }
+    pub fn copy_out(&mut self) -> CopyOutMut<'_> {
+        match self {
+            Store::Bf16(v) => CopyOutMut::Bf16(v),
+            Store::F16(v) => CopyOutMut::F16(v),
+            Store::F32(_) => panic!("no f32 copy-out"),
+        }
+    }
+}
+
+/// Everything a step reads and writes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct State {
+    pub p: Store,
+    pub g: Store,
+    pub m: Store,
+    pub v: Store,
+    pub out: Option<Store>,
+}
+
+impl State {
+    /// Random state: `warm` moments (else zeros), parameters ~ 1, gradients ~ `gscale`.
+    pub fn random(
+        rng: &mut Rng,
+        n: usize,
+        dtypes: (DType, DType, DType, Option<DType>),
+        warm: bool,
+        gscale: f64,
+    ) -> State {
+        let (pd, gd, md, od) = dtypes;
+        let p = Store::from_f64(pd, (0..n).map(|_| rng.normalish(1.0)).collect::<Vec<_>>().into_iter());
+        let g = Store::from_f64(gd, (0..n).map(|_| rng.normalish(gscale)).collect::<Vec<_>>().into_iter());
+        let m = Store::from_f64(
+            md,
+            (0..n).map(|_| if warm { rng.normalish(0.1 * gscale) } else { 0.0 }).collect::<Vec<_>>().into_iter(),
+        );
+        let v = Store::from_f64(
+            md,
+            (0..n)
+                .map(|_| if warm { (rng.normalish(gscale)).powi(2) * rng.range(0.0, 2.0) } else { 0.0 })
+                .collect::<Vec<_>>()
+                .into_iter(),
+        );
+        let out = od.map(|d| Store::from_f64(d, std::iter::repeat_n(-7.0, n)));
+        State { p, g, m, v, out }
+    }
+
+    pub fn buffers(&mut self) -> AdamBuffers<'_> {
+        let moments = match (&mut self.m, &mut self.v) {
+            (Store::F32(m), Store::F32(v)) => MomentsMut::F32 { exp_avg: m, exp_avg_sq: v },
+            (Store::Bf16(m), Store::Bf16(v)) => MomentsMut::Bf16 { exp_avg: m, exp_avg_sq: v },
+            _ => panic!("moments must share a dtype of f32 or bf16"),
+        };
+        AdamBuffers { param: self.p.param(), grad: self.g.grad(), moments, copy_out: self.out.as_mut().map(Store::copy_out) }
+    }
+
+    pub fn len(&self) -> usize {
+        self.p.len()
+    }
+}
+
+pub const DTYPES: [DType; 3] = [DType::F32, DType::Bf16, DType::F16];
+pub const MOMENT_DTYPES: [DType; 2] = [DType::F32, DType::Bf16];
+pub const COPY_DTYPES: [Option<DType>; 3] = [None, Some(DType::Bf16), Some(DType::F16)];
+
+/// Every (param, grad, moments, copy-out) combination: 54.
+pub fn all_dtype_combinations() -> Vec<(DType, DType, DType, Option<DType>)> {
+    let mut all = Vec::new();
+    for p in DTYPES {
+        for g in DTYPES {
+            for m in MOMENT_DTYPES {
+                for o in COPY_DTYPES {
+                    all.push((p, g, m, o));
+                }
+            }
+        }
+    }
+    all
+}
+
+pub fn supported_isas() -> Vec<Isa> {
+    let all = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+    let supported: Vec<Isa> = all.into_iter().filter(|i| i.is_supported()).collect();
+    for isa in all {
+        if !isa.is_supported() {
+            eprintln!("note: instruction set {} is not supported by this CPU; its tests are skipped", isa.name());
+        }
+    }
+    supported
+}
+
+pub fn pool(isa: Isa, threads: usize) -> Pool {
+    Pool::new(&PoolOptions { num_threads: threads, cores: None, isa: Some(isa) }).unwrap()
+}
+
+pub fn random_hyper(rng: &mut Rng, mode: AdamMode) -> AdamHyper {
+    AdamHyper {
+        mode,
+        lr: rng.range(1e-5, 1e-2) as f32,
+        beta1: [0.9, 0.8, 0.95, rng.range(0.5, 0.99)][rng.below(4)] as f32,
+        beta2: [0.999, 0.99, 0.95, rng.range(0.9, 0.9999)][rng.below(4)] as f32,
+        eps: [1e-8, 1e-6, 1e-3][rng.below(3)] as f32,
+        weight_decay: [0.0, 0.01, 0.1][rng.below(3)] as f32,
+        bias_correction: rng.below(4) != 0,
+        step: [1, 2, 3, 10, 1000][rng.below(5)],
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// f64 reference with rounding-error bounds.
+//
+// `T` is a value computed in f64 together with a first-order bound on how far an f32
+// evaluation of the same expression, operation by operation, can be from it. Mirroring the
+// exact operation sequence of `src/kernels/math.rs` gives element-wise bounds that are
+// tight (a few ulps of the terms involved) and rigorous up to second-order terms.
+// ---------------------------------------------------------------------------------------
+
+/// Unit roundoff of f32.
+pub const U: f64 = 1.0 / (1u64 << 24) as f64;
+
+#[derive(Clone, Copy, Debug)]
+pub struct T {
+    pub v: f64,
+    pub e: f64,
+}
+
+pub fn exact(x: f64) -> T {
+    T { v: x, e: 0.0 }
+}
+
+/// One rounding of the result to f32.
+fn rounded(v: f64, e: f64) -> T {
+    // An unbounded input (a division by an interval holding zero) stays unbounded.
+    let e = if e.is_nan() { f64::INFINITY } else { e };
+    T { v, e: e + U * v.abs() }
+}
+
+pub fn add(a: T, b: T) -> T {
+    rounded(a.v + b.v, a.e + b.e)
+}
+pub fn sub(a: T, b: T) -> T {
+    rounded(a.v - b.v, a.e + b.e)
+}
+pub fn mul(a: T, b: T) -> T {
+    rounded(a.v * b.v, a.v.abs() * b.e + b.v.abs() * a.e + a.e * b.e)
+}
+pub fn div(a: T, b: T) -> T {
+    let q = a.v / b.v;
+    let denom = b.v.abs() - b.e;
+    let e = if denom > 0.0 { (a.e + q.abs() * b.e) / denom } else { f64::INFINITY };
+    rounded(q, e)
+}
+pub fn sqrt(a: T) -> T {
+    // sqrt is steepest below its argument, so the bound is taken there (not first-order:
+    // near zero the error of v can be as large as v itself).
+    let r = a.v.max(0.0).sqrt();
+    let e = (r - (a.v - a.e).max(0.0).sqrt()).max((a.v + a.e).max(0.0).sqrt() - r);
+    rounded(r, e)
+}
+pub fn fma(a: T, b: T, c: T) -> T {
+    rounded(a.v * b.v + c.v, a.v.abs() * b.e + b.v.abs() * a.e + a.e * b.e + c.e)
+}
+pub fn max0(a: T) -> T {
+    if a.v < 0.0 { T { v: 0.0, e: (a.v + a.e).max(0.0) } } else { a }
+}
+
+/// Rounding to a storage dtype (nothing for f32, whose rounding the last op counted).
+pub fn store(dtype: DType, a: T) -> T {
+    match dtype {
+        DType::F32 => a,
+        DType::Bf16 => T { v: a.v, e: a.e + (a.v.abs() + a.e) / 256.0 },
+        DType::F16 => T { v: a.v, e: a.e + (a.v.abs() + a.e) / 2048.0 + 2f64.powi(-25) },
+    }
+}
+
+/// The kernel's per-call constants, as the exact f32 values it uses.
+pub struct Consts {
+    pub b1: T,
+    pub omb1: T,
+    pub b2: T,
+    pub omb2: T,
+    pub eps: T,
+    pub sqrt_bc2: T,
+    pub step: T,
+    pub decay: T,
+    pub l2: Option<T>,
+}
+
+impl Consts {
+    pub fn new(hp: &AdamHyper) -> Consts {
+        let (bc1, bc2) = hp.bias_corrections();
+        let decay = match hp.mode {
+            AdamMode::AdamW => (1.0 - hp.lr as f64 * hp.weight_decay as f64) as f32,
+            AdamMode::L2 => 1.0,
+        };
+        let l2 = (hp.mode == AdamMode::L2 && hp.weight_decay != 0.0).then(|| exact(hp.weight_decay as f64));
+        Consts {
+            b1: exact(hp.beta1 as f64),
+            omb1: exact((1.0 - hp.beta1) as f64),
+            b2: exact(hp.beta2 as f64),
+            omb2: exact((1.0 - hp.beta2) as f64),
+            eps: exact(hp.eps as f64),
+            sqrt_bc2: exact(bc2.sqrt() as f64),
+            step: exact((hp.lr / bc1) as f64),
+            decay: exact(decay as f64),
+            l2,
+        }
+    }
+
+    fn denom(&self, v: T) -> T {
+        add(div(sqrt(v), self.sqrt_bc2), self.eps)
+    }
+}
+
+pub struct Ref {
+    pub p: T,
+    pub m: T,
+    pub v: T,
+}
+
+fn neg(a: T) -> T {
+    T { v: -a.v, e: a.e }
+}
+
+/// Reference of `kernels::update` on one element.
+pub fn ref_update(k: &Consts, scale: f64, p: T, g: T, m: T, v: T) -> Ref {
+    let g = mul(g, exact(scale));
+    let ge = match k.l2 {
+        Some(wd) => fma(wd, p, g),
+        None => g,
+    };
+    let m = fma(k.omb1, ge, mul(k.b1, m));
+    let v = fma(k.omb2, mul(ge, ge), mul(k.b2, v));
+    let u = div(m, k.denom(v));
+    let p = fma(neg(k.step), u, mul(p, k.decay));
+    Ref { p, m, v }
+}
+
+/// Reference of `kernels::rollback` on one element.
+pub fn ref_rollback(k: &Consts, scale: f64, p: T, g: T, m: T, v: T) -> Ref {
+    let u = div(m, k.denom(v));
+    let p = div(fma(k.step, u, p), k.decay);
+    let g = mul(g, exact(scale));
+    let ge = match k.l2 {
+        Some(wd) => fma(wd, p, g),
+        None => g,
+    };
+    let m = div(fma(neg(k.omb1), ge, m), k.b1);
+    let v = max0(div(fma(neg(k.omb2), mul(ge, ge), v), k.b2));
+    Ref { p, m, v }
+}
+
+/// Reference of `kernels::rescale` on one element (`old`, `new` the scales).
+pub fn ref_rescale(k: &Consts, old: f64, new: f64, p: T, g: T, m: T, v: T) -> Ref {
+    // The kernel rounds these coefficients to f32 once: exact value, one rounding.
+    let coefficient = |x: f64| T { v: x, e: U * x.abs() };
+    let omb2 = k.omb2.v;
+    let dm = coefficient(k.omb1.v * (new - old));
+    let dv = coefficient(omb2 * (new * new - old * old));
+    let u_old = div(m, k.denom(v));
+    let m_new = fma(dm, g, m);
+    let mut v_new = fma(dv, mul(g, g), v);
+    if let Some(wd) = k.l2 {
+        let dv_cross = coefficient(2.0 * omb2 * wd.v * (new - old));
+        let p_prev = fma(k.step, u_old, p);
+        v_new = fma(dv_cross, mul(g, p_prev), v_new);
+    }
+    let v_new = max0(v_new);
+    let u_new = div(m_new, k.denom(v_new));
+    let p = fma(neg(k.step), sub(u_new, u_old), p);
+    Ref { p, m: m_new, v: v_new }
+}
+
+/// Checks `got` against `want` within `slack` times its bound plus a tiny absolute floor.
+pub fn assert_close(what: &str, i: usize, got: f64, want: T, slack: f64) {
+    let tol = slack * want.e + 1e-37;
+    assert!(
+        (got - want.v).abs() <= tol,
+        "{what}[{i}]: got {got:e}, reference {:e}, |diff| {:e} > bound {tol:e}",
+        want.v,
+        (got - want.v).abs()
+    );
+}
+
+/// Round to nearest even into bf16 / f16, via the half crate (an independent implementation).
+pub fn round_to(dtype: DType, x: f32) -> u32 {
+    match dtype {
+        DType::Bf16 => {
+            if x.is_nan() {
+                0x7FC0
+            } else {
+                bf16::from_f32(x).to_bits() as u32
+            }
+        }
+        DType::F16 => f16::from_f32(x).to_bits() as u32,
+        DType::F32 => x.to_bits(),
+    }
+}
