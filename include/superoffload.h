@@ -27,8 +27,8 @@
 /**
  * Result status of every fallible call (`so_status` in C). `SO_STATUS_OK` (0) is success.
  *
- * Values are grouped by origin and never reused: 1–19 arguments, 20–29 numerics,
- * 30–39 resources, 90–99 internal.
+ * Values are grouped by origin and never reused: 1–19 arguments and state, 20–29
+ * numerics, 30–39 resources, 40–49 waiting, 50–59 files, 90–99 internal.
  */
 enum so_status
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -60,13 +60,39 @@ enum so_status
    */
   SO_STATUS_ALIASING = 5,
   /**
+   * The call is not valid in the object's current state (e.g. a gradient before
+   * `begin`, `step` twice).
+   */
+  SO_STATUS_INVALID_STATE = 6,
+  /**
+   * An id, name or ticket that does not exist.
+   */
+  SO_STATUS_NOT_FOUND = 7,
+  /**
    * A gradient element (after scaling) is inf or NaN; nothing was modified.
    */
   SO_STATUS_NON_FINITE = 20,
   /**
-   * Memory or threads could not be obtained.
+   * Memory or threads could not be obtained, or a configured memory limit would be
+   * exceeded.
    */
   SO_STATUS_OUT_OF_RESOURCES = 30,
+  /**
+   * A wait ended at its timeout; nothing was changed.
+   */
+  SO_STATUS_TIMEOUT = 40,
+  /**
+   * The work behind a ticket has not completed yet.
+   */
+  SO_STATUS_PENDING = 41,
+  /**
+   * A file could not be read or written.
+   */
+  SO_STATUS_IO = 50,
+  /**
+   * A checkpoint file is truncated, corrupt, or does not match the session.
+   */
+  SO_STATUS_BAD_CHECKPOINT = 51,
   /**
    * A panic was caught inside the library; this is a bug in superoffload.
    */
@@ -197,23 +223,23 @@ typedef struct so_adam_hparams {
   /**
    * Learning rate, finite and >= 0.
    */
-  float lr;
+  double lr;
   /**
    * First-moment decay, in [0, 1).
    */
-  float beta1;
+  double beta1;
   /**
    * Second-moment decay, in [0, 1).
    */
-  float beta2;
+  double beta2;
   /**
    * Added to the bias-corrected `sqrt(v)`, finite and >= 0.
    */
-  float eps;
+  double eps;
   /**
    * Weight decay, finite and >= 0 (0 disables it).
    */
-  float weight_decay;
+  double weight_decay;
   /**
    * Divide the moments by `1 - beta^t`.
    */

@@ -486,11 +486,11 @@ inline PoolInfo Pool::info() const { return PoolRef(*this).info(); }
  */
 struct Hparams {
     Mode mode;            ///< How weight decay enters the step.
-    float lr;             ///< Learning rate, finite and >= 0.
-    float beta1;          ///< First-moment decay, in [0, 1).
-    float beta2;          ///< Second-moment decay, in [0, 1).
-    float eps;            ///< Added to the bias-corrected sqrt(v), finite and >= 0.
-    float weight_decay;   ///< Finite and >= 0 (0 disables it).
+    double lr;             ///< Learning rate, finite and >= 0.
+    double beta1;          ///< First-moment decay, in [0, 1).
+    double beta2;          ///< Second-moment decay, in [0, 1).
+    double eps;            ///< Added to the bias-corrected sqrt(v), finite and >= 0.
+    double weight_decay;   ///< Finite and >= 0 (0 disables it).
     bool bias_correction; ///< Divide the moments by 1 - beta^t.
     std::uint64_t step;   ///< The step being taken (or undone), counting from 1.
 

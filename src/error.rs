@@ -4,8 +4,8 @@ use std::fmt;
 
 /// Result status of every fallible call (`so_status` in C). `SO_STATUS_OK` (0) is success.
 ///
-/// Values are grouped by origin and never reused: 1–19 arguments, 20–29 numerics,
-/// 30–39 resources, 90–99 internal.
+/// Values are grouped by origin and never reused: 1–19 arguments and state, 20–29
+/// numerics, 30–39 resources, 40–49 waiting, 50–59 files, 90–99 internal.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Status {
@@ -21,10 +21,24 @@ pub enum Status {
     Unsupported = 4,
     /// Two buffers that must be disjoint overlap.
     Aliasing = 5,
+    /// The call is not valid in the object's current state (e.g. a gradient before
+    /// `begin`, `step` twice).
+    InvalidState = 6,
+    /// An id, name or ticket that does not exist.
+    NotFound = 7,
     /// A gradient element (after scaling) is inf or NaN; nothing was modified.
     NonFinite = 20,
-    /// Memory or threads could not be obtained.
+    /// Memory or threads could not be obtained, or a configured memory limit would be
+    /// exceeded.
     OutOfResources = 30,
+    /// A wait ended at its timeout; nothing was changed.
+    Timeout = 40,
+    /// The work behind a ticket has not completed yet.
+    Pending = 41,
+    /// A file could not be read or written.
+    Io = 50,
+    /// A checkpoint file is truncated, corrupt, or does not match the session.
+    BadCheckpoint = 51,
     /// A panic was caught inside the library; this is a bug in superoffload.
     Panic = 99,
 }
@@ -40,22 +54,34 @@ impl Status {
             Status::Unsupported => c"the request is valid but not supported",
             Status::Aliasing => c"buffers that must be disjoint overlap",
             Status::NonFinite => c"a scaled gradient element is inf or NaN; nothing was modified",
-            Status::OutOfResources => c"memory or threads could not be obtained",
+            Status::InvalidState => c"the call is not valid in the current state",
+            Status::NotFound => c"no such id, name or ticket",
+            Status::OutOfResources => c"memory or threads could not be obtained, or a memory limit would be exceeded",
+            Status::Timeout => c"the wait timed out",
+            Status::Pending => c"the work has not completed yet",
+            Status::Io => c"a file could not be read or written",
+            Status::BadCheckpoint => c"the checkpoint is truncated, corrupt or does not match the session",
             Status::Panic => c"internal error (caught panic) in superoffload",
         }
     }
 
     /// Maps a raw value from C back to a status, if it is one.
     pub fn from_raw(raw: u32) -> Option<Status> {
-        const ALL: [Status; 9] = [
+        const ALL: [Status; 15] = [
             Status::Ok,
             Status::NullArgument,
             Status::InvalidArgument,
             Status::StructSize,
             Status::Unsupported,
             Status::Aliasing,
+            Status::InvalidState,
+            Status::NotFound,
             Status::NonFinite,
             Status::OutOfResources,
+            Status::Timeout,
+            Status::Pending,
+            Status::Io,
+            Status::BadCheckpoint,
             Status::Panic,
         ];
         ALL.into_iter().find(|s| *s as u32 == raw)

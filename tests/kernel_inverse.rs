@@ -7,7 +7,7 @@ use common::*;
 use superoffload::error::Status;
 use superoffload::kernels::{self, AdamHyper, AdamMode, DType, Isa, UpdateOptions};
 
-fn modes_and_corrections() -> Vec<(AdamMode, bool, f32)> {
+fn modes_and_corrections() -> Vec<(AdamMode, bool, f64)> {
     let mut all = Vec::new();
     for mode in [AdamMode::AdamW, AdamMode::L2] {
         for bias_correction in [true, false] {
@@ -58,7 +58,7 @@ fn rollback_clamps_v_at_zero_and_keeps_nan() {
     // v one ulp below (1 - b2) g^2, as a first step's rounding can leave it: undoing it
     // in f32 goes a hair below zero.
     let n = 4096;
-    let one_minus_beta2 = 1.0 - hp.beta2;
+    let one_minus_beta2 = (1.0 - hp.beta2) as f32;
     let grads: Vec<f32> = (0..n).map(|i| 1.0 + i as f32 * 1e-3).collect();
     let mut p = vec![0.5f32; n];
     let mut m: Vec<f32> = grads.iter().map(|g| 0.1 * g).collect();

@@ -107,7 +107,7 @@ fn reference_bounds_reject_wrong_formulas() {
     kernels::update(&pool, &hp, after.buffers(), &UpdateOptions::default()).unwrap();
 
     // Adding eps before dividing by sqrt(bc2) is the same as a larger eps.
-    let eps_first = hp.eps / hp.bias_corrections().1.sqrt();
+    let eps_first = hp.eps / (hp.bias_corrections().1 as f64).sqrt();
     let wrong_hps = [AdamHyper { bias_correction: false, ..hp }, AdamHyper { eps: eps_first, ..hp }];
     for wrong in wrong_hps {
         let k = Consts::new(&wrong);

@@ -37,12 +37,12 @@ fn invalid_arguments_leave_everything_untouched() {
     let mut state = State::random(&mut rng, 100, (DType::F32, DType::F32, DType::F32, Some(DType::Bf16)), true, 1.0);
     let before = state.clone();
     let bad = [
-        AdamHyper { lr: f32::NAN, ..AdamHyper::default() },
+        AdamHyper { lr: f64::NAN, ..AdamHyper::default() },
         AdamHyper { lr: -1.0, ..AdamHyper::default() },
         AdamHyper { beta1: 1.0, ..AdamHyper::default() },
         AdamHyper { beta2: -0.1, ..AdamHyper::default() },
         AdamHyper { eps: -1e-8, ..AdamHyper::default() },
-        AdamHyper { weight_decay: f32::INFINITY, ..AdamHyper::default() },
+        AdamHyper { weight_decay: f64::INFINITY, ..AdamHyper::default() },
         AdamHyper { step: 0, ..AdamHyper::default() },
     ];
     for hp in bad {

@@ -54,15 +54,15 @@ pub struct so_adam_hparams {
     /// One of `so_adam_mode`.
     pub mode: u32,
     /// Learning rate, finite and >= 0.
-    pub lr: f32,
+    pub lr: f64,
     /// First-moment decay, in [0, 1).
-    pub beta1: f32,
+    pub beta1: f64,
     /// Second-moment decay, in [0, 1).
-    pub beta2: f32,
+    pub beta2: f64,
     /// Added to the bias-corrected `sqrt(v)`, finite and >= 0.
-    pub eps: f32,
+    pub eps: f64,
     /// Weight decay, finite and >= 0 (0 disables it).
-    pub weight_decay: f32,
+    pub weight_decay: f64,
     /// Divide the moments by `1 - beta^t`.
     pub bias_correction: bool,
     /// The step being taken (or undone), counting from 1.

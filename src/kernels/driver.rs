@@ -134,3 +134,32 @@ pub(crate) fn sumsq_chunk<S: Simd, G: Elem>(s: S, scale: f32, g: &[G], partials:
         block += 1;
     }
 }
+
+/// `dst = src` or `dst += src`, through f32 lanes.
+#[inline(always)]
+pub(crate) fn copy_chunk<S: Simd, D: Elem, G: Elem>(s: S, dst: &mut [D], src: &[G], accumulate: bool) {
+    let n = dst.len();
+    let lanes = S::LANES;
+    let mut i = 0;
+    while i + lanes <= n {
+        let mut x = s.load(&src[i..i + lanes]);
+        if accumulate {
+            x = s.add(s.load(&dst[i..i + lanes]), x);
+        }
+        s.store(&mut dst[i..i + lanes], x);
+        i += lanes;
+    }
+    if i < n {
+        let len = n - i;
+        let mut ts = [G::ZERO; MAX_LANES];
+        let mut td = [D::ZERO; MAX_LANES];
+        ts[..len].copy_from_slice(&src[i..n]);
+        td[..len].copy_from_slice(&dst[i..n]);
+        let mut x = s.load(&ts[..lanes]);
+        if accumulate {
+            x = s.add(s.load(&td[..lanes]), x);
+        }
+        s.store(&mut td[..lanes], x);
+        dst[i..n].copy_from_slice(&td[..len]);
+    }
+}

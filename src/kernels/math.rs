@@ -43,20 +43,16 @@ pub(crate) struct StepConstants {
 impl StepConstants {
     pub(crate) fn new(hp: &AdamHyper) -> Self {
         let (bc1, bc2) = hp.bias_corrections();
-        let decay = match hp.mode {
-            AdamMode::AdamW => (1.0 - hp.lr as f64 * hp.weight_decay as f64) as f32,
-            AdamMode::L2 => 1.0,
-        };
-        let l2_decay = (hp.mode == AdamMode::L2 && hp.weight_decay != 0.0).then_some(hp.weight_decay);
+        let l2_decay = (hp.mode == AdamMode::L2 && hp.weight_decay != 0.0).then_some(hp.weight_decay as f32);
         StepConstants {
-            beta1: hp.beta1,
-            one_minus_beta1: 1.0 - hp.beta1,
-            beta2: hp.beta2,
-            one_minus_beta2: 1.0 - hp.beta2,
-            eps: hp.eps,
+            beta1: hp.beta1 as f32,
+            one_minus_beta1: (1.0 - hp.beta1) as f32,
+            beta2: hp.beta2 as f32,
+            one_minus_beta2: (1.0 - hp.beta2) as f32,
+            eps: hp.eps as f32,
             sqrt_bc2: bc2.sqrt(),
-            step_size: hp.lr / bc1,
-            decay,
+            step_size: (hp.lr / bc1 as f64) as f32,
+            decay: hp.decay_factor(),
             l2_decay,
         }
     }

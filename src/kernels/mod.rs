@@ -12,9 +12,8 @@ mod math;
 pub mod pool;
 mod simd;
 
-use half::{bf16, f16};
-
 pub use dtype::{DType, Elem};
+pub use half::{bf16, f16};
 pub use pool::{Isa, Pool, PoolOptions};
 
 use crate::error::{Error, Result, Status};
@@ -55,15 +54,18 @@ pub enum AdamMode {
     L2,
 }
 
-/// Hyperparameters of one Adam step.
+/// Hyperparameters of one Adam step, as the caller states them (in double, like Python
+/// floats). Each per-call constant of the f32 arithmetic is derived from these in f64 and
+/// rounded once: so `beta2 = 0.999` gives `1 - beta2 = 1e-3` to f32 precision, not
+/// `1 - 0.999f32`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamHyper {
     pub mode: AdamMode,
-    pub lr: f32,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub weight_decay: f32,
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
     pub bias_correction: bool,
     /// The step being taken, counting from 1.
     pub step: u64,
@@ -88,7 +90,7 @@ impl Default for AdamHyper {
 impl AdamHyper {
     /// Checks every field; the message names the field and its value.
     pub fn validate(&self) -> Result<()> {
-        fn check(name: &str, x: f32, ok: bool, range: &str) -> Result<()> {
+        fn check(name: &str, x: f64, ok: bool, range: &str) -> Result<()> {
             if ok && x.is_finite() {
                 Ok(())
             } else {
@@ -113,7 +115,15 @@ impl AdamHyper {
             return (1.0, 1.0);
         }
         let t = self.step as f64;
-        ((1.0 - (self.beta1 as f64).powf(t)) as f32, (1.0 - (self.beta2 as f64).powf(t)) as f32)
+        ((1.0 - self.beta1.powf(t)) as f32, (1.0 - self.beta2.powf(t)) as f32)
+    }
+
+    /// AdamW's decay factor `1 - lr * wd`, rounded once to f32 (1 for Adam-L2).
+    pub fn decay_factor(&self) -> f32 {
+        match self.mode {
+            AdamMode::AdamW => (1.0 - self.lr * self.weight_decay) as f32,
+            AdamMode::L2 => 1.0,
+        }
     }
 
     /// Rollback and rescale divide by the betas and by AdamW's decay factor.
@@ -125,7 +135,7 @@ impl AdamHyper {
                 self.beta1, self.beta2
             )));
         }
-        if self.mode == AdamMode::AdamW && (1.0 - self.lr as f64 * self.weight_decay as f64) as f32 <= 0.0 {
+        if self.decay_factor() <= 0.0 {
             return Err(Error::invalid(format!(
                 "{what} needs 1 - lr * weight_decay > 0 to undo AdamW's decay (lr = {}, weight_decay = {})",
                 self.lr, self.weight_decay
@@ -135,20 +145,26 @@ impl AdamHyper {
     }
 }
 
-/// The parameter being stepped.
-pub enum ParamMut<'a> {
+/// A mutable slice of any element type.
+pub enum FloatsMut<'a> {
     F32(&'a mut [f32]),
     Bf16(&'a mut [bf16]),
     F16(&'a mut [f16]),
 }
 
-/// The gradient, in any dtype, independent of the parameter's.
+/// A slice of any element type.
 #[derive(Clone, Copy)]
-pub enum GradRef<'a> {
+pub enum Floats<'a> {
     F32(&'a [f32]),
     Bf16(&'a [bf16]),
     F16(&'a [f16]),
 }
+
+/// The parameter being stepped, in any dtype.
+pub type ParamMut<'a> = FloatsMut<'a>;
+
+/// The gradient, in any dtype, independent of the parameter's.
+pub type GradRef<'a> = Floats<'a>;
 
 /// Both moments (`exp_avg`, `exp_avg_sq`), in one dtype.
 pub enum MomentsMut<'a> {
@@ -162,7 +178,7 @@ pub enum CopyOutMut<'a> {
     F16(&'a mut [f16]),
 }
 
-impl ParamMut<'_> {
+impl FloatsMut<'_> {
     pub fn len(&self) -> usize {
         match self {
             ParamMut::F32(s) => s.len(),
@@ -182,7 +198,7 @@ impl ParamMut<'_> {
     }
 }
 
-impl GradRef<'_> {
+impl Floats<'_> {
     pub fn len(&self) -> usize {
         match self {
             GradRef::F32(s) => s.len(),
@@ -365,6 +381,38 @@ pub fn memory_floor(pool: &Pool, bufs: AdamBuffers<'_>, grad_scale: f32) -> Resu
     check_scale("grad_scale", grad_scale)?;
     bufs.numel()?;
     run_step_pass(pool, &MemoryFloor { grad_scale }, bufs, false).map(drop)
+}
+
+/// Copies `src` into `dst` (or adds it, with `accumulate`), converting between dtypes:
+/// promotion to f32, the f32 sum, one rounding to nearest even into `dst`'s dtype. Runs on
+/// the calling thread with the widest instruction set the CPU has (gradient hand-offs must
+/// not queue behind optimizer work on a pool).
+pub fn copy_into(dst: FloatsMut<'_>, src: Floats<'_>, accumulate: bool) -> Result<()> {
+    if dst.len() != src.len() {
+        return Err(Error::invalid(format!("copy of {} elements into {}", src.len(), dst.len())));
+    }
+    fn with_src<S: Simd, D: Elem>(s: S, dst: &mut [D], src: Floats<'_>, accumulate: bool) {
+        match src {
+            Floats::F32(g) => s.copy_chunk(dst, g, accumulate),
+            Floats::Bf16(g) => s.copy_chunk(dst, g, accumulate),
+            Floats::F16(g) => s.copy_chunk(dst, g, accumulate),
+        }
+    }
+    fn run<S: Simd>(s: S, dst: FloatsMut<'_>, src: Floats<'_>, accumulate: bool) {
+        match dst {
+            FloatsMut::F32(d) => with_src(s, d, src, accumulate),
+            FloatsMut::Bf16(d) => with_src(s, d, src, accumulate),
+            FloatsMut::F16(d) => with_src(s, d, src, accumulate),
+        }
+    }
+    match Isa::best() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => run(simd::avx512::Avx512::detect().ok_or_else(isa_vanished)?, dst, src, accumulate),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => run(simd::avx2::Avx2::detect().ok_or_else(isa_vanished)?, dst, src, accumulate),
+        _ => run(simd::portable::Portable, dst, src, accumulate),
+    }
+    Ok(())
 }
 
 fn require_master_weights(what: &str, bufs: &AdamBuffers<'_>) -> Result<()> {

@@ -207,11 +207,11 @@ pub fn pool(isa: Isa, threads: usize) -> Pool {
 pub fn random_hyper(rng: &mut Rng, mode: AdamMode) -> AdamHyper {
     AdamHyper {
         mode,
-        lr: rng.range(1e-5, 1e-2) as f32,
-        beta1: [0.9, 0.8, 0.95, rng.range(0.5, 0.99)][rng.below(4)] as f32,
-        beta2: [0.999, 0.99, 0.95, rng.range(0.9, 0.9999)][rng.below(4)] as f32,
-        eps: [1e-8, 1e-6, 1e-3][rng.below(3)] as f32,
-        weight_decay: [0.0, 0.01, 0.1][rng.below(3)] as f32,
+        lr: rng.range(1e-5, 1e-2),
+        beta1: [0.9, 0.8, 0.95, rng.range(0.5, 0.99)][rng.below(4)],
+        beta2: [0.999, 0.99, 0.95, rng.range(0.9, 0.9999)][rng.below(4)],
+        eps: [1e-8, 1e-6, 1e-3][rng.below(3)],
+        weight_decay: [0.0, 0.01, 0.1][rng.below(3)],
         bias_correction: rng.below(4) != 0,
         step: [1, 2, 3, 10, 1000][rng.below(5)],
     }
@@ -299,21 +299,19 @@ pub struct Consts {
 
 impl Consts {
     pub fn new(hp: &AdamHyper) -> Consts {
+        // Each constant is the f64 expression of the hyperparameters, rounded once to f32.
         let (bc1, bc2) = hp.bias_corrections();
-        let decay = match hp.mode {
-            AdamMode::AdamW => (1.0 - hp.lr as f64 * hp.weight_decay as f64) as f32,
-            AdamMode::L2 => 1.0,
-        };
-        let l2 = (hp.mode == AdamMode::L2 && hp.weight_decay != 0.0).then(|| exact(hp.weight_decay as f64));
+        let f32_of = |x: f64| exact(x as f32 as f64);
+        let l2 = (hp.mode == AdamMode::L2 && hp.weight_decay != 0.0).then(|| f32_of(hp.weight_decay));
         Consts {
-            b1: exact(hp.beta1 as f64),
-            omb1: exact((1.0 - hp.beta1) as f64),
-            b2: exact(hp.beta2 as f64),
-            omb2: exact((1.0 - hp.beta2) as f64),
-            eps: exact(hp.eps as f64),
+            b1: f32_of(hp.beta1),
+            omb1: f32_of(1.0 - hp.beta1),
+            b2: f32_of(hp.beta2),
+            omb2: f32_of(1.0 - hp.beta2),
+            eps: f32_of(hp.eps),
             sqrt_bc2: exact(bc2.sqrt() as f64),
-            step: exact((hp.lr / bc1) as f64),
-            decay: exact(decay as f64),
+            step: f32_of(hp.lr / bc1 as f64),
+            decay: exact(hp.decay_factor() as f64),
             l2,
         }
     }

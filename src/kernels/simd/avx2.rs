@@ -154,6 +154,11 @@ impl Simd for Avx2 {
         // SAFETY: the token proves AVX2, FMA and F16C are available.
         unsafe { sumsq_entry(self, scale, grad, partials) }
     }
+
+    fn copy_chunk<D: Elem, G: Elem>(self, dst: &mut [D], src: &[G], accumulate: bool) {
+        // SAFETY: the token proves AVX2, FMA and F16C are available.
+        unsafe { copy_entry(self, dst, src, accumulate) }
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -168,4 +173,9 @@ unsafe fn step_entry<O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>(
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn sumsq_entry<G: Elem>(s: Avx2, scale: f32, grad: &[G], partials: &mut [f64]) {
     driver::sumsq_chunk(s, scale, grad, partials)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn copy_entry<D: Elem, G: Elem>(s: Avx2, dst: &mut [D], src: &[G], accumulate: bool) {
+    driver::copy_chunk(s, dst, src, accumulate)
 }

@@ -139,6 +139,11 @@ impl Simd for Avx512 {
         // SAFETY: the token proves AVX-512F is available.
         unsafe { sumsq_entry(self, scale, grad, partials) }
     }
+
+    fn copy_chunk<D: Elem, G: Elem>(self, dst: &mut [D], src: &[G], accumulate: bool) {
+        // SAFETY: the token proves AVX-512F is available.
+        unsafe { copy_entry(self, dst, src, accumulate) }
+    }
 }
 
 #[target_feature(enable = "avx512f")]
@@ -153,4 +158,9 @@ unsafe fn step_entry<O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>(
 #[target_feature(enable = "avx512f")]
 unsafe fn sumsq_entry<G: Elem>(s: Avx512, scale: f32, grad: &[G], partials: &mut [f64]) {
     driver::sumsq_chunk(s, scale, grad, partials)
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn copy_entry<D: Elem, G: Elem>(s: Avx512, dst: &mut [D], src: &[G], accumulate: bool) {
+    driver::copy_chunk(s, dst, src, accumulate)
 }

@@ -57,6 +57,9 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
 
     /// Runs one chunk of the read-only sum-of-squares pass.
     fn sumsq_chunk<G: Elem>(self, scale: f32, grad: &[G], partials: &mut [f64]);
+
+    /// Copies (or adds) `src` into `dst`, converting dtypes.
+    fn copy_chunk<D: Elem, G: Elem>(self, dst: &mut [D], src: &[G], accumulate: bool);
 }
 
 /// The reduction tree of the eight logical f64 lanes: `(a0+a4, a1+a5, a2+a6, a3+a7)`, then

@@ -90,4 +90,8 @@ impl Simd for Portable {
     fn sumsq_chunk<G: Elem>(self, scale: f32, grad: &[G], partials: &mut [f64]) {
         driver::sumsq_chunk(self, scale, grad, partials)
     }
+
+    fn copy_chunk<D: Elem, G: Elem>(self, dst: &mut [D], src: &[G], accumulate: bool) {
+        driver::copy_chunk(self, dst, src, accumulate)
+    }
 }
