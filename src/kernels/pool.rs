@@ -166,6 +166,12 @@ impl Pool {
     }
 }
 
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool").field("isa", &self.isa).field("threads", &self.num_threads).field("cores", &self.cores).finish()
+    }
+}
+
 impl Drop for Pool {
     fn drop(&mut self) {
         drop(self.threads.take());

@@ -1,0 +1,272 @@
+//! The CPU-Adam thread: runs every optimizer pass of a session, in ticket order.
+//!
+//! Speculative steps run as soon as a sub-group's gradient is complete; at `step()` the
+//! finalize job decides (norm, clip factor, skip) and makes every sub-group exact, in
+//! forward order, completing each sub-group's final ticket as it goes.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex};
+
+use super::scaler::LossScaler;
+use super::tickets::{Ticket, Tickets};
+use super::{GroupHparams, NormSource, StepResult, SubGroup, clip_coefficient, grad_factor};
+use crate::error::{Error, Result, Status};
+use crate::kernels::{self, AdamBuffers, AdamHyper, MomentsMut, Pool, UpdateOptions};
+
+/// A speculative step as taken: what a rescale or rollback must use.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SpecRecord {
+    pub hp: AdamHyper,
+    pub scale: f32,
+}
+
+/// The optimizer-side state of a sub-group (under its data lock).
+#[derive(Default)]
+pub(crate) struct SgWork {
+    pub step_count: u64,
+    /// The speculative step currently applied to the master weights and moments.
+    pub spec: Option<SpecRecord>,
+    /// Sum of squares of this step's unscaled gradient, once known.
+    pub sumsq: Option<f64>,
+    /// The speculative step was undone for a late gradient and must be taken again.
+    pub redo: bool,
+}
+
+/// Zero-filling, late-gradient merging and sums of squares that must precede the decision.
+pub(crate) struct PreparePlan {
+    /// Unscaling factor `1 / S` of this step.
+    pub scale: f32,
+    pub entries: Vec<PrepareEntry>,
+}
+
+pub(crate) struct PrepareEntry {
+    pub sg: Arc<SubGroup>,
+    /// Element ranges that received no gradient this step: they become zeros.
+    pub unseen: Vec<std::ops::Range<usize>>,
+}
+
+pub(crate) struct FinalizePlan {
+    pub serial: u64,
+    pub loss_scale: f32,
+    pub max_norm: f64,
+    pub norm: NormSource,
+    pub overflow: bool,
+    /// Hyperparameters of every group as of `step()`.
+    pub groups: Vec<GroupHparams>,
+    /// Sub-groups in forward order, each with its final ticket.
+    pub subgroups: Vec<(Arc<SubGroup>, Ticket)>,
+    pub decide_ticket: Ticket,
+    pub step_ticket: Ticket,
+    /// `None` when `local_grad_sumsq` already ran the preparation.
+    pub prepare: Option<PreparePlan>,
+    pub speculative: u32,
+    pub late_gradients: u32,
+}
+
+pub(crate) enum Job {
+    Speculate { sg: Arc<SubGroup>, hp: AdamHyper, scale: f32, ticket: Ticket },
+    SumOfSquares { sg: Arc<SubGroup>, scale: f32, ticket: Ticket },
+    Prepare { plan: PreparePlan, ticket: Ticket },
+    Finalize(Box<FinalizePlan>),
+}
+
+/// What the worker shares with the session's callers.
+pub(crate) struct WorkerShared {
+    pub pool: Arc<Pool>,
+    pub tickets: Tickets,
+    pub scaler: Mutex<Option<LossScaler>>,
+    pub last_result: Mutex<Option<(Ticket, StepResult)>>,
+}
+
+pub(crate) fn run(shared: Arc<WorkerShared>, jobs: Receiver<Job>) {
+    while let Ok(job) = jobs.recv() {
+        match job {
+            Job::Speculate { sg, hp, scale, ticket } => {
+                let outcome = guarded(|| speculate(&shared.pool, &sg, hp, scale));
+                shared.tickets.complete(ticket, outcome);
+            }
+            Job::SumOfSquares { sg, scale, ticket } => {
+                let outcome = guarded(|| measure(&shared.pool, &sg, scale));
+                shared.tickets.complete(ticket, outcome);
+            }
+            Job::Prepare { plan, ticket } => {
+                let outcome = guarded(|| prepare(&shared.pool, &plan));
+                shared.tickets.complete(ticket, outcome);
+            }
+            Job::Finalize(plan) => finalize(&shared, *plan),
+        }
+    }
+}
+
+/// Runs a job body; a panic becomes the job's error instead of ending the thread.
+fn guarded<T>(body: impl FnOnce() -> Result<T>) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|payload| {
+        let what = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        Err(Error::new(Status::Panic, format!("internal error in the CPU-Adam thread: {what}")))
+    })
+}
+
+fn buffers(data: &mut super::SgData) -> AdamBuffers<'_> {
+    let moments = match (data.exp_avg.floats_mut(), data.exp_avg_sq.floats_mut()) {
+        (kernels::FloatsMut::F32(m), kernels::FloatsMut::F32(v)) => MomentsMut::F32 { exp_avg: m, exp_avg_sq: v },
+        (kernels::FloatsMut::Bf16(m), kernels::FloatsMut::Bf16(v)) => MomentsMut::Bf16 { exp_avg: m, exp_avg_sq: v },
+        _ => unreachable!("moments are allocated f32 or bf16, both alike"),
+    };
+    AdamBuffers { param: data.master.floats_mut(), grad: data.grad.floats(), moments, copy_out: None }
+}
+
+fn speculate(pool: &Pool, sg: &SubGroup, mut hp: AdamHyper, scale: f32) -> Result<()> {
+    let mut data = sg.data.lock().unwrap();
+    hp.step = data.work.step_count + 1;
+    let opts = UpdateOptions { grad_scale: scale, check_finite: true, grad_sumsq: true };
+    match kernels::update(pool, &hp, buffers(&mut data), &opts) {
+        Ok(report) => {
+            data.work.spec = Some(SpecRecord { hp, scale });
+            data.work.sumsq = report.grad_sumsq;
+            Ok(())
+        }
+        Err(e) => {
+            // Nothing was modified; a non-finite gradient makes this step skipped at step().
+            data.work.sumsq = (e.status == Status::NonFinite).then_some(f64::INFINITY);
+            Err(Error::new(e.status, format!("speculative step of sub-group {}: {}", sg.id, e.message)))
+        }
+    }
+}
+
+fn measure(pool: &Pool, sg: &SubGroup, scale: f32) -> Result<()> {
+    let mut data = sg.data.lock().unwrap();
+    let sumsq = kernels::grad_sumsq(pool, data.grad.floats(), scale)?;
+    data.work.sumsq = Some(sumsq);
+    Ok(())
+}
+
+fn prepare(pool: &Pool, plan: &PreparePlan) -> Result<()> {
+    for entry in &plan.entries {
+        let mut data = entry.sg.data.lock().unwrap();
+        for range in &entry.unseen {
+            data.grad.zero_range(range.clone());
+        }
+        let mut late = entry.sg.late.lock().unwrap();
+        if let Some(late) = late.take() {
+            // A gradient arrived after the speculative step: undo it, then merge.
+            if let Some(spec) = data.work.spec.take() {
+                kernels::rollback(pool, &spec.hp, buffers(&mut data), spec.scale)?;
+                data.work.redo = true;
+            }
+            for range in &late.ranges {
+                kernels::copy_into(data.grad.range_mut(range.clone()), late.buffer.range(range.clone()), true)?;
+            }
+            data.work.sumsq = None;
+        }
+        if !entry.unseen.is_empty() {
+            data.work.sumsq = None;
+        }
+        if data.work.sumsq.is_none() {
+            data.work.sumsq = Some(kernels::grad_sumsq(pool, data.grad.floats(), plan.scale)?);
+        }
+    }
+    Ok(())
+}
+
+fn finalize(shared: &WorkerShared, plan: FinalizePlan) {
+    let mut result = StepResult {
+        serial: plan.serial,
+        loss_scale: plan.loss_scale,
+        speculative: plan.speculative,
+        late_gradients: plan.late_gradients,
+        ..StepResult::default()
+    };
+    let prepared = match &plan.prepare {
+        Some(p) => guarded(|| prepare(&shared.pool, p)),
+        None => Ok(()),
+    };
+
+    // Decide: norm, finiteness, skip, clip factor.
+    let mut local = 0.0f64;
+    let mut all_finite = prepared.is_ok();
+    for (sg, _) in &plan.subgroups {
+        match sg.data.lock().unwrap().work.sumsq {
+            Some(s) if s.is_finite() => local += s,
+            _ => all_finite = false,
+        }
+    }
+    result.global_norm = match plan.norm {
+        NormSource::Local => local.sqrt(),
+        NormSource::Given(norm) => norm,
+    };
+    result.skipped = plan.overflow || !all_finite || !result.global_norm.is_finite();
+    result.clip_coef = if result.skipped { 1.0 } else { clip_coefficient(plan.max_norm, result.global_norm) };
+    result.grad_factor = grad_factor(result.clip_coef, plan.loss_scale);
+    if let Some(scaler) = shared.scaler.lock().unwrap().as_mut() {
+        scaler.update(result.skipped);
+        result.next_loss_scale = scaler.scale;
+    } else {
+        result.next_loss_scale = plan.loss_scale;
+    }
+    shared.tickets.complete(plan.decide_ticket, prepared.clone());
+
+    // Make every sub-group exact, in forward order.
+    for (sg, ticket) in &plan.subgroups {
+        let group = plan.groups[sg.group as usize];
+        let outcome = guarded(|| fix(&shared.pool, sg, group, &mut result));
+        shared.tickets.complete(*ticket, outcome);
+    }
+    *shared.last_result.lock().unwrap() = Some((plan.step_ticket, result));
+    shared.tickets.complete(plan.step_ticket, prepared);
+}
+
+fn same_hyperparameters(a: &AdamHyper, b: &GroupHparams) -> bool {
+    a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps && a.weight_decay == b.weight_decay
+}
+
+fn fix(pool: &Pool, sg: &SubGroup, group: GroupHparams, result: &mut StepResult) -> Result<()> {
+    let mut data = sg.data.lock().unwrap();
+    let spec = data.work.spec.take();
+    let redo = std::mem::take(&mut data.work.redo);
+    data.work.sumsq = None;
+    if result.skipped {
+        if let Some(spec) = spec {
+            kernels::rollback(pool, &spec.hp, buffers(&mut data), spec.scale)?;
+            result.rolled_back += 1;
+        } else if redo {
+            // Already undone for its late gradient; a skipped step leaves it so.
+            result.rolled_back += 1;
+        }
+        return Ok(());
+    }
+    let factor = result.grad_factor;
+    let hp = sg.hyper(group, data.work.step_count + 1);
+    match spec {
+        Some(spec) if same_hyperparameters(&spec.hp, &group) => {
+            if spec.scale != factor {
+                if let Err(e) = kernels::rescale(pool, &spec.hp, buffers(&mut data), spec.scale, factor) {
+                    data.work.spec = Some(spec);
+                    return Err(e);
+                }
+                result.rescaled += 1;
+            } else {
+                result.kept += 1;
+            }
+        }
+        Some(spec) => {
+            kernels::rollback(pool, &spec.hp, buffers(&mut data), spec.scale)?;
+            kernels::update(pool, &hp, buffers(&mut data), &UpdateOptions { grad_scale: factor, ..Default::default() })?;
+            result.redone += 1;
+        }
+        None => {
+            kernels::update(pool, &hp, buffers(&mut data), &UpdateOptions { grad_scale: factor, ..Default::default() })?;
+            if redo {
+                result.redone += 1;
+            } else {
+                result.stepped += 1;
+            }
+        }
+    }
+    data.work.step_count += 1;
+    Ok(())
+}
