@@ -16,6 +16,7 @@
 //!    final ticket, then the step ticket.
 
 mod buffers;
+mod checkpoint;
 mod scaler;
 mod tickets;
 mod worker;
