@@ -199,6 +199,32 @@ typedef uint32_t so_isa;
 #endif // __cplusplus
 
 /**
+ * Where `so_session_step` takes the global gradient norm from (`so_step_args.norm_source`).
+ */
+enum so_norm_source
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * The square root of the session's own sums of squares (one rank).
+   */
+  SO_NORM_SOURCE_LOCAL = 1,
+  /**
+   * `so_step_args.global_norm`, e.g. all-reduced across ranks from
+   * `so_session_local_grad_sumsq`; inf or NaN skips the step.
+   */
+  SO_NORM_SOURCE_GIVEN = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum so_norm_source so_norm_source;
+#else
+typedef uint32_t so_norm_source;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A pool of CPU threads that kernels (and sessions) split their work across.
  *
  * Under the hood this is an `Arc` of the pool: a session created with a pool keeps it
@@ -207,6 +233,15 @@ typedef uint32_t so_isa;
  * Thread-safety: a pool may be used from any number of threads at once.
  */
 typedef struct so_pool so_pool;
+
+/**
+ * An offload session: sub-groups of parameters whose Adam state lives in host memory,
+ * stepped on the session's own CPU-Adam thread.
+ *
+ * Thread-safety: a session may be called from several threads at once (calls are
+ * serialised internally); `so_session_destroy` must not race with any other call.
+ */
+typedef struct so_session so_session;
 
 /**
  * Hyperparameters of one Adam step. Initialise with `so_adam_hparams_default()`.
@@ -372,6 +407,289 @@ typedef struct so_pool_info {
    */
   bool pinned;
 } so_pool_info;
+
+/**
+ * Built-in dynamic loss scaler (fp16). Initialise with `so_loss_scaler_options_default()`
+ * (torch GradScaler's defaults).
+ */
+typedef struct so_loss_scaler_options {
+  /**
+   * `sizeof(so_loss_scaler_options)`.
+   */
+  size_t struct_size;
+  /**
+   * Scale of the first step.
+   */
+  float init_scale;
+  /**
+   * Multiplies the scale after `growth_interval` steps without overflow; > 1.
+   */
+  float growth_factor;
+  /**
+   * Multiplies the scale after an overflow exhausts the hysteresis; in (0, 1).
+   */
+  float backoff_factor;
+  /**
+   * Steps without overflow before the scale grows; >= 1.
+   */
+  uint32_t growth_interval;
+  /**
+   * Overflowing steps tolerated before backing off; 1 backs off at once (torch).
+   */
+  uint32_t hysteresis;
+  /**
+   * The scale never goes below this.
+   */
+  float min_scale;
+} so_loss_scaler_options;
+
+/**
+ * How to create a session. Initialise with `so_session_options_default()`.
+ */
+typedef struct so_session_options {
+  /**
+   * `sizeof(so_session_options)`.
+   */
+  size_t struct_size;
+  /**
+   * Pool for the optimizer passes (the session keeps a reference); NULL to build one
+   * pinned to `cores`, or with no cores to use the default pool.
+   */
+  const struct so_pool *pool;
+  /**
+   * CPU cores for a pool of the session's own (one pinned thread each); copied.
+   */
+  const uint32_t *cores;
+  /**
+   * Entries in `cores`.
+   */
+  size_t num_cores;
+  /**
+   * One of `so_adam_mode`.
+   */
+  uint32_t mode;
+  /**
+   * Divide the moments by `1 - beta^t`.
+   */
+  bool bias_correction;
+  /**
+   * `SO_DTYPE_F32` or `SO_DTYPE_BF16` (bf16 moments never speculate: rollback needs f32).
+   */
+  uint32_t moment_dtype;
+  /**
+   * dtype of the gradients handed to `so_session_grad_copy`.
+   */
+  uint32_t grad_dtype;
+  /**
+   * dtype of the sub-group gradient buffers, in which micro-steps accumulate.
+   */
+  uint32_t accum_dtype;
+  /**
+   * Step complete sub-groups during backward.
+   */
+  bool speculation;
+  /**
+   * Host bytes the session may allocate (moments, gradient buffers); 0 for no limit.
+   */
+  uint64_t host_memory_limit;
+  /**
+   * Must be false: AMSGrad cannot be rolled back, so sessions refuse it.
+   */
+  bool amsgrad;
+  /**
+   * NULL for no built-in loss scaler (the loss scale is given to each
+   * `so_session_begin_step`, or 1).
+   */
+  const struct so_loss_scaler_options *loss_scaler;
+} so_session_options;
+
+/**
+ * Hyperparameters of a param group. Initialise with `so_group_hparams_default()`.
+ */
+typedef struct so_group_hparams {
+  /**
+   * `sizeof(so_group_hparams)`.
+   */
+  size_t struct_size;
+  /**
+   * Learning rate, finite and >= 0.
+   */
+  double lr;
+  /**
+   * In [0, 1); 0 disables speculation for the group's sub-groups.
+   */
+  double beta1;
+  /**
+   * In [0, 1); 0 disables speculation for the group's sub-groups.
+   */
+  double beta2;
+  /**
+   * Finite and >= 0.
+   */
+  double eps;
+  /**
+   * Finite and >= 0.
+   */
+  double weight_decay;
+} so_group_hparams;
+
+/**
+ * One named param slice of a sub-group (an element of `so_subgroup_desc.slices`).
+ */
+typedef struct so_slice_desc {
+  /**
+   * NUL-terminated, unique in the session; copied.
+   */
+  const char *name;
+  /**
+   * First element within the sub-group.
+   */
+  size_t offset;
+  /**
+   * Elements, >= 1.
+   */
+  size_t numel;
+} so_slice_desc;
+
+/**
+ * A sub-group to register. Initialise with `so_subgroup_desc_default()`.
+ */
+typedef struct so_subgroup_desc {
+  /**
+   * `sizeof(so_subgroup_desc)`.
+   */
+  size_t struct_size;
+  /**
+   * The param group, from `so_session_add_group`.
+   */
+  uint32_t group;
+  /**
+   * Flat master weights, `numel` elements of `master_dtype`; borrowed (see
+   * `so_session_add_subgroup`).
+   */
+  void *master;
+  /**
+   * `SO_DTYPE_F32` (speculates), or `SO_DTYPE_BF16` / `SO_DTYPE_F16` (stepped at step()).
+   */
+  uint32_t master_dtype;
+  /**
+   * Elements of the sub-group.
+   */
+  size_t numel;
+  /**
+   * NULL (the session allocates the gradient buffer) or a caller buffer of `numel`
+   * elements of the accumulation dtype, borrowed like `master`, for `so_session_grad_written`.
+   */
+  void *grad;
+  /**
+   * The slices whose gradients complete this sub-group; copied.
+   */
+  const struct so_slice_desc *slices;
+  /**
+   * Entries in `slices`, >= 1.
+   */
+  size_t num_slices;
+} so_subgroup_desc;
+
+/**
+ * What `so_session_step` is told. Initialise with `so_step_args_default()`.
+ */
+typedef struct so_step_args {
+  /**
+   * `sizeof(so_step_args)`.
+   */
+  size_t struct_size;
+  /**
+   * Clip the global norm to this (torch's `clip_grad_norm_`: coefficient
+   * `min(1, max_norm / (norm + 1e-6))`); 0 disables clipping.
+   */
+  double max_norm;
+  /**
+   * One of `so_norm_source`.
+   */
+  uint32_t norm_source;
+  /**
+   * With `SO_NORM_SOURCE_GIVEN`: the global norm of the unscaled gradient.
+   */
+  double global_norm;
+  /**
+   * The caller saw an overflow (e.g. on another rank): skip the step.
+   */
+  bool overflow;
+} so_step_args;
+
+/**
+ * A ticket: a number in a per-session sequence (from 1) of work items that complete in
+ * order. 0 means "no work" and is always complete.
+ */
+typedef uint64_t so_ticket;
+
+/**
+ * The outcome of one step (filled by `so_session_step_result`).
+ */
+typedef struct so_step_result {
+  /**
+   * Set by the caller to `sizeof(so_step_result)` before the call.
+   */
+  size_t struct_size;
+  /**
+   * 1 for the session's first step, then one more per `so_session_begin_step`.
+   */
+  uint64_t serial;
+  /**
+   * The step was skipped (overflow, non-finite gradient or norm): every speculative
+   * step was rolled back, step counts are unchanged.
+   */
+  bool skipped;
+  /**
+   * Global norm of the unscaled gradient.
+   */
+  double global_norm;
+  /**
+   * Clip coefficient applied (1 when not clipped or skipped).
+   */
+  double clip_coef;
+  /**
+   * The factor the gradients were finally stepped with: `clip_coef / loss_scale`.
+   */
+  float grad_factor;
+  /**
+   * The loss scale this step's backward used.
+   */
+  float loss_scale;
+  /**
+   * The loss scale of the next step (the built-in scaler's verdict, else unchanged).
+   */
+  float next_loss_scale;
+  /**
+   * Speculative steps submitted during backward.
+   */
+  uint32_t speculative;
+  /**
+   * Gradients that arrived for a sub-group after its speculative step.
+   */
+  uint32_t late_gradients;
+  /**
+   * Speculative steps kept as taken.
+   */
+  uint32_t kept;
+  /**
+   * Speculative steps rescaled to the final factor (one pass each).
+   */
+  uint32_t rescaled;
+  /**
+   * Speculative steps undone (skipped step).
+   */
+  uint32_t rolled_back;
+  /**
+   * Speculative steps undone and taken again (late gradient, changed hyperparameters).
+   */
+  uint32_t redone;
+  /**
+   * Sub-groups stepped at step() that had not speculated.
+   */
+  uint32_t stepped;
+} so_step_result;
 
 #ifdef __cplusplus
 extern "C" {
@@ -573,6 +891,347 @@ SO_NODISCARD so_status so_pool_get_info(const struct so_pool *pool, struct so_po
  * @note Thread-safety: safe to call from any thread.
  */
 const char *so_isa_name(uint32_t isa);
+
+/**
+ * Returns the built-in loss scaler's defaults (torch GradScaler's: scale 65536, growth 2,
+ * backoff 0.5, interval 2000, hysteresis 1, minimum 1); `struct_size` set.
+ *
+ * @note Thread-safety: safe to call from any thread.
+ */
+struct so_loss_scaler_options so_loss_scaler_options_default(void);
+
+/**
+ * Returns session options: default pool, AdamW with bias correction, f32 moments,
+ * gradients and accumulation, speculation on, no memory limit, no loss scaler;
+ * `struct_size` set.
+ *
+ * @note Thread-safety: safe to call from any thread.
+ */
+struct so_session_options so_session_options_default(void);
+
+/**
+ * Returns `torch.optim.AdamW`'s hyperparameters (lr 1e-3, betas 0.9 and 0.999, eps 1e-8,
+ * weight decay 0.01); `struct_size` set.
+ *
+ * @note Thread-safety: safe to call from any thread.
+ */
+struct so_group_hparams so_group_hparams_default(void);
+
+/**
+ * Returns an empty sub-group description (group 0, no buffers, f32 master, no slices);
+ * `struct_size` set.
+ *
+ * @note Thread-safety: safe to call from any thread.
+ */
+struct so_subgroup_desc so_subgroup_desc_default(void);
+
+/**
+ * Returns step arguments: no clipping, local norm, no overflow; `struct_size` set.
+ *
+ * @note Thread-safety: safe to call from any thread.
+ */
+struct so_step_args so_step_args_default(void);
+
+/**
+ * @brief Creates a session and starts its CPU-Adam thread.
+ *
+ * @param options NULL for `so_session_options_default()`.
+ * @param out_session Receives the session; the caller owns it (`so_session_destroy`).
+ * @return `SO_STATUS_OK`; `SO_STATUS_UNSUPPORTED` for AMSGrad or f16 moments;
+ *         `SO_STATUS_INVALID_ARGUMENT` for bad options (a pool and cores both given, bad
+ *         cores, bad loss-scaler settings); `SO_STATUS_OUT_OF_RESOURCES` if threads cannot
+ *         start.
+ * @note Thread-safety: safe to call from any thread.
+ */
+SO_NODISCARD
+so_status so_session_create(const struct so_session_options *options,
+                            struct so_session **out_session);
+
+/**
+ * @brief Destroys a session: waits for every queued step to finish, stops the CPU-Adam
+ * thread, frees the session's memory and releases its pool reference. NULL is a no-op.
+ * Borrowed buffers are not used after this returns.
+ *
+ * @note Thread-safety: must not race with other calls on the session.
+ */
+void so_session_destroy(struct so_session *session);
+
+/**
+ * @brief Adds a param group.
+ * @param out_group Receives its id (0, 1, ... in order of addition).
+ * @return `SO_STATUS_OK` or `SO_STATUS_INVALID_ARGUMENT` for out-of-range values.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_add_group(struct so_session *session,
+                               const struct so_group_hparams *hparams,
+                               uint32_t *out_group);
+
+/**
+ * @brief Changes a group's hyperparameters, at any time (LR and momentum schedules).
+ * Speculative steps submitted afterwards use them; at the next `so_session_step`, every
+ * sub-group is finalized with the values current when `so_session_step` is called
+ * (speculative steps taken with other values are rolled back and redone).
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_set_group(struct so_session *session,
+                               uint32_t group,
+                               const struct so_group_hparams *hparams);
+
+/**
+ * @brief Reads a group's current hyperparameters into `out_hparams` (whose `struct_size`
+ * the caller sets).
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_get_group(const struct so_session *session,
+                               uint32_t group,
+                               struct so_group_hparams *out_hparams);
+
+/**
+ * @brief Registers a sub-group, between steps.
+ *
+ * The session allocates its moments (and its gradient buffer unless `desc->grad` is
+ * given). `desc->master` (and `desc->grad`) are **borrowed** until the sub-group is
+ * removed or the session destroyed: the memory must stay valid, and the caller must not
+ * access it from the moment a gradient hand-off completes the sub-group until the
+ * sub-group's final ticket (`so_session_final_ticket`) of that step is complete. Reading
+ * the master weights between steps, after the final ticket, is the normal use.
+ * Sub-groups are finalized at `so_session_step` in the order they were registered:
+ * register them in forward order.
+ *
+ * @param out_subgroup Receives the sub-group id (0, 1, ... in order of registration).
+ * @return `SO_STATUS_OK`; `SO_STATUS_INVALID_STATE` during a step; `SO_STATUS_NOT_FOUND`
+ *         for an unknown group; `SO_STATUS_ALIASING` for overlapping slices or buffers
+ *         that overlap another sub-group's; `SO_STATUS_INVALID_ARGUMENT` for slices
+ *         outside the sub-group, empty or duplicate names, a gradient buffer of the wrong
+ *         dtype; `SO_STATUS_OUT_OF_RESOURCES` beyond the host-memory limit. Nothing is
+ *         registered on error.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_add_subgroup(struct so_session *session,
+                                  const struct so_subgroup_desc *desc,
+                                  uint32_t *out_subgroup);
+
+/**
+ * @brief Unregisters a sub-group between steps, after its outstanding work; its slices'
+ * names become free, its borrowed buffers are not used after this returns.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD so_status so_session_remove_subgroup(struct so_session *session, uint32_t subgroup);
+
+/**
+ * @brief Looks up the id of a slice by name (ids are stable for the session's lifetime;
+ * look them up once, not per gradient).
+ * @return `SO_STATUS_OK` or `SO_STATUS_NOT_FOUND`.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_slice_id(const struct so_session *session,
+                              const char *name,
+                              uint32_t *out_slice);
+
+/**
+ * @brief Starts an optimizer step.
+ *
+ * @param loss_scale The loss scale this backward uses (gradients arrive multiplied by it
+ *        and are unscaled by `1 / loss_scale`), or 0 for the built-in scaler's current
+ *        scale (which waits for the previous step's verdict) or 1 without a scaler.
+ * @param micro_steps Micro-steps of gradient accumulation, >= 1; speculation happens
+ *        only in the last.
+ * @return `SO_STATUS_OK`; `SO_STATUS_INVALID_STATE` if the previous step was not given to
+ *         `so_session_step`.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_begin_step(struct so_session *session,
+                                float loss_scale,
+                                uint32_t micro_steps);
+
+/**
+ * @brief Moves to the next micro-step of the current step.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD so_status so_session_next_micro_step(struct so_session *session);
+
+/**
+ * @brief Hands over a slice's gradient by copy (into the sub-group's gradient buffer, in
+ * the accumulation dtype; the first gradient of the step overwrites, later ones add).
+ *
+ * When the slice's gradient of the last micro-step completes its sub-group, the session
+ * queues the sub-group's speculative step (scale `1 / loss_scale`; or, for a sub-group
+ * that cannot speculate, the measurement of its sum of squares) and returns its ticket. A
+ * gradient for a sub-group that already completed this step is kept aside (allocating a
+ * buffer of the sub-group's size, once) and the sub-group is rolled back and redone at
+ * `so_session_step`. The copy is done before this returns: `grad` may be reused at once.
+ * No allocation on the normal path.
+ *
+ * @param slice From `so_session_slice_id`.
+ * @param grad `numel` elements of the session's `grad_dtype`.
+ * @param numel Must equal the slice's.
+ * @param out_ticket NULL, or receives the ticket of the work this queued (0 if none).
+ * @return `SO_STATUS_OK`; `SO_STATUS_INVALID_STATE` outside a step's backward;
+ *         `SO_STATUS_NOT_FOUND` for an unknown slice; `SO_STATUS_INVALID_ARGUMENT` for a
+ *         wrong size; `SO_STATUS_OUT_OF_RESOURCES` if a late gradient exceeds the memory
+ *         limit.
+ * @note Thread-safety: see `so_session`. Hand-offs of one slice must not race.
+ */
+SO_NODISCARD
+so_status so_session_grad_copy(struct so_session *session,
+                               uint32_t slice,
+                               const void *grad,
+                               size_t numel,
+                               so_ticket *out_ticket);
+
+/**
+ * @brief Records that the slice's gradient of this micro-step is in place in the
+ * sub-group's caller-provided gradient buffer (accumulated by the caller over
+ * micro-steps, as torch accumulates `.grad`). Completion and tickets as
+ * `so_session_grad_copy`. A late gradient cannot be written in place (the buffer is in
+ * use): hand it over with `so_session_grad_copy`.
+ * @return As `so_session_grad_copy`; `SO_STATUS_INVALID_ARGUMENT` for a sub-group whose
+ *         gradient buffer the session owns; `SO_STATUS_INVALID_STATE` for a sub-group that
+ *         already completed this step.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_grad_written(struct so_session *session,
+                                  uint32_t slice,
+                                  so_ticket *out_ticket);
+
+/**
+ * @brief The sum of squares of this step's unscaled gradient over all sub-groups (zeros
+ * for slices that got none, late gradients merged): what an all-reduce across ranks needs.
+ * Waits for the speculative passes (up to `timeout_ns`; negative waits forever). Ends the
+ * backward: only `so_session_step` may follow. Not finite iff an element is inf or NaN.
+ * @return `SO_STATUS_OK`, `SO_STATUS_TIMEOUT` (call again to keep waiting), or
+ *         `SO_STATUS_INVALID_STATE` outside a step.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_local_grad_sumsq(struct so_session *session,
+                                      int64_t timeout_ns,
+                                      double *out_sumsq);
+
+/**
+ * @brief Ends the step and returns at once: the CPU-Adam thread takes the norm (local or
+ * given), decides whether to skip (caller overflow, non-finite gradient or norm) and the
+ * clip factor `f = min(1, max_norm / (norm + 1e-6)) / loss_scale`, then makes every
+ * sub-group exact in registration order: a speculative step with the same factor is kept,
+ * with another factor rescaled in one pass, after a late gradient or a change of
+ * hyperparameters rolled back and redone, on a skipped step rolled back; sub-groups that
+ * did not speculate are stepped. Each sub-group's final ticket completes as it is done
+ * (`so_session_final_ticket`), so the next forward can start on the first layers.
+ *
+ * @param args NULL for `so_step_args_default()`.
+ * @param out_ticket Receives the ticket that completes when every sub-group is final;
+ *        pass it to `so_session_step_result`.
+ * @return `SO_STATUS_OK`; `SO_STATUS_INVALID_STATE` without `so_session_begin_step`;
+ *         `SO_STATUS_INVALID_ARGUMENT` for a bad `max_norm` or norm source.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_step(struct so_session *session,
+                          const struct so_step_args *args,
+                          so_ticket *out_ticket);
+
+/**
+ * @brief Waits up to `timeout_ns` (negative: forever) for the step of `ticket` (as
+ * returned by `so_session_step`) and describes it. Only the latest step's result is kept.
+ * @param out_result Caller-provided with `struct_size = sizeof(so_step_result)`.
+ * @return `SO_STATUS_OK`, `SO_STATUS_TIMEOUT`, or `SO_STATUS_NOT_FOUND` for a ticket that
+ *         is not the latest step's.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_step_result(const struct so_session *session,
+                                 so_ticket ticket,
+                                 int64_t timeout_ns,
+                                 struct so_step_result *out_result);
+
+/**
+ * @brief The ticket that completes when the sub-group's latest step is final (0 before
+ * its first step): its master weights may be read once it is complete.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_final_ticket(const struct so_session *session,
+                                  uint32_t subgroup,
+                                  so_ticket *out_ticket);
+
+/**
+ * @brief Steps the sub-group has taken (skipped steps do not count); read it after the
+ * sub-group's final ticket for the count after a step.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_step_count(const struct so_session *session,
+                                uint32_t subgroup,
+                                uint64_t *out_count);
+
+/**
+ * @brief The built-in loss scaler's current scale (after the latest step's verdict, which
+ * this waits for), or 1 without a scaler: multiply the loss by it before backward.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD so_status so_session_loss_scale(const struct so_session *session, float *out_scale);
+
+/**
+ * @brief Host bytes the session allocated (moments, gradient buffers, late gradients).
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD so_status so_session_host_bytes(const struct so_session *session, size_t *out_bytes);
+
+/**
+ * @brief The state of a ticket without waiting.
+ * @return `SO_STATUS_OK` if its work completed, `SO_STATUS_PENDING` if not yet, the
+ *         work's own error status if it failed (message in `so_last_error_message`), or
+ *         `SO_STATUS_NOT_FOUND` for a ticket never issued.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD so_status so_ticket_query(const struct so_session *session, so_ticket ticket);
+
+/**
+ * @brief Waits up to `timeout_ns` (negative: forever, 0: poll) for a ticket.
+ * @return `SO_STATUS_OK`, the work's error status if it failed, `SO_STATUS_TIMEOUT`, or
+ *         `SO_STATUS_NOT_FOUND`. A failed step leaves its sub-group as it was before it;
+ *         the session stays usable.
+ * @note Thread-safety: see `so_session`; any thread may wait.
+ */
+SO_NODISCARD
+so_status so_ticket_wait(const struct so_session *session,
+                         so_ticket ticket,
+                         int64_t timeout_ns);
+
+/**
+ * @brief Waits for every ticket up to and including `ticket`.
+ * @return `SO_STATUS_OK` if all succeeded, else the status of the first that failed.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_ticket_wait_all(const struct so_session *session,
+                             so_ticket ticket,
+                             int64_t timeout_ns);
+
+/**
+ * @brief Saves a checkpoint (safetensors; see the README for the layout), between steps,
+ * after in-flight work. Atomic: the file at `path` is either the old one or the new one.
+ * @return `SO_STATUS_OK`, `SO_STATUS_IO`, or `SO_STATUS_INVALID_STATE` during a step.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD so_status so_session_save(struct so_session *session, const char *path);
+
+/**
+ * @brief Loads a checkpoint into the registered sub-groups (which may be partitioned
+ * differently from the saved session), between steps: master weights (written into the
+ * borrowed buffers), moments, step counts, group hyperparameters, loss-scaler state.
+ * @return `SO_STATUS_OK`; `SO_STATUS_BAD_CHECKPOINT` for a truncated, corrupt or
+ *         mismatched file (then nothing changed); `SO_STATUS_IO`; `SO_STATUS_INVALID_STATE`.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD so_status so_session_load(struct so_session *session, const char *path);
 
 /**
  * Returns the ABI version of the loaded library; compare with `SO_ABI_VERSION`.

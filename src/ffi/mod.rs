@@ -15,6 +15,7 @@ use crate::error::{Error, Result, Status};
 
 pub mod kernels;
 pub mod pool;
+pub mod session;
 pub mod types;
 pub mod version;
 

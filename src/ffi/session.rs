@@ -1,0 +1,892 @@
+//! `so_session_*`, `so_ticket_*`: the offload session.
+
+use std::ffi::{CStr, c_char, c_void};
+use std::time::Duration;
+
+use super::pool::{pool_arg, so_pool};
+use super::types::{dtype_from_raw, dtype_to_raw, so_adam_mode, so_dtype};
+use super::{WithStructSize, check_struct_size, ffi_boundary, non_null, read_struct};
+use crate::error::{Error, Result, Status};
+use crate::kernels::{AdamMode, DType, Floats};
+use crate::session::{
+    Borrowed, GroupHparams, LossScalerOptions, NormSource, Session, SessionOptions, SliceDesc, StepArgs, StepResult,
+    SubGroupDesc, TicketState,
+};
+
+/// An offload session: sub-groups of parameters whose Adam state lives in host memory,
+/// stepped on the session's own CPU-Adam thread.
+///
+/// Thread-safety: a session may be called from several threads at once (calls are
+/// serialised internally); `so_session_destroy` must not race with any other call.
+pub struct so_session {
+    _private: [u8; 0],
+}
+
+/// A ticket: a number in a per-session sequence (from 1) of work items that complete in
+/// order. 0 means "no work" and is always complete.
+pub type so_ticket = u64;
+
+/// Where `so_session_step` takes the global gradient norm from (`so_step_args.norm_source`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum so_norm_source {
+    /// The square root of the session's own sums of squares (one rank).
+    Local = 1,
+    /// `so_step_args.global_norm`, e.g. all-reduced across ranks from
+    /// `so_session_local_grad_sumsq`; inf or NaN skips the step.
+    Given = 2,
+}
+
+/// Built-in dynamic loss scaler (fp16). Initialise with `so_loss_scaler_options_default()`
+/// (torch GradScaler's defaults).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_loss_scaler_options {
+    /// `sizeof(so_loss_scaler_options)`.
+    pub struct_size: usize,
+    /// Scale of the first step.
+    pub init_scale: f32,
+    /// Multiplies the scale after `growth_interval` steps without overflow; > 1.
+    pub growth_factor: f32,
+    /// Multiplies the scale after an overflow exhausts the hysteresis; in (0, 1).
+    pub backoff_factor: f32,
+    /// Steps without overflow before the scale grows; >= 1.
+    pub growth_interval: u32,
+    /// Overflowing steps tolerated before backing off; 1 backs off at once (torch).
+    pub hysteresis: u32,
+    /// The scale never goes below this.
+    pub min_scale: f32,
+}
+
+/// How to create a session. Initialise with `so_session_options_default()`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_session_options {
+    /// `sizeof(so_session_options)`.
+    pub struct_size: usize,
+    /// Pool for the optimizer passes (the session keeps a reference); NULL to build one
+    /// pinned to `cores`, or with no cores to use the default pool.
+    pub pool: *const so_pool,
+    /// CPU cores for a pool of the session's own (one pinned thread each); copied.
+    pub cores: *const u32,
+    /// Entries in `cores`.
+    pub num_cores: usize,
+    /// One of `so_adam_mode`.
+    pub mode: u32,
+    /// Divide the moments by `1 - beta^t`.
+    pub bias_correction: bool,
+    /// `SO_DTYPE_F32` or `SO_DTYPE_BF16` (bf16 moments never speculate: rollback needs f32).
+    pub moment_dtype: u32,
+    /// dtype of the gradients handed to `so_session_grad_copy`.
+    pub grad_dtype: u32,
+    /// dtype of the sub-group gradient buffers, in which micro-steps accumulate.
+    pub accum_dtype: u32,
+    /// Step complete sub-groups during backward.
+    pub speculation: bool,
+    /// Host bytes the session may allocate (moments, gradient buffers); 0 for no limit.
+    pub host_memory_limit: u64,
+    /// Must be false: AMSGrad cannot be rolled back, so sessions refuse it.
+    pub amsgrad: bool,
+    /// NULL for no built-in loss scaler (the loss scale is given to each
+    /// `so_session_begin_step`, or 1).
+    pub loss_scaler: *const so_loss_scaler_options,
+}
+
+/// Hyperparameters of a param group. Initialise with `so_group_hparams_default()`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_group_hparams {
+    /// `sizeof(so_group_hparams)`.
+    pub struct_size: usize,
+    /// Learning rate, finite and >= 0.
+    pub lr: f64,
+    /// In [0, 1); 0 disables speculation for the group's sub-groups.
+    pub beta1: f64,
+    /// In [0, 1); 0 disables speculation for the group's sub-groups.
+    pub beta2: f64,
+    /// Finite and >= 0.
+    pub eps: f64,
+    /// Finite and >= 0.
+    pub weight_decay: f64,
+}
+
+/// One named param slice of a sub-group (an element of `so_subgroup_desc.slices`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_slice_desc {
+    /// NUL-terminated, unique in the session; copied.
+    pub name: *const c_char,
+    /// First element within the sub-group.
+    pub offset: usize,
+    /// Elements, >= 1.
+    pub numel: usize,
+}
+
+/// A sub-group to register. Initialise with `so_subgroup_desc_default()`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_subgroup_desc {
+    /// `sizeof(so_subgroup_desc)`.
+    pub struct_size: usize,
+    /// The param group, from `so_session_add_group`.
+    pub group: u32,
+    /// Flat master weights, `numel` elements of `master_dtype`; borrowed (see
+    /// `so_session_add_subgroup`).
+    pub master: *mut c_void,
+    /// `SO_DTYPE_F32` (speculates), or `SO_DTYPE_BF16` / `SO_DTYPE_F16` (stepped at step()).
+    pub master_dtype: u32,
+    /// Elements of the sub-group.
+    pub numel: usize,
+    /// NULL (the session allocates the gradient buffer) or a caller buffer of `numel`
+    /// elements of the accumulation dtype, borrowed like `master`, for `so_session_grad_written`.
+    pub grad: *mut c_void,
+    /// The slices whose gradients complete this sub-group; copied.
+    pub slices: *const so_slice_desc,
+    /// Entries in `slices`, >= 1.
+    pub num_slices: usize,
+}
+
+/// What `so_session_step` is told. Initialise with `so_step_args_default()`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_step_args {
+    /// `sizeof(so_step_args)`.
+    pub struct_size: usize,
+    /// Clip the global norm to this (torch's `clip_grad_norm_`: coefficient
+    /// `min(1, max_norm / (norm + 1e-6))`); 0 disables clipping.
+    pub max_norm: f64,
+    /// One of `so_norm_source`.
+    pub norm_source: u32,
+    /// With `SO_NORM_SOURCE_GIVEN`: the global norm of the unscaled gradient.
+    pub global_norm: f64,
+    /// The caller saw an overflow (e.g. on another rank): skip the step.
+    pub overflow: bool,
+}
+
+/// The outcome of one step (filled by `so_session_step_result`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_step_result {
+    /// Set by the caller to `sizeof(so_step_result)` before the call.
+    pub struct_size: usize,
+    /// 1 for the session's first step, then one more per `so_session_begin_step`.
+    pub serial: u64,
+    /// The step was skipped (overflow, non-finite gradient or norm): every speculative
+    /// step was rolled back, step counts are unchanged.
+    pub skipped: bool,
+    /// Global norm of the unscaled gradient.
+    pub global_norm: f64,
+    /// Clip coefficient applied (1 when not clipped or skipped).
+    pub clip_coef: f64,
+    /// The factor the gradients were finally stepped with: `clip_coef / loss_scale`.
+    pub grad_factor: f32,
+    /// The loss scale this step's backward used.
+    pub loss_scale: f32,
+    /// The loss scale of the next step (the built-in scaler's verdict, else unchanged).
+    pub next_loss_scale: f32,
+    /// Speculative steps submitted during backward.
+    pub speculative: u32,
+    /// Gradients that arrived for a sub-group after its speculative step.
+    pub late_gradients: u32,
+    /// Speculative steps kept as taken.
+    pub kept: u32,
+    /// Speculative steps rescaled to the final factor (one pass each).
+    pub rescaled: u32,
+    /// Speculative steps undone (skipped step).
+    pub rolled_back: u32,
+    /// Speculative steps undone and taken again (late gradient, changed hyperparameters).
+    pub redone: u32,
+    /// Sub-groups stepped at step() that had not speculated.
+    pub stepped: u32,
+}
+
+// SAFETY (all): `#[repr(C)]` with `struct_size: usize` first.
+unsafe impl WithStructSize for so_loss_scaler_options {
+    const NAME: &'static str = "so_loss_scaler_options";
+}
+unsafe impl WithStructSize for so_session_options {
+    const NAME: &'static str = "so_session_options";
+}
+unsafe impl WithStructSize for so_group_hparams {
+    const NAME: &'static str = "so_group_hparams";
+}
+unsafe impl WithStructSize for so_subgroup_desc {
+    const NAME: &'static str = "so_subgroup_desc";
+}
+unsafe impl WithStructSize for so_step_args {
+    const NAME: &'static str = "so_step_args";
+}
+unsafe impl WithStructSize for so_step_result {
+    const NAME: &'static str = "so_step_result";
+}
+
+fn scaler_defaults() -> so_loss_scaler_options {
+    let d = LossScalerOptions::default();
+    so_loss_scaler_options {
+        struct_size: std::mem::size_of::<so_loss_scaler_options>(),
+        init_scale: d.init_scale,
+        growth_factor: d.growth_factor,
+        backoff_factor: d.backoff_factor,
+        growth_interval: d.growth_interval,
+        hysteresis: d.hysteresis,
+        min_scale: d.min_scale,
+    }
+}
+
+fn session_defaults() -> so_session_options {
+    let d = SessionOptions::default();
+    so_session_options {
+        struct_size: std::mem::size_of::<so_session_options>(),
+        pool: std::ptr::null(),
+        cores: std::ptr::null(),
+        num_cores: 0,
+        mode: so_adam_mode::Adamw as u32,
+        bias_correction: d.bias_correction,
+        moment_dtype: dtype_to_raw(d.moment_dtype),
+        grad_dtype: dtype_to_raw(d.grad_dtype),
+        accum_dtype: dtype_to_raw(d.accum_dtype),
+        speculation: d.speculation,
+        host_memory_limit: 0,
+        amsgrad: false,
+        loss_scaler: std::ptr::null(),
+    }
+}
+
+fn group_to_c(g: GroupHparams) -> so_group_hparams {
+    so_group_hparams {
+        struct_size: std::mem::size_of::<so_group_hparams>(),
+        lr: g.lr,
+        beta1: g.beta1,
+        beta2: g.beta2,
+        eps: g.eps,
+        weight_decay: g.weight_decay,
+    }
+}
+
+fn group_from_c(g: &so_group_hparams) -> GroupHparams {
+    GroupHparams { lr: g.lr, beta1: g.beta1, beta2: g.beta2, eps: g.eps, weight_decay: g.weight_decay }
+}
+
+fn step_args_defaults() -> so_step_args {
+    so_step_args {
+        struct_size: std::mem::size_of::<so_step_args>(),
+        max_norm: 0.0,
+        norm_source: so_norm_source::Local as u32,
+        global_norm: 0.0,
+        overflow: false,
+    }
+}
+
+fn required_dtype(raw: u32, field: &str) -> Result<DType> {
+    dtype_from_raw(raw, field)?.ok_or_else(|| Error::invalid(format!("{field} is SO_DTYPE_NONE")))
+}
+
+/// A negative timeout waits forever.
+fn timeout(ns: i64) -> Option<Duration> {
+    (ns >= 0).then(|| Duration::from_nanos(ns as u64))
+}
+
+/// # Safety
+/// `session` must be NULL or a live handle.
+unsafe fn session_ref<'a>(session: *const so_session) -> Result<&'a Session> {
+    non_null(session, "session")?;
+    // SAFETY: a live handle is a Box<Session> pointer.
+    Ok(unsafe { &*session.cast::<Session>() })
+}
+
+/// Writes an out-parameter if the caller gave one.
+///
+/// # Safety
+/// `out` must be NULL or writable.
+unsafe fn write_opt<T>(out: *mut T, value: T) {
+    if !out.is_null() {
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { out.write(value) };
+    }
+}
+
+/// # Safety
+/// `out` must be NULL or writable.
+unsafe fn write_out<T>(out: *mut T, name: &str, value: T) -> Result<()> {
+    non_null(out, name)?;
+    // SAFETY: checked non-NULL; writable per the contract.
+    unsafe { out.write(value) };
+    Ok(())
+}
+
+/// Returns the built-in loss scaler's defaults (torch GradScaler's: scale 65536, growth 2,
+/// backoff 0.5, interval 2000, hysteresis 1, minimum 1); `struct_size` set.
+///
+/// @note Thread-safety: safe to call from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn so_loss_scaler_options_default() -> so_loss_scaler_options {
+    ffi_boundary!("so_loss_scaler_options_default", fallback = scaler_defaults(), { scaler_defaults() })
+}
+
+/// Returns session options: default pool, AdamW with bias correction, f32 moments,
+/// gradients and accumulation, speculation on, no memory limit, no loss scaler;
+/// `struct_size` set.
+///
+/// @note Thread-safety: safe to call from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn so_session_options_default() -> so_session_options {
+    ffi_boundary!("so_session_options_default", fallback = session_defaults(), { session_defaults() })
+}
+
+/// Returns `torch.optim.AdamW`'s hyperparameters (lr 1e-3, betas 0.9 and 0.999, eps 1e-8,
+/// weight decay 0.01); `struct_size` set.
+///
+/// @note Thread-safety: safe to call from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn so_group_hparams_default() -> so_group_hparams {
+    ffi_boundary!("so_group_hparams_default", fallback = group_to_c(GroupHparams::default()), {
+        group_to_c(GroupHparams::default())
+    })
+}
+
+/// Returns an empty sub-group description (group 0, no buffers, f32 master, no slices);
+/// `struct_size` set.
+///
+/// @note Thread-safety: safe to call from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn so_subgroup_desc_default() -> so_subgroup_desc {
+    let empty = || so_subgroup_desc {
+        struct_size: std::mem::size_of::<so_subgroup_desc>(),
+        group: 0,
+        master: std::ptr::null_mut(),
+        master_dtype: so_dtype::F32 as u32,
+        numel: 0,
+        grad: std::ptr::null_mut(),
+        slices: std::ptr::null(),
+        num_slices: 0,
+    };
+    ffi_boundary!("so_subgroup_desc_default", fallback = empty(), { empty() })
+}
+
+/// Returns step arguments: no clipping, local norm, no overflow; `struct_size` set.
+///
+/// @note Thread-safety: safe to call from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn so_step_args_default() -> so_step_args {
+    ffi_boundary!("so_step_args_default", fallback = step_args_defaults(), { step_args_defaults() })
+}
+
+/// @brief Creates a session and starts its CPU-Adam thread.
+///
+/// @param options NULL for `so_session_options_default()`.
+/// @param out_session Receives the session; the caller owns it (`so_session_destroy`).
+/// @return `SO_STATUS_OK`; `SO_STATUS_UNSUPPORTED` for AMSGrad or f16 moments;
+///         `SO_STATUS_INVALID_ARGUMENT` for bad options (a pool and cores both given, bad
+///         cores, bad loss-scaler settings); `SO_STATUS_OUT_OF_RESOURCES` if threads cannot
+///         start.
+/// @note Thread-safety: safe to call from any thread.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_create(options: *const so_session_options, out_session: *mut *mut so_session) -> Status {
+    ffi_boundary!("so_session_create", {
+        non_null(out_session, "out_session")?;
+        // SAFETY: pointers are NULL or point to the documented structs and arrays.
+        let raw = if options.is_null() { session_defaults() } else { unsafe { read_struct(options, "options")? } };
+        let pool = if raw.pool.is_null() { None } else { Some(unsafe { pool_arg(raw.pool)? }) };
+        let cores = match (raw.cores.is_null(), raw.num_cores) {
+            (true, 0) => None,
+            (true, _) => return Err(Error::new(Status::NullArgument, "options->cores is NULL but num_cores is not 0")),
+            (false, 0) => return Err(Error::invalid("options->cores is set but num_cores is 0")),
+            (false, n) => Some(unsafe { std::slice::from_raw_parts(raw.cores, n) }.iter().map(|&c| c as usize).collect()),
+        };
+        let mode = match raw.mode {
+            x if x == so_adam_mode::Adamw as u32 => AdamMode::AdamW,
+            x if x == so_adam_mode::L2 as u32 => AdamMode::L2,
+            other => return Err(Error::invalid(format!("options->mode = {other} is not a so_adam_mode value"))),
+        };
+        let loss_scaler = if raw.loss_scaler.is_null() {
+            None
+        } else {
+            let s = unsafe { read_struct(raw.loss_scaler, "options->loss_scaler")? };
+            Some(LossScalerOptions {
+                init_scale: s.init_scale,
+                growth_factor: s.growth_factor,
+                backoff_factor: s.backoff_factor,
+                growth_interval: s.growth_interval,
+                hysteresis: s.hysteresis,
+                min_scale: s.min_scale,
+            })
+        };
+        let options = SessionOptions {
+            pool,
+            cores,
+            mode,
+            bias_correction: raw.bias_correction,
+            moment_dtype: required_dtype(raw.moment_dtype, "options->moment_dtype")?,
+            grad_dtype: required_dtype(raw.grad_dtype, "options->grad_dtype")?,
+            accum_dtype: required_dtype(raw.accum_dtype, "options->accum_dtype")?,
+            speculation: raw.speculation,
+            host_memory_limit: (raw.host_memory_limit != 0).then_some(raw.host_memory_limit as usize),
+            amsgrad: raw.amsgrad,
+            loss_scaler,
+        };
+        let session = Box::new(Session::new(options)?);
+        // SAFETY: checked non-NULL.
+        unsafe { out_session.write(Box::into_raw(session).cast()) };
+        Ok(())
+    })
+}
+
+/// @brief Destroys a session: waits for every queued step to finish, stops the CPU-Adam
+/// thread, frees the session's memory and releases its pool reference. NULL is a no-op.
+/// Borrowed buffers are not used after this returns.
+///
+/// @note Thread-safety: must not race with other calls on the session.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn so_session_destroy(session: *mut so_session) {
+    ffi_boundary!("so_session_destroy", fallback = (), {
+        if !session.is_null() {
+            // SAFETY: a live handle owns its Box.
+            drop(unsafe { Box::from_raw(session.cast::<Session>()) });
+        }
+    })
+}
+
+/// @brief Adds a param group.
+/// @param out_group Receives its id (0, 1, ... in order of addition).
+/// @return `SO_STATUS_OK` or `SO_STATUS_INVALID_ARGUMENT` for out-of-range values.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_add_group(
+    session: *mut so_session,
+    hparams: *const so_group_hparams,
+    out_group: *mut u32,
+) -> Status {
+    ffi_boundary!("so_session_add_group", {
+        let s = unsafe { session_ref(session)? };
+        non_null(out_group, "out_group")?;
+        let hp = unsafe { read_struct(hparams, "hparams")? };
+        let id = s.add_group(group_from_c(&hp))?;
+        unsafe { write_out(out_group, "out_group", id) }
+    })
+}
+
+/// @brief Changes a group's hyperparameters, at any time (LR and momentum schedules).
+/// Speculative steps submitted afterwards use them; at the next `so_session_step`, every
+/// sub-group is finalized with the values current when `so_session_step` is called
+/// (speculative steps taken with other values are rolled back and redone).
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_set_group(session: *mut so_session, group: u32, hparams: *const so_group_hparams) -> Status {
+    ffi_boundary!("so_session_set_group", {
+        let s = unsafe { session_ref(session)? };
+        let hp = unsafe { read_struct(hparams, "hparams")? };
+        s.set_group_hparams(group, group_from_c(&hp))
+    })
+}
+
+/// @brief Reads a group's current hyperparameters into `out_hparams` (whose `struct_size`
+/// the caller sets).
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_get_group(
+    session: *const so_session,
+    group: u32,
+    out_hparams: *mut so_group_hparams,
+) -> Status {
+    ffi_boundary!("so_session_get_group", {
+        let s = unsafe { session_ref(session)? };
+        non_null(out_hparams, "out_hparams")?;
+        check_struct_size::<so_group_hparams>(unsafe { out_hparams.cast::<usize>().read_unaligned() }, "out_hparams")?;
+        let g = s.group_hparams(group)?;
+        unsafe { write_out(out_hparams, "out_hparams", group_to_c(g)) }
+    })
+}
+
+/// @brief Registers a sub-group, between steps.
+///
+/// The session allocates its moments (and its gradient buffer unless `desc->grad` is
+/// given). `desc->master` (and `desc->grad`) are **borrowed** until the sub-group is
+/// removed or the session destroyed: the memory must stay valid, and the caller must not
+/// access it from the moment a gradient hand-off completes the sub-group until the
+/// sub-group's final ticket (`so_session_final_ticket`) of that step is complete. Reading
+/// the master weights between steps, after the final ticket, is the normal use.
+/// Sub-groups are finalized at `so_session_step` in the order they were registered:
+/// register them in forward order.
+///
+/// @param out_subgroup Receives the sub-group id (0, 1, ... in order of registration).
+/// @return `SO_STATUS_OK`; `SO_STATUS_INVALID_STATE` during a step; `SO_STATUS_NOT_FOUND`
+///         for an unknown group; `SO_STATUS_ALIASING` for overlapping slices or buffers
+///         that overlap another sub-group's; `SO_STATUS_INVALID_ARGUMENT` for slices
+///         outside the sub-group, empty or duplicate names, a gradient buffer of the wrong
+///         dtype; `SO_STATUS_OUT_OF_RESOURCES` beyond the host-memory limit. Nothing is
+///         registered on error.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_add_subgroup(
+    session: *mut so_session,
+    desc: *const so_subgroup_desc,
+    out_subgroup: *mut u32,
+) -> Status {
+    ffi_boundary!("so_session_add_subgroup", {
+        let s = unsafe { session_ref(session)? };
+        non_null(out_subgroup, "out_subgroup")?;
+        let d = unsafe { read_struct(desc, "desc")? };
+        let master_dtype = required_dtype(d.master_dtype, "desc->master_dtype")?;
+        // SAFETY: the header makes the caller keep both buffers valid while borrowed.
+        let master = unsafe { Borrowed::new("desc->master", d.master, d.numel, master_dtype)? };
+        let grad = if d.grad.is_null() {
+            None
+        } else {
+            Some(unsafe { Borrowed::new("desc->grad", d.grad, d.numel, s.options().accum_dtype)? })
+        };
+        if d.slices.is_null() || d.num_slices == 0 {
+            return Err(Error::new(Status::NullArgument, "desc->slices is NULL or num_slices is 0"));
+        }
+        let raw_slices = unsafe { std::slice::from_raw_parts(d.slices, d.num_slices) };
+        let mut slices = Vec::with_capacity(raw_slices.len());
+        for (i, raw) in raw_slices.iter().enumerate() {
+            non_null(raw.name, &format!("desc->slices[{i}].name"))?;
+            let name = unsafe { CStr::from_ptr(raw.name) }
+                .to_str()
+                .map_err(|_| Error::invalid(format!("desc->slices[{i}].name is not UTF-8")))?;
+            slices.push(SliceDesc { name: name.to_string(), offset: raw.offset, numel: raw.numel });
+        }
+        let id = s.add_subgroup(SubGroupDesc { group: d.group, master, grad, slices })?;
+        unsafe { write_out(out_subgroup, "out_subgroup", id) }
+    })
+}
+
+/// @brief Unregisters a sub-group between steps, after its outstanding work; its slices'
+/// names become free, its borrowed buffers are not used after this returns.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_remove_subgroup(session: *mut so_session, subgroup: u32) -> Status {
+    ffi_boundary!("so_session_remove_subgroup", {
+        unsafe { session_ref(session)? }.remove_subgroup(subgroup)
+    })
+}
+
+/// @brief Looks up the id of a slice by name (ids are stable for the session's lifetime;
+/// look them up once, not per gradient).
+/// @return `SO_STATUS_OK` or `SO_STATUS_NOT_FOUND`.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_slice_id(session: *const so_session, name: *const c_char, out_slice: *mut u32) -> Status {
+    ffi_boundary!("so_session_slice_id", {
+        let s = unsafe { session_ref(session)? };
+        non_null(name, "name")?;
+        let name = unsafe { CStr::from_ptr(name) }.to_str().map_err(|_| Error::invalid("name is not UTF-8"))?;
+        let id = s.slice_id(name)?;
+        unsafe { write_out(out_slice, "out_slice", id) }
+    })
+}
+
+/// @brief Starts an optimizer step.
+///
+/// @param loss_scale The loss scale this backward uses (gradients arrive multiplied by it
+///        and are unscaled by `1 / loss_scale`), or 0 for the built-in scaler's current
+///        scale (which waits for the previous step's verdict) or 1 without a scaler.
+/// @param micro_steps Micro-steps of gradient accumulation, >= 1; speculation happens
+///        only in the last.
+/// @return `SO_STATUS_OK`; `SO_STATUS_INVALID_STATE` if the previous step was not given to
+///         `so_session_step`.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_begin_step(session: *mut so_session, loss_scale: f32, micro_steps: u32) -> Status {
+    ffi_boundary!("so_session_begin_step", {
+        let s = unsafe { session_ref(session)? };
+        s.begin_step((loss_scale != 0.0).then_some(loss_scale), micro_steps)
+    })
+}
+
+/// @brief Moves to the next micro-step of the current step.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_next_micro_step(session: *mut so_session) -> Status {
+    ffi_boundary!("so_session_next_micro_step", { unsafe { session_ref(session)? }.next_micro_step() })
+}
+
+/// @brief Hands over a slice's gradient by copy (into the sub-group's gradient buffer, in
+/// the accumulation dtype; the first gradient of the step overwrites, later ones add).
+///
+/// When the slice's gradient of the last micro-step completes its sub-group, the session
+/// queues the sub-group's speculative step (scale `1 / loss_scale`; or, for a sub-group
+/// that cannot speculate, the measurement of its sum of squares) and returns its ticket. A
+/// gradient for a sub-group that already completed this step is kept aside (allocating a
+/// buffer of the sub-group's size, once) and the sub-group is rolled back and redone at
+/// `so_session_step`. The copy is done before this returns: `grad` may be reused at once.
+/// No allocation on the normal path.
+///
+/// @param slice From `so_session_slice_id`.
+/// @param grad `numel` elements of the session's `grad_dtype`.
+/// @param numel Must equal the slice's.
+/// @param out_ticket NULL, or receives the ticket of the work this queued (0 if none).
+/// @return `SO_STATUS_OK`; `SO_STATUS_INVALID_STATE` outside a step's backward;
+///         `SO_STATUS_NOT_FOUND` for an unknown slice; `SO_STATUS_INVALID_ARGUMENT` for a
+///         wrong size; `SO_STATUS_OUT_OF_RESOURCES` if a late gradient exceeds the memory
+///         limit.
+/// @note Thread-safety: see `so_session`. Hand-offs of one slice must not race.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_grad_copy(
+    session: *mut so_session,
+    slice: u32,
+    grad: *const c_void,
+    numel: usize,
+    out_ticket: *mut so_ticket,
+) -> Status {
+    ffi_boundary!("so_session_grad_copy", {
+        let s = unsafe { session_ref(session)? };
+        non_null(grad, "grad")?;
+        let dtype = s.options().grad_dtype;
+        if grad as usize % dtype.size() != 0 {
+            return Err(Error::invalid(format!("grad is not aligned to {} bytes", dtype.size())));
+        }
+        if numel.checked_mul(dtype.size()).is_none_or(|b| b > isize::MAX as usize) {
+            return Err(Error::invalid(format!("numel = {numel} is too large")));
+        }
+        // SAFETY: the header requires `grad` to hold `numel` elements of grad_dtype.
+        let src = unsafe {
+            match dtype {
+                DType::F32 => Floats::F32(std::slice::from_raw_parts(grad.cast(), numel)),
+                DType::Bf16 => Floats::Bf16(std::slice::from_raw_parts(grad.cast(), numel)),
+                DType::F16 => Floats::F16(std::slice::from_raw_parts(grad.cast(), numel)),
+            }
+        };
+        let ticket = s.grad_copy(slice, src)?;
+        unsafe { write_opt(out_ticket, ticket.unwrap_or(0)) };
+        Ok(())
+    })
+}
+
+/// @brief Records that the slice's gradient of this micro-step is in place in the
+/// sub-group's caller-provided gradient buffer (accumulated by the caller over
+/// micro-steps, as torch accumulates `.grad`). Completion and tickets as
+/// `so_session_grad_copy`. A late gradient cannot be written in place (the buffer is in
+/// use): hand it over with `so_session_grad_copy`.
+/// @return As `so_session_grad_copy`; `SO_STATUS_INVALID_ARGUMENT` for a sub-group whose
+///         gradient buffer the session owns; `SO_STATUS_INVALID_STATE` for a sub-group that
+///         already completed this step.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_grad_written(session: *mut so_session, slice: u32, out_ticket: *mut so_ticket) -> Status {
+    ffi_boundary!("so_session_grad_written", {
+        let ticket = unsafe { session_ref(session)? }.grad_written(slice)?;
+        unsafe { write_opt(out_ticket, ticket.unwrap_or(0)) };
+        Ok(())
+    })
+}
+
+/// @brief The sum of squares of this step's unscaled gradient over all sub-groups (zeros
+/// for slices that got none, late gradients merged): what an all-reduce across ranks needs.
+/// Waits for the speculative passes (up to `timeout_ns`; negative waits forever). Ends the
+/// backward: only `so_session_step` may follow. Not finite iff an element is inf or NaN.
+/// @return `SO_STATUS_OK`, `SO_STATUS_TIMEOUT` (call again to keep waiting), or
+///         `SO_STATUS_INVALID_STATE` outside a step.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_local_grad_sumsq(session: *mut so_session, timeout_ns: i64, out_sumsq: *mut f64) -> Status {
+    ffi_boundary!("so_session_local_grad_sumsq", {
+        let s = unsafe { session_ref(session)? };
+        non_null(out_sumsq, "out_sumsq")?;
+        let sumsq = s.local_grad_sumsq(timeout(timeout_ns))?;
+        unsafe { write_out(out_sumsq, "out_sumsq", sumsq) }
+    })
+}
+
+/// @brief Ends the step and returns at once: the CPU-Adam thread takes the norm (local or
+/// given), decides whether to skip (caller overflow, non-finite gradient or norm) and the
+/// clip factor `f = min(1, max_norm / (norm + 1e-6)) / loss_scale`, then makes every
+/// sub-group exact in registration order: a speculative step with the same factor is kept,
+/// with another factor rescaled in one pass, after a late gradient or a change of
+/// hyperparameters rolled back and redone, on a skipped step rolled back; sub-groups that
+/// did not speculate are stepped. Each sub-group's final ticket completes as it is done
+/// (`so_session_final_ticket`), so the next forward can start on the first layers.
+///
+/// @param args NULL for `so_step_args_default()`.
+/// @param out_ticket Receives the ticket that completes when every sub-group is final;
+///        pass it to `so_session_step_result`.
+/// @return `SO_STATUS_OK`; `SO_STATUS_INVALID_STATE` without `so_session_begin_step`;
+///         `SO_STATUS_INVALID_ARGUMENT` for a bad `max_norm` or norm source.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_step(session: *mut so_session, args: *const so_step_args, out_ticket: *mut so_ticket) -> Status {
+    ffi_boundary!("so_session_step", {
+        let s = unsafe { session_ref(session)? };
+        non_null(out_ticket, "out_ticket")?;
+        let a = if args.is_null() { step_args_defaults() } else { unsafe { read_struct(args, "args")? } };
+        let norm = match a.norm_source {
+            x if x == so_norm_source::Local as u32 => NormSource::Local,
+            x if x == so_norm_source::Given as u32 => NormSource::Given(a.global_norm),
+            other => return Err(Error::invalid(format!("args->norm_source = {other} is not a so_norm_source value"))),
+        };
+        let ticket = s.step(StepArgs { max_norm: a.max_norm, norm, overflow: a.overflow })?;
+        unsafe { write_out(out_ticket, "out_ticket", ticket) }
+    })
+}
+
+/// @brief Waits up to `timeout_ns` (negative: forever) for the step of `ticket` (as
+/// returned by `so_session_step`) and describes it. Only the latest step's result is kept.
+/// @param out_result Caller-provided with `struct_size = sizeof(so_step_result)`.
+/// @return `SO_STATUS_OK`, `SO_STATUS_TIMEOUT`, or `SO_STATUS_NOT_FOUND` for a ticket that
+///         is not the latest step's.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_step_result(
+    session: *const so_session,
+    ticket: so_ticket,
+    timeout_ns: i64,
+    out_result: *mut so_step_result,
+) -> Status {
+    ffi_boundary!("so_session_step_result", {
+        let s = unsafe { session_ref(session)? };
+        non_null(out_result, "out_result")?;
+        check_struct_size::<so_step_result>(unsafe { out_result.cast::<usize>().read_unaligned() }, "out_result")?;
+        let r: StepResult = s.step_result(ticket, timeout(timeout_ns))?;
+        let out = so_step_result {
+            struct_size: std::mem::size_of::<so_step_result>(),
+            serial: r.serial,
+            skipped: r.skipped,
+            global_norm: r.global_norm,
+            clip_coef: r.clip_coef,
+            grad_factor: r.grad_factor,
+            loss_scale: r.loss_scale,
+            next_loss_scale: r.next_loss_scale,
+            speculative: r.speculative,
+            late_gradients: r.late_gradients,
+            kept: r.kept,
+            rescaled: r.rescaled,
+            rolled_back: r.rolled_back,
+            redone: r.redone,
+            stepped: r.stepped,
+        };
+        unsafe { write_out(out_result, "out_result", out) }
+    })
+}
+
+/// @brief The ticket that completes when the sub-group's latest step is final (0 before
+/// its first step): its master weights may be read once it is complete.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_final_ticket(session: *const so_session, subgroup: u32, out_ticket: *mut so_ticket) -> Status {
+    ffi_boundary!("so_session_final_ticket", {
+        let t = unsafe { session_ref(session)? }.final_ticket(subgroup)?;
+        unsafe { write_out(out_ticket, "out_ticket", t) }
+    })
+}
+
+/// @brief Steps the sub-group has taken (skipped steps do not count); read it after the
+/// sub-group's final ticket for the count after a step.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_step_count(session: *const so_session, subgroup: u32, out_count: *mut u64) -> Status {
+    ffi_boundary!("so_session_step_count", {
+        let n = unsafe { session_ref(session)? }.step_count(subgroup)?;
+        unsafe { write_out(out_count, "out_count", n) }
+    })
+}
+
+/// @brief The built-in loss scaler's current scale (after the latest step's verdict, which
+/// this waits for), or 1 without a scaler: multiply the loss by it before backward.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_loss_scale(session: *const so_session, out_scale: *mut f32) -> Status {
+    ffi_boundary!("so_session_loss_scale", {
+        let scale = unsafe { session_ref(session)? }.loss_scale();
+        unsafe { write_out(out_scale, "out_scale", scale) }
+    })
+}
+
+/// @brief Host bytes the session allocated (moments, gradient buffers, late gradients).
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_host_bytes(session: *const so_session, out_bytes: *mut usize) -> Status {
+    ffi_boundary!("so_session_host_bytes", {
+        let n = unsafe { session_ref(session)? }.host_bytes();
+        unsafe { write_out(out_bytes, "out_bytes", n) }
+    })
+}
+
+/// @brief The state of a ticket without waiting.
+/// @return `SO_STATUS_OK` if its work completed, `SO_STATUS_PENDING` if not yet, the
+///         work's own error status if it failed (message in `so_last_error_message`), or
+///         `SO_STATUS_NOT_FOUND` for a ticket never issued.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_ticket_query(session: *const so_session, ticket: so_ticket) -> Status {
+    ffi_boundary!("so_ticket_query", {
+        match unsafe { session_ref(session)? }.ticket_state(ticket)? {
+            TicketState::Done => Ok(()),
+            TicketState::Pending => Err(Error::new(Status::Pending, format!("ticket {ticket} has not completed yet"))),
+            TicketState::Failed(e) => Err(Error::new(e.status, format!("ticket {ticket} failed: {}", e.message))),
+        }
+    })
+}
+
+/// @brief Waits up to `timeout_ns` (negative: forever, 0: poll) for a ticket.
+/// @return `SO_STATUS_OK`, the work's error status if it failed, `SO_STATUS_TIMEOUT`, or
+///         `SO_STATUS_NOT_FOUND`. A failed step leaves its sub-group as it was before it;
+///         the session stays usable.
+/// @note Thread-safety: see `so_session`; any thread may wait.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_ticket_wait(session: *const so_session, ticket: so_ticket, timeout_ns: i64) -> Status {
+    ffi_boundary!("so_ticket_wait", { unsafe { session_ref(session)? }.wait(ticket, timeout(timeout_ns)) })
+}
+
+/// @brief Waits for every ticket up to and including `ticket`.
+/// @return `SO_STATUS_OK` if all succeeded, else the status of the first that failed.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_ticket_wait_all(session: *const so_session, ticket: so_ticket, timeout_ns: i64) -> Status {
+    ffi_boundary!("so_ticket_wait_all", { unsafe { session_ref(session)? }.wait_all(ticket, timeout(timeout_ns)) })
+}
+
+/// @brief Saves a checkpoint (safetensors; see the README for the layout), between steps,
+/// after in-flight work. Atomic: the file at `path` is either the old one or the new one.
+/// @return `SO_STATUS_OK`, `SO_STATUS_IO`, or `SO_STATUS_INVALID_STATE` during a step.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_save(session: *mut so_session, path: *const c_char) -> Status {
+    ffi_boundary!("so_session_save", {
+        let s = unsafe { session_ref(session)? };
+        s.save(&path_arg(path)?)
+    })
+}
+
+/// @brief Loads a checkpoint into the registered sub-groups (which may be partitioned
+/// differently from the saved session), between steps: master weights (written into the
+/// borrowed buffers), moments, step counts, group hyperparameters, loss-scaler state.
+/// @return `SO_STATUS_OK`; `SO_STATUS_BAD_CHECKPOINT` for a truncated, corrupt or
+///         mismatched file (then nothing changed); `SO_STATUS_IO`; `SO_STATUS_INVALID_STATE`.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_load(session: *mut so_session, path: *const c_char) -> Status {
+    ffi_boundary!("so_session_load", {
+        let s = unsafe { session_ref(session)? };
+        s.load(&path_arg(path)?)
+    })
+}
+
+fn path_arg(path: *const c_char) -> Result<std::path::PathBuf> {
+    non_null(path, "path")?;
+    // SAFETY: non-NULL and NUL-terminated per the contract.
+    let path = unsafe { CStr::from_ptr(path) }.to_str().map_err(|_| Error::invalid("path is not UTF-8"))?;
+    Ok(std::path::PathBuf::from(path))
+}
