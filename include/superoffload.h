@@ -501,6 +501,12 @@ typedef struct so_session_options {
    * `so_session_begin_step`, or 1).
    */
   const struct so_loss_scaler_options *loss_scaler;
+  /**
+   * `SO_DTYPE_NONE`, or `SO_DTYPE_BF16` / `SO_DTYPE_F16` to keep a low-precision copy of
+   * each sub-group's master weights, written in the same pass as every update (CUDA
+   * sessions then send the copy to the GPU instead of f32).
+   */
+  uint32_t copy_dtype;
 } so_session_options;
 
 /**

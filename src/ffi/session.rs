@@ -90,6 +90,10 @@ pub struct so_session_options {
     /// NULL for no built-in loss scaler (the loss scale is given to each
     /// `so_session_begin_step`, or 1).
     pub loss_scaler: *const so_loss_scaler_options,
+    /// `SO_DTYPE_NONE`, or `SO_DTYPE_BF16` / `SO_DTYPE_F16` to keep a low-precision copy of
+    /// each sub-group's master weights, written in the same pass as every update (CUDA
+    /// sessions then send the copy to the GPU instead of f32).
+    pub copy_dtype: u32,
 }
 
 /// Hyperparameters of a param group. Initialise with `so_group_hparams_default()`.
@@ -249,6 +253,7 @@ fn session_defaults() -> so_session_options {
         host_memory_limit: 0,
         amsgrad: false,
         loss_scaler: std::ptr::null(),
+        copy_dtype: so_dtype::None as u32,
     }
 }
 
@@ -424,6 +429,7 @@ pub unsafe extern "C" fn so_session_create(options: *const so_session_options, o
             host_memory_limit: (raw.host_memory_limit != 0).then_some(raw.host_memory_limit as usize),
             amsgrad: raw.amsgrad,
             loss_scaler,
+            copy_dtype: dtype_from_raw(raw.copy_dtype, "options->copy_dtype")?,
         };
         let session = Box::new(Session::new(options)?);
         // SAFETY: checked non-NULL.

@@ -100,6 +100,14 @@ impl HostBuf {
         }
     }
 
+    pub(crate) fn as_mut_ptr(&mut self) -> *mut u8 {
+        match self.floats_mut() {
+            FloatsMut::F32(s) => s.as_mut_ptr().cast(),
+            FloatsMut::Bf16(s) => s.as_mut_ptr().cast(),
+            FloatsMut::F16(s) => s.as_mut_ptr().cast(),
+        }
+    }
+
     pub(crate) fn bytes(&self) -> usize {
         self.len() * self.dtype().size()
     }

@@ -79,6 +79,9 @@ pub struct SessionOptions {
     pub amsgrad: bool,
     /// Built-in dynamic loss scaler (fp16).
     pub loss_scaler: Option<LossScalerOptions>,
+    /// Keep a bf16 or f16 copy of each sub-group's master weights, written in the same pass
+    /// as every update (what a transport can send to the device at half the bytes).
+    pub copy_dtype: Option<DType>,
 }
 
 impl Default for SessionOptions {
@@ -95,6 +98,7 @@ impl Default for SessionOptions {
             host_memory_limit: None,
             amsgrad: false,
             loss_scaler: None,
+            copy_dtype: None,
         }
     }
 }
@@ -166,6 +170,40 @@ pub struct StepResult {
     pub stepped: u32,
 }
 
+/// Where an arriving gradient goes: a slice's range of the sub-group's gradient buffer
+/// (or, after the sub-group completed, of its late-gradient buffer).
+pub struct HandOff<'a> {
+    pub sg: u32,
+    pub dst: kernels::FloatsMut<'a>,
+    /// Add to what is there (a later micro-step, or a repeated gradient), else overwrite.
+    pub accumulate: bool,
+    pub late: bool,
+}
+
+/// How gradients and weights move between the session's host buffers and the device the
+/// model lives on. Host mode has none; the CUDA transport implements it. Every hook but
+/// `pin`/`unpin` runs on the CPU-Adam thread, in ticket order.
+pub trait Transport: Send + Sync {
+    /// Page-locks a host buffer the session will copy to or from (in place).
+    fn pin(&self, ptr: *mut u8, bytes: usize) -> Result<()>;
+    /// Undoes `pin`, when the buffer is freed or no longer borrowed.
+    fn unpin(&self, ptr: *mut u8);
+    /// Before sub-group `sg`'s gradient (or late gradients) are read: wait for their copies.
+    fn gradient_ready(&self, sg: u32) -> Result<()>;
+    /// Before the master weights (or their copy) of `sg` are modified: wait until nothing
+    /// still reads them.
+    fn master_write(&self, sg: u32) -> Result<()>;
+    /// `sg`'s master weights changed (its low-precision copy too, when the session keeps one):
+    /// stage them for the device, not yet visible to the model.
+    fn weights_updated(&self, sg: u32, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()>;
+    /// `sg` is final for this step: make the staged weights the model's.
+    fn publish(&self, sg: u32) -> Result<()>;
+    /// `ticket` completes (after its work and any `publish` of it).
+    fn ticket_done(&self, ticket: Ticket);
+    /// `sg` is being removed: finish everything that touches its buffers.
+    fn subgroup_removed(&self, sg: u32);
+}
+
 /// The buffers of a sub-group, owned by whoever holds the lock: the CPU-Adam thread while
 /// it steps the sub-group, the caller while it hands a gradient over.
 pub(crate) struct SgData {
@@ -173,6 +211,8 @@ pub(crate) struct SgData {
     pub exp_avg: HostBuf,
     pub exp_avg_sq: HostBuf,
     pub grad: HostBuf,
+    /// Low-precision copy of the master weights, written by every pass that changes them.
+    pub copy: Option<HostBuf>,
     pub work: SgWork,
 }
 
@@ -229,6 +269,8 @@ struct SgTrack {
     /// Borrowed address ranges (master, gradient), for overlap checks.
     borrowed: Vec<Range<usize>>,
     host_bytes: usize,
+    /// Host buffers the transport pinned for this sub-group (addresses).
+    pinned: Vec<usize>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -267,6 +309,7 @@ struct Tracking {
 pub struct Session {
     options: SessionOptions,
     shared: Arc<WorkerShared>,
+    transport: Option<Arc<dyn Transport>>,
     tracking: Mutex<Tracking>,
     worker: Option<JoinHandle<()>>,
 }
@@ -281,7 +324,13 @@ fn validate_group(g: &GroupHparams) -> Result<()> {
 }
 
 impl Session {
+    /// A host-mode session.
     pub fn new(options: SessionOptions) -> Result<Session> {
+        Session::with_transport(options, None)
+    }
+
+    /// A session whose gradients and weights move through `transport`.
+    pub fn with_transport(options: SessionOptions, transport: Option<Arc<dyn Transport>>) -> Result<Session> {
         if options.amsgrad {
             return Err(Error::unsupported(
                 "AMSGrad is not supported: its running maximum of v cannot be rolled back, so \
@@ -294,6 +343,9 @@ impl Session {
         if let Some(s) = &options.loss_scaler {
             s.validate()?;
         }
+        if options.copy_dtype == Some(DType::F32) {
+            return Err(Error::unsupported("the master-weight copy must be bf16 or f16"));
+        }
         let pool = match (&options.pool, &options.cores) {
             (Some(_), Some(_)) => return Err(Error::invalid("give a pool or a core list, not both")),
             (Some(pool), None) => pool.clone(),
@@ -305,6 +357,7 @@ impl Session {
             tickets: Tickets::default(),
             scaler: Mutex::new(options.loss_scaler.map(LossScaler::new)),
             last_result: Mutex::new(None),
+            transport: transport.clone(),
         });
         let (sender, receiver) = channel();
         let worker_shared = shared.clone();
@@ -316,6 +369,7 @@ impl Session {
         Ok(Session {
             options,
             shared,
+            transport,
             tracking: Mutex::new(Tracking {
                 phase: Phase::Idle,
                 serial: 0,
@@ -413,19 +467,22 @@ impl Session {
 
         let moment_bytes = 2 * numel * self.options.moment_dtype.size();
         let grad_bytes = if grad.is_none() { numel * self.options.accum_dtype.size() } else { 0 };
-        let host_bytes = moment_bytes + grad_bytes;
+        let copy_bytes = self.options.copy_dtype.map_or(0, |d| numel * d.size());
+        let host_bytes = moment_bytes + grad_bytes + copy_bytes;
         self.check_memory(t.host_bytes, host_bytes)?;
         let what = "sub-group state";
-        let data = SgData {
+        let mut data = SgData {
             exp_avg: HostBuf::zeros(self.options.moment_dtype, numel, what)?,
             exp_avg_sq: HostBuf::zeros(self.options.moment_dtype, numel, what)?,
             grad: match grad {
                 Some(g) => g,
                 None => HostBuf::zeros(self.options.accum_dtype, numel, "a gradient buffer")?,
             },
+            copy: self.options.copy_dtype.map(|d| HostBuf::zeros(d, numel, "a master-weight copy")).transpose()?,
             master,
             work: SgWork::default(),
         };
+        let pinned = self.pin_all(&mut data)?;
         let id = t.subgroups.len() as u32;
         let speculative_dtypes = data.master.dtype() == DType::F32 && self.options.moment_dtype == DType::F32;
         let sg = Arc::new(SubGroup {
@@ -455,6 +512,7 @@ impl Session {
             final_ticket: 0,
             borrowed,
             host_bytes,
+            pinned,
         }));
         Ok(id)
     }
@@ -467,8 +525,14 @@ impl Session {
             return Err(state_error("sub-groups can only be removed between steps"));
         }
         let track = t.subgroups.get(sg as usize).and_then(Option::as_ref).ok_or_else(|| unknown("sub-group", sg))?;
-        let (slices, bytes) = (track.slices.clone(), track.host_bytes);
+        let (slices, bytes, pinned) = (track.slices.clone(), track.host_bytes, track.pinned.clone());
         self.shared.tickets.drain();
+        if let Some(transport) = &self.transport {
+            transport.subgroup_removed(sg);
+            for ptr in pinned {
+                transport.unpin(ptr as *mut u8);
+            }
+        }
         for i in slices {
             let name = std::mem::take(&mut t.slices[i].name);
             t.names.remove(&name);
@@ -476,6 +540,34 @@ impl Session {
         t.host_bytes -= bytes;
         t.subgroups[sg as usize] = None;
         Ok(())
+    }
+
+    /// Pins, through the transport, every buffer of a new sub-group that crosses to the
+    /// device: the master weights, the gradient buffer and the copy. Undone on failure.
+    fn pin_all(&self, data: &mut SgData) -> Result<Vec<usize>> {
+        let Some(transport) = &self.transport else { return Ok(Vec::new()) };
+        let mut buffers = vec![&mut data.master, &mut data.grad];
+        buffers.extend(data.copy.as_mut());
+        let mut pinned = Vec::new();
+        for buf in buffers {
+            let (ptr, bytes) = (buf.as_mut_ptr(), buf.bytes());
+            if let Err(e) = transport.pin(ptr, bytes) {
+                for p in pinned {
+                    transport.unpin(p as *mut u8);
+                }
+                return Err(e);
+            }
+            pinned.push(ptr as usize);
+        }
+        Ok(pinned)
+    }
+
+    /// Pins a buffer the session allocates on the fly (late gradients).
+    fn pinned(&self, mut buf: HostBuf) -> Result<HostBuf> {
+        if let Some(transport) = &self.transport {
+            transport.pin(buf.as_mut_ptr(), buf.bytes())?;
+        }
+        Ok(buf)
     }
 
     fn check_memory(&self, in_use: usize, more: usize) -> Result<()> {
@@ -570,9 +662,6 @@ impl Session {
     /// the work submitted if this completed the sub-group. A gradient for a sub-group that
     /// already completed is kept aside; the sub-group is redone at `step()`.
     pub fn grad_copy(&self, slice: u32, src: Floats<'_>) -> Result<Option<Ticket>> {
-        let mut t = self.lock();
-        let (micro, micro_steps) = backward_phase(&t, "grad_copy")?;
-        let (sg_index, range) = self.slice_target(&t, slice, src.len())?;
         if src.dtype() != self.options.grad_dtype {
             return Err(Error::invalid(format!(
                 "the gradient is {} but the session's gradient dtype is {}",
@@ -580,17 +669,33 @@ impl Session {
                 self.options.grad_dtype.name()
             )));
         }
+        self.hand_off(slice, src.len(), "grad_copy", |h| kernels::copy_into(h.dst, src, h.accumulate))
+    }
+
+    /// A gradient arrives that `deliver` writes (or starts writing: a transport may copy
+    /// asynchronously, as long as its `gradient_ready` waits for the copy) into the place
+    /// the session gives it. Completion and tickets as [`Session::grad_copy`].
+    pub fn hand_off(
+        &self,
+        slice: u32,
+        numel: usize,
+        what: &str,
+        deliver: impl FnOnce(HandOff<'_>) -> Result<()>,
+    ) -> Result<Option<Ticket>> {
+        let mut t = self.lock();
+        let (micro, micro_steps) = backward_phase(&t, what)?;
+        let (sg_index, range) = self.slice_target(&t, slice, numel)?;
         let track = t.subgroups[sg_index].as_ref().expect("checked by slice_target");
+        let sg = track.sg.clone();
         if track.submitted {
-            let sg = track.sg.clone();
-            self.add_late(&mut t, &sg, range, src)?;
+            self.add_late(&mut t, &sg, range, deliver)?;
             return Ok(None);
         }
         self.wait_final(track.final_ticket);
         let seen = t.slice_seen[slice as usize];
         {
-            let mut data = track.sg.data.lock().unwrap();
-            kernels::copy_into(data.grad.range_mut(range), src, seen > 0)?;
+            let mut data = sg.data.lock().unwrap();
+            deliver(HandOff { sg: sg.id, dst: data.grad.range_mut(range), accumulate: seen > 0, late: false })?;
         }
         Ok(self.mark_gradient(&mut t, slice, sg_index, micro, micro_steps))
     }
@@ -669,18 +774,24 @@ impl Session {
         ticket
     }
 
-    fn add_late(&self, t: &mut Tracking, sg: &SubGroup, range: Range<usize>, src: Floats<'_>) -> Result<()> {
+    fn add_late(
+        &self,
+        t: &mut Tracking,
+        sg: &SubGroup,
+        range: Range<usize>,
+        deliver: impl FnOnce(HandOff<'_>) -> Result<()>,
+    ) -> Result<()> {
         let mut late = sg.late.lock().unwrap();
         if late.is_none() {
             let bytes = sg.numel * self.options.accum_dtype.size();
             self.check_memory(t.host_bytes, bytes)?;
-            let buffer = HostBuf::zeros(self.options.accum_dtype, sg.numel, "late gradients")?;
+            let buffer = self.pinned(HostBuf::zeros(self.options.accum_dtype, sg.numel, "late gradients")?)?;
             t.host_bytes += bytes;
             *late = Some(LateGrads { buffer, ranges: Vec::new() });
         }
         let late = late.as_mut().expect("just created");
         let seen = late.ranges.contains(&range);
-        kernels::copy_into(late.buffer.range_mut(range.clone()), src, seen)?;
+        deliver(HandOff { sg: sg.id, dst: late.buffer.range_mut(range.clone()), accumulate: seen, late: true })?;
         if !seen {
             late.ranges.push(range);
         }
@@ -926,11 +1037,25 @@ fn check_no_overlap(new: &[Range<usize>], subgroups: &[Option<SgTrack>]) -> Resu
 }
 
 impl Drop for Session {
-    /// Waits for every queued step, then stops the CPU-Adam thread.
+    /// Waits for every queued step, then stops the CPU-Adam thread and unpins what the
+    /// transport pinned.
     fn drop(&mut self) {
-        drop(self.tracking.lock().unwrap_or_else(|e| e.into_inner()).jobs.take());
+        let mut t = self.tracking.lock().unwrap_or_else(|e| e.into_inner());
+        drop(t.jobs.take());
         if let Some(worker) = self.worker.take() {
             let _ = worker.join();
+        }
+        if let Some(transport) = &self.transport {
+            for (id, track) in t.subgroups.iter_mut().enumerate() {
+                let Some(track) = track else { continue };
+                transport.subgroup_removed(id as u32);
+                for &ptr in &track.pinned {
+                    transport.unpin(ptr as *mut u8);
+                }
+                if let Some(late) = track.sg.late.lock().unwrap().as_mut() {
+                    transport.unpin(late.buffer.as_mut_ptr());
+                }
+            }
         }
     }
 }

@@ -10,9 +10,9 @@ use std::sync::{Arc, Mutex};
 
 use super::scaler::LossScaler;
 use super::tickets::{Ticket, Tickets};
-use super::{GroupHparams, NormSource, StepResult, SubGroup, clip_coefficient, grad_factor};
+use super::{GroupHparams, NormSource, StepResult, SubGroup, Transport, clip_coefficient, grad_factor};
 use crate::error::{Error, Result, Status};
-use crate::kernels::{self, AdamBuffers, AdamHyper, MomentsMut, Pool, UpdateOptions};
+use crate::kernels::{self, AdamBuffers, AdamHyper, CopyOutMut, FloatsMut, MomentsMut, Pool, UpdateOptions};
 
 /// A speculative step as taken: what a rescale or rollback must use.
 #[derive(Clone, Copy, Debug)]
@@ -77,22 +77,36 @@ pub(crate) struct WorkerShared {
     pub tickets: Tickets,
     pub scaler: Mutex<Option<LossScaler>>,
     pub last_result: Mutex<Option<(Ticket, StepResult)>>,
+    pub transport: Option<Arc<dyn Transport>>,
+}
+
+impl WorkerShared {
+    fn transport(&self) -> Option<&dyn Transport> {
+        self.transport.as_deref()
+    }
+
+    fn complete(&self, ticket: Ticket, outcome: Result<()>) {
+        if let Some(t) = self.transport() {
+            t.ticket_done(ticket);
+        }
+        self.tickets.complete(ticket, outcome);
+    }
 }
 
 pub(crate) fn run(shared: Arc<WorkerShared>, jobs: Receiver<Job>) {
     while let Ok(job) = jobs.recv() {
         match job {
             Job::Speculate { sg, hp, scale, ticket } => {
-                let outcome = guarded(|| speculate(&shared.pool, &sg, hp, scale));
-                shared.tickets.complete(ticket, outcome);
+                let outcome = guarded(|| speculate(&shared, &sg, hp, scale));
+                shared.complete(ticket, outcome);
             }
             Job::SumOfSquares { sg, scale, ticket } => {
-                let outcome = guarded(|| measure(&shared.pool, &sg, scale));
-                shared.tickets.complete(ticket, outcome);
+                let outcome = guarded(|| measure(&shared, &sg, scale));
+                shared.complete(ticket, outcome);
             }
             Job::Prepare { plan, ticket } => {
-                let outcome = guarded(|| prepare(&shared.pool, &plan));
-                shared.tickets.complete(ticket, outcome);
+                let outcome = guarded(|| prepare(&shared, &plan));
+                shared.complete(ticket, outcome);
             }
             Job::Finalize(plan) => finalize(&shared, *plan),
         }
@@ -117,18 +131,41 @@ fn buffers(data: &mut super::SgData) -> AdamBuffers<'_> {
         (kernels::FloatsMut::Bf16(m), kernels::FloatsMut::Bf16(v)) => MomentsMut::Bf16 { exp_avg: m, exp_avg_sq: v },
         _ => unreachable!("moments are allocated f32 or bf16, both alike"),
     };
-    AdamBuffers { param: data.master.floats_mut(), grad: data.grad.floats(), moments, copy_out: None }
+    let copy_out = data.copy.as_mut().map(|c| match c.floats_mut() {
+        FloatsMut::F16(s) => CopyOutMut::F16(s),
+        FloatsMut::Bf16(s) => CopyOutMut::Bf16(s),
+        FloatsMut::F32(_) => unreachable!("copies are bf16 or f16"),
+    });
+    AdamBuffers { param: data.master.floats_mut(), grad: data.grad.floats(), moments, copy_out }
 }
 
-fn speculate(pool: &Pool, sg: &SubGroup, mut hp: AdamHyper, scale: f32) -> Result<()> {
+/// Tells the transport that a pass changed the master weights.
+fn staged(shared: &WorkerShared, sg: &SubGroup, data: &super::SgData) -> Result<()> {
+    match shared.transport() {
+        Some(t) => t.weights_updated(sg.id, data.master.floats(), data.copy.as_ref().map(|c| c.floats())),
+        None => Ok(()),
+    }
+}
+
+fn gradient_ready(shared: &WorkerShared, sg: &SubGroup) -> Result<()> {
+    shared.transport().map_or(Ok(()), |t| t.gradient_ready(sg.id))
+}
+
+fn master_write(shared: &WorkerShared, sg: &SubGroup) -> Result<()> {
+    shared.transport().map_or(Ok(()), |t| t.master_write(sg.id))
+}
+
+fn speculate(shared: &WorkerShared, sg: &SubGroup, mut hp: AdamHyper, scale: f32) -> Result<()> {
+    gradient_ready(shared, sg)?;
     let mut data = sg.data.lock().unwrap();
+    master_write(shared, sg)?;
     hp.step = data.work.step_count + 1;
     let opts = UpdateOptions { grad_scale: scale, check_finite: true, grad_sumsq: true };
-    match kernels::update(pool, &hp, buffers(&mut data), &opts) {
+    match kernels::update(&shared.pool, &hp, buffers(&mut data), &opts) {
         Ok(report) => {
             data.work.spec = Some(SpecRecord { hp, scale });
             data.work.sumsq = report.grad_sumsq;
-            Ok(())
+            staged(shared, sg, &data)
         }
         Err(e) => {
             // Nothing was modified; a non-finite gradient makes this step skipped at step().
@@ -138,28 +175,33 @@ fn speculate(pool: &Pool, sg: &SubGroup, mut hp: AdamHyper, scale: f32) -> Resul
     }
 }
 
-fn measure(pool: &Pool, sg: &SubGroup, scale: f32) -> Result<()> {
+fn measure(shared: &WorkerShared, sg: &SubGroup, scale: f32) -> Result<()> {
+    gradient_ready(shared, sg)?;
     let mut data = sg.data.lock().unwrap();
-    let sumsq = kernels::grad_sumsq(pool, data.grad.floats(), scale)?;
+    let sumsq = kernels::grad_sumsq(&shared.pool, data.grad.floats(), scale)?;
     data.work.sumsq = Some(sumsq);
     Ok(())
 }
 
-fn prepare(pool: &Pool, plan: &PreparePlan) -> Result<()> {
+fn prepare(shared: &WorkerShared, plan: &PreparePlan) -> Result<()> {
+    let pool = &shared.pool;
     for entry in &plan.entries {
+        gradient_ready(shared, &entry.sg)?;
         let mut data = entry.sg.data.lock().unwrap();
         for range in &entry.unseen {
             data.grad.zero_range(range.clone());
         }
         let mut late = entry.sg.late.lock().unwrap();
-        if let Some(late) = late.take() {
-            // A gradient arrived after the speculative step: undo it, then merge.
+        if let Some(late) = late.as_mut().filter(|l| !l.ranges.is_empty()) {
+            // A gradient arrived after the speculative step: undo it, then merge. The
+            // buffer stays allocated (and pinned) for the next late gradient.
             if let Some(spec) = data.work.spec.take() {
+                master_write(shared, &entry.sg)?;
                 kernels::rollback(pool, &spec.hp, buffers(&mut data), spec.scale)?;
                 data.work.redo = true;
             }
-            for range in &late.ranges {
-                kernels::copy_into(data.grad.range_mut(range.clone()), late.buffer.range(range.clone()), true)?;
+            for range in late.ranges.drain(..) {
+                kernels::copy_into(data.grad.range_mut(range.clone()), late.buffer.range(range), true)?;
             }
             data.work.sumsq = None;
         }
@@ -182,7 +224,7 @@ fn finalize(shared: &WorkerShared, plan: FinalizePlan) {
         ..StepResult::default()
     };
     let prepared = match &plan.prepare {
-        Some(p) => guarded(|| prepare(&shared.pool, p)),
+        Some(p) => guarded(|| prepare(shared, p)),
         None => Ok(()),
     };
 
@@ -208,58 +250,65 @@ fn finalize(shared: &WorkerShared, plan: FinalizePlan) {
     } else {
         result.next_loss_scale = plan.loss_scale;
     }
-    shared.tickets.complete(plan.decide_ticket, prepared.clone());
+    shared.complete(plan.decide_ticket, prepared.clone());
 
     // Make every sub-group exact, in forward order.
     for (sg, ticket) in &plan.subgroups {
         let group = plan.groups[sg.group as usize];
-        let outcome = guarded(|| fix(&shared.pool, sg, group, &mut result));
-        shared.tickets.complete(*ticket, outcome);
+        let outcome = guarded(|| fix(shared, sg, group, &mut result));
+        shared.complete(*ticket, outcome);
     }
     *shared.last_result.lock().unwrap() = Some((plan.step_ticket, result));
-    shared.tickets.complete(plan.step_ticket, prepared);
+    shared.complete(plan.step_ticket, prepared);
 }
 
 fn same_hyperparameters(a: &AdamHyper, b: &GroupHparams) -> bool {
     a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps && a.weight_decay == b.weight_decay
 }
 
-fn fix(pool: &Pool, sg: &SubGroup, group: GroupHparams, result: &mut StepResult) -> Result<()> {
+fn fix(shared: &WorkerShared, sg: &SubGroup, group: GroupHparams, result: &mut StepResult) -> Result<()> {
+    let pool = &shared.pool;
     let mut data = sg.data.lock().unwrap();
     let spec = data.work.spec.take();
     let redo = std::mem::take(&mut data.work.redo);
     data.work.sumsq = None;
     if result.skipped {
         if let Some(spec) = spec {
+            master_write(shared, sg)?;
             kernels::rollback(pool, &spec.hp, buffers(&mut data), spec.scale)?;
             result.rolled_back += 1;
         } else if redo {
             // Already undone for its late gradient; a skipped step leaves it so.
             result.rolled_back += 1;
         }
+        // The model keeps its weights: staged weights of a skipped step are never published.
         return Ok(());
     }
     let factor = result.grad_factor;
     let hp = sg.hyper(group, data.work.step_count + 1);
+    let update = UpdateOptions { grad_scale: factor, ..Default::default() };
     match spec {
+        Some(spec) if same_hyperparameters(&spec.hp, &group) && spec.scale == factor => result.kept += 1,
         Some(spec) if same_hyperparameters(&spec.hp, &group) => {
-            if spec.scale != factor {
-                if let Err(e) = kernels::rescale(pool, &spec.hp, buffers(&mut data), spec.scale, factor) {
-                    data.work.spec = Some(spec);
-                    return Err(e);
-                }
-                result.rescaled += 1;
-            } else {
-                result.kept += 1;
+            master_write(shared, sg)?;
+            if let Err(e) = kernels::rescale(pool, &spec.hp, buffers(&mut data), spec.scale, factor) {
+                data.work.spec = Some(spec);
+                return Err(e);
             }
+            staged(shared, sg, &data)?;
+            result.rescaled += 1;
         }
         Some(spec) => {
+            master_write(shared, sg)?;
             kernels::rollback(pool, &spec.hp, buffers(&mut data), spec.scale)?;
-            kernels::update(pool, &hp, buffers(&mut data), &UpdateOptions { grad_scale: factor, ..Default::default() })?;
+            kernels::update(pool, &hp, buffers(&mut data), &update)?;
+            staged(shared, sg, &data)?;
             result.redone += 1;
         }
         None => {
-            kernels::update(pool, &hp, buffers(&mut data), &UpdateOptions { grad_scale: factor, ..Default::default() })?;
+            master_write(shared, sg)?;
+            kernels::update(pool, &hp, buffers(&mut data), &update)?;
+            staged(shared, sg, &data)?;
             if redo {
                 result.redone += 1;
             } else {
@@ -268,5 +317,8 @@ fn fix(pool: &Pool, sg: &SubGroup, group: GroupHparams, result: &mut StepResult)
         }
     }
     data.work.step_count += 1;
-    Ok(())
+    match shared.transport() {
+        Some(t) => t.publish(sg.id),
+        None => Ok(()),
+    }
 }
