@@ -28,7 +28,7 @@
  * Result status of every fallible call (`so_status` in C). `SO_STATUS_OK` (0) is success.
  *
  * Values are grouped by origin and never reused: 1–19 arguments and state, 20–29
- * numerics, 30–39 resources, 40–49 waiting, 50–59 files, 90–99 internal.
+ * numerics, 30–39 resources, 40–49 waiting, 50–59 files, 60–69 CUDA, 90–99 internal.
  */
 enum so_status
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -93,6 +93,18 @@ enum so_status
    * A checkpoint file is truncated, corrupt, or does not match the session.
    */
   SO_STATUS_BAD_CHECKPOINT = 51,
+  /**
+   * No CUDA driver or device could be found (a host-mode session still works).
+   */
+  SO_STATUS_CUDA_UNAVAILABLE = 60,
+  /**
+   * A CUDA call failed; the message names the call and the driver's error.
+   */
+  SO_STATUS_CUDA_ERROR = 61,
+  /**
+   * A CUDA stream is being captured into a graph, where the session cannot work.
+   */
+  SO_STATUS_STREAM_CAPTURING = 62,
   /**
    * A panic was caught inside the library; this is a bug in superoffload.
    */

@@ -14,6 +14,12 @@
  * Thread-safety: as the C functions underneath. Kernels may be called from any number of
  * threads at once on disjoint buffers; a Pool may be used from many threads at once, but one
  * Pool object (the handle) must not be moved, reset or destroyed while another thread uses it.
+ * The same holds for a Session (whose calls the library serialises).
+ *
+ * Sessions (superoffload::Session, the `so_session_*` and `so_ticket_*` functions): a wait
+ * that times out is not an error. Waiting calls without a Timeout wait forever; with one,
+ * they return `bool` or `std::optional`, false or empty when the timeout expired. See the
+ * "Sessions" section.
  *
  * @code
  *   namespace so = superoffload;
@@ -25,6 +31,19 @@
  *   so::UpdateOptions opts;
  *   opts.compute_grad_sumsq = true;
  *   double sumsq = *so::adam_update(pool, hp, bufs, opts);
+ *
+ *   so::SessionOptions so_opts;                 // AdamW, f32 everything, speculation on
+ *   so_opts.pool = pool;
+ *   so::Session session = so::Session::create(so_opts);
+ *   std::uint32_t g = session.add_group();       // torch.optim.AdamW defaults
+ *   session.add_subgroup(g, master, {{"w", 0, 1000}, {"b", 1000, 10}});  // std::vector<float>
+ *   const std::uint32_t w = session.slice_id("w"), b = session.slice_id("b");
+ *   session.begin_step();
+ *   session.grad_copy(b, grad_b);                // containers of the session's grad dtype
+ *   session.grad_copy(w, grad_w);                // completes the sub-group: speculative step
+ *   so::StepArgs args;
+ *   args.max_norm = 1.0;
+ *   const so::StepResult r = session.step_result(session.step(args));
  * @endcode
  */
 #ifndef SUPEROFFLOAD_HPP
@@ -33,6 +52,8 @@
 #include "superoffload.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -732,6 +753,832 @@ template <class G, std::enable_if_t<is_element_v<G>, int> = 0>
 [[nodiscard]] double grad_sumsq(PoolRef pool, const G* grad, std::size_t numel, float scale = 1.0f) {
     return grad_sumsq(pool, static_cast<const void*>(grad), dtype_of<G>::value, numel, scale);
 }
+
+// ------------------------------------------------------------------------------------------
+// Sessions
+// ------------------------------------------------------------------------------------------
+//
+// Waiting, timeouts and errors in the session API:
+//
+// - Every call that waits comes in two forms. Without a Timeout argument it waits forever
+//   (the default) and returns its value; with a Timeout it returns `bool` (wait, wait_all) or
+//   `std::optional` (step_result, local_grad_sumsq), which is false / empty iff the timeout
+//   expired. An expired timeout is never an exception: nothing was changed, call again to
+//   keep waiting.
+// - Everything else that fails throws superoffload::Error, with the status and message of the
+//   C call (misuse, unknown ids, and the failure of the awaited work itself, e.g.
+//   `SO_STATUS_NON_FINITE` from a speculative step).
+// - Session::query never waits and never throws for the state of a ticket: it returns
+//   TicketStatus (done, pending, or failed with the work's Error).
+
+/**
+ * A ticket (`so_ticket`): a number in a per-session sequence, from 1, of work items that
+ * complete in order. 0 (superoffload::no_ticket) means "no work" and is always complete.
+ */
+using Ticket = so_ticket;
+
+/** The ticket meaning "no work was queued"; always complete. */
+inline constexpr Ticket no_ticket = 0;
+
+/**
+ * How long a waiting call may wait. Converts implicitly from any std::chrono::duration;
+ * default-constructed (superoffload::forever) it waits without limit.
+ *
+ * Conversion from a duration: rounded up to whole nanoseconds (a wait never gives up before
+ * the duration has passed); zero, negative or NaN durations are an expired timeout, so the
+ * call only polls (as with std::condition_variable::wait_for); 2^63 ns (about 292 years) or
+ * more waits forever.
+ *
+ * Ownership: a plain value. Thread-safety: a plain value.
+ */
+class Timeout {
+public:
+    /** Waits forever. @note Never throws. */
+    constexpr Timeout() noexcept = default;
+
+    /** At most `d` (see the class comment for rounding and limits). @note Never throws. */
+    template <class Rep, class Period>
+    Timeout(const std::chrono::duration<Rep, Period>& d) noexcept // NOLINT(google-explicit-constructor)
+        : ns_(from_duration(d)) {}
+
+    /** Whether this waits without limit. @note Never throws. */
+    [[nodiscard]] constexpr bool is_forever() const noexcept { return ns_ < 0; }
+
+    /** The timeout as the C functions take it: nanoseconds, negative for forever. @note Never throws. */
+    [[nodiscard]] constexpr std::int64_t c_ns() const noexcept { return ns_; }
+
+private:
+    template <class Rep, class Period>
+    static std::int64_t from_duration(const std::chrono::duration<Rep, Period>& d) noexcept {
+        const long double ns = std::chrono::duration<long double, std::nano>(d).count();
+        if (!(ns > 0.0L)) {
+            return 0;
+        }
+        if (ns >= 9223372036854775807.0L) {
+            return -1;
+        }
+        return static_cast<std::int64_t>(std::ceil(ns));
+    }
+
+    std::int64_t ns_ = -1;
+};
+
+/** Wait without limit: the default of every waiting call. */
+inline constexpr Timeout forever{};
+
+/**
+ * Settings of the built-in dynamic loss scaler (the C++ form of `so_loss_scaler_options`).
+ * Default-constructed, it holds the library's defaults (torch GradScaler's: scale 65536,
+ * growth 2, backoff 0.5, interval 2000, hysteresis 1, minimum 1).
+ * Ownership: a plain value. Thread-safety: a plain value.
+ */
+struct LossScalerOptions {
+    float init_scale;             ///< Scale of the first step.
+    float growth_factor;          ///< Multiplies the scale after growth_interval clean steps; > 1.
+    float backoff_factor;         ///< Multiplies the scale after an overflow; in (0, 1).
+    std::uint32_t growth_interval; ///< Steps without overflow before the scale grows; >= 1.
+    std::uint32_t hysteresis;     ///< Overflowing steps tolerated before backing off; >= 1.
+    float min_scale;              ///< The scale never goes below this.
+
+    /** The library's defaults. @note Never throws. */
+    LossScalerOptions() noexcept : LossScalerOptions(so_loss_scaler_options_default()) {}
+
+    /** The values of a C struct (its struct_size is not kept). @note Never throws. */
+    explicit LossScalerOptions(const so_loss_scaler_options& raw) noexcept
+        : init_scale(raw.init_scale), growth_factor(raw.growth_factor), backoff_factor(raw.backoff_factor),
+          growth_interval(raw.growth_interval), hysteresis(raw.hysteresis), min_scale(raw.min_scale) {}
+
+    /** The C struct, with struct_size set. @note Never throws. */
+    [[nodiscard]] so_loss_scaler_options to_c() const noexcept {
+        so_loss_scaler_options raw = so_loss_scaler_options_default();
+        raw.init_scale = init_scale;
+        raw.growth_factor = growth_factor;
+        raw.backoff_factor = backoff_factor;
+        raw.growth_interval = growth_interval;
+        raw.hysteresis = hysteresis;
+        raw.min_scale = min_scale;
+        return raw;
+    }
+};
+
+/**
+ * How to create a Session (the C++ form of `so_session_options`). Default-constructed, it
+ * holds `so_session_options_default()`: the default pool, AdamW with bias correction, f32
+ * moments, gradients and accumulation, speculation on, no memory limit, no loss scaler, no
+ * master-weight copy.
+ *
+ * Ownership: a plain value. `pool` is a reference: the session takes its own reference to
+ * the pool, so the Pool may be destroyed once Session::create has returned. The core list is
+ * copied by Session::create.
+ */
+struct SessionOptions {
+    /** Pool for the optimizer passes; nullptr (the default) for the default pool or, with `cores`, a pool of the session's own. */
+    PoolRef pool;
+    /** Cores for a pool of the session's own (one pinned thread each); empty for none. Not with `pool`. */
+    std::vector<std::uint32_t> cores;
+    /** How weight decay enters the steps. */
+    Mode mode;
+    /** Divide the moments by 1 - beta^t. */
+    bool bias_correction;
+    /** DType::F32 or DType::Bf16 (bf16 moments never speculate: rollback needs f32). */
+    DType moment_dtype;
+    /** DType of the gradients handed to Session::grad_copy. */
+    DType grad_dtype;
+    /** DType of the sub-group gradient buffers, in which micro-steps accumulate. */
+    DType accum_dtype;
+    /** Step complete sub-groups during backward. */
+    bool speculation;
+    /** Host bytes the session may allocate (moments, gradient buffers); 0 for no limit. */
+    std::uint64_t host_memory_limit;
+    /** Must stay false: sessions refuse AMSGrad (its running maximum cannot be rolled back). */
+    bool amsgrad;
+    /** The built-in loss scaler's settings; std::nullopt (the default) for none. */
+    std::optional<LossScalerOptions> loss_scaler;
+    /**
+     * DType::None (the default), or DType::Bf16 / DType::F16 to keep a low-precision copy of
+     * each sub-group's master weights, written in the same pass as every update.
+     */
+    DType copy_dtype;
+
+    /** The library's defaults. @note Never throws. */
+    SessionOptions() noexcept : SessionOptions(so_session_options_default()) {}
+
+    /**
+     * The values of a C struct (pool, cores and loss scaler are not kept: set them here).
+     * @note Never throws.
+     */
+    explicit SessionOptions(const so_session_options& raw) noexcept
+        : pool(), cores(), mode(static_cast<Mode>(raw.mode)), bias_correction(raw.bias_correction),
+          moment_dtype(static_cast<DType>(raw.moment_dtype)), grad_dtype(static_cast<DType>(raw.grad_dtype)),
+          accum_dtype(static_cast<DType>(raw.accum_dtype)), speculation(raw.speculation),
+          host_memory_limit(raw.host_memory_limit), amsgrad(raw.amsgrad), loss_scaler(),
+          copy_dtype(static_cast<DType>(raw.copy_dtype)) {}
+};
+
+/**
+ * Hyperparameters of a param group (the C++ form of `so_group_hparams`). Default-constructed,
+ * it holds torch.optim.AdamW's (lr 1e-3, betas 0.9 and 0.999, eps 1e-8, weight decay 0.01).
+ * Ownership: a plain value. Thread-safety: a plain value.
+ */
+struct GroupHparams {
+    double lr;           ///< Learning rate, finite and >= 0.
+    double beta1;        ///< In [0, 1); 0 disables speculation for the group's sub-groups.
+    double beta2;        ///< In [0, 1); 0 disables speculation for the group's sub-groups.
+    double eps;          ///< Finite and >= 0.
+    double weight_decay; ///< Finite and >= 0.
+
+    /** The library's defaults. @note Never throws. */
+    GroupHparams() noexcept : GroupHparams(so_group_hparams_default()) {}
+
+    /** The values of a C struct (its struct_size is not kept). @note Never throws. */
+    explicit GroupHparams(const so_group_hparams& raw) noexcept
+        : lr(raw.lr), beta1(raw.beta1), beta2(raw.beta2), eps(raw.eps), weight_decay(raw.weight_decay) {}
+
+    /** The C struct, with struct_size set. @note Never throws. */
+    [[nodiscard]] so_group_hparams to_c() const noexcept {
+        so_group_hparams raw = so_group_hparams_default();
+        raw.lr = lr;
+        raw.beta1 = beta1;
+        raw.beta2 = beta2;
+        raw.eps = eps;
+        raw.weight_decay = weight_decay;
+        return raw;
+    }
+
+    /** Field-wise equality (exact, as the session compares hyperparameters). */
+    friend bool operator==(const GroupHparams& a, const GroupHparams& b) noexcept {
+        return a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps &&
+               a.weight_decay == b.weight_decay;
+    }
+    /** Field-wise inequality. */
+    friend bool operator!=(const GroupHparams& a, const GroupHparams& b) noexcept { return !(a == b); }
+};
+
+/**
+ * One named param slice of a sub-group (the C++ form of `so_slice_desc`): `numel` elements
+ * from `offset` within the sub-group. Names are unique in the session; Session::add_subgroup
+ * copies them.
+ * Ownership: a plain value. Thread-safety: a plain value.
+ */
+struct Slice {
+    std::string name;        ///< Non-empty, without NUL characters, unique in the session.
+    std::size_t offset = 0;  ///< First element within the sub-group.
+    std::size_t numel = 0;   ///< Elements, >= 1.
+};
+
+/**
+ * What Session::step is told (the C++ form of `so_step_args`). Default-constructed: no
+ * clipping, the session's own (local) norm, no overflow.
+ * Ownership: a plain value. Thread-safety: a plain value.
+ */
+struct StepArgs {
+    /** Clip the global norm to this (torch's clip_grad_norm_); 0 disables clipping. */
+    double max_norm = 0.0;
+    /**
+     * The global norm of the unscaled gradient computed by the caller (e.g. all-reduced
+     * across ranks from Session::local_grad_sumsq; inf or NaN skips the step), or
+     * std::nullopt for the session's own norm.
+     */
+    std::optional<double> global_norm = std::nullopt;
+    /** The caller saw an overflow (e.g. on another rank): skip the step. */
+    bool overflow = false;
+
+    /** The C struct, with struct_size set. @note Never throws. */
+    [[nodiscard]] so_step_args to_c() const noexcept {
+        so_step_args raw = so_step_args_default();
+        raw.max_norm = max_norm;
+        raw.norm_source = global_norm ? static_cast<std::uint32_t>(SO_NORM_SOURCE_GIVEN)
+                                      : static_cast<std::uint32_t>(SO_NORM_SOURCE_LOCAL);
+        raw.global_norm = global_norm.value_or(0.0);
+        raw.overflow = overflow;
+        return raw;
+    }
+};
+
+/**
+ * The outcome of one step (the C++ form of `so_step_result`; see there for each field).
+ * Ownership: a plain value. Thread-safety: a plain value.
+ */
+struct StepResult {
+    std::uint64_t serial = 0;        ///< 1 for the session's first step, then one more per begin_step.
+    bool skipped = false;            ///< Overflow, non-finite gradient or norm: nothing was stepped.
+    double global_norm = 0.0;        ///< Global norm of the unscaled gradient.
+    double clip_coef = 1.0;          ///< Clip coefficient applied (1 when not clipped or skipped).
+    float grad_factor = 0.0f;        ///< The factor the gradients were stepped with: clip_coef / loss_scale.
+    float loss_scale = 0.0f;         ///< The loss scale this step's backward used.
+    float next_loss_scale = 0.0f;    ///< The loss scale of the next step.
+    std::uint32_t speculative = 0;   ///< Speculative steps submitted during backward.
+    std::uint32_t late_gradients = 0; ///< Gradients that arrived after their sub-group's speculative step.
+    std::uint32_t kept = 0;          ///< Speculative steps kept as taken.
+    std::uint32_t rescaled = 0;      ///< Speculative steps rescaled to the final factor.
+    std::uint32_t rolled_back = 0;   ///< Speculative steps undone (skipped step).
+    std::uint32_t redone = 0;        ///< Speculative steps undone and taken again.
+    std::uint32_t stepped = 0;       ///< Sub-groups stepped at step() that had not speculated.
+
+    /** All zero (clip_coef 1). @note Never throws. */
+    StepResult() noexcept = default;
+
+    /** The values of a C struct. @note Never throws. */
+    explicit StepResult(const so_step_result& raw) noexcept
+        : serial(raw.serial), skipped(raw.skipped), global_norm(raw.global_norm), clip_coef(raw.clip_coef),
+          grad_factor(raw.grad_factor), loss_scale(raw.loss_scale), next_loss_scale(raw.next_loss_scale),
+          speculative(raw.speculative), late_gradients(raw.late_gradients), kept(raw.kept), rescaled(raw.rescaled),
+          rolled_back(raw.rolled_back), redone(raw.redone), stepped(raw.stepped) {}
+};
+
+/** Where the work behind a ticket stands (TicketStatus::state). */
+enum class TicketState {
+    Done,    ///< Completed successfully.
+    Pending, ///< Not completed yet.
+    Failed,  ///< Completed with an error (TicketStatus::error).
+};
+
+/**
+ * What Session::query reports about a ticket: its state and, if the work failed, the Error
+ * it failed with (the status and message that waiting on it would throw).
+ * Ownership: a plain value. Thread-safety: a plain value.
+ */
+struct TicketStatus {
+    TicketState state = TicketState::Pending; ///< Done, pending or failed.
+    std::optional<Error> error = std::nullopt; ///< Set iff state is TicketState::Failed.
+
+    /** Whether the work completed successfully. @note Never throws. */
+    [[nodiscard]] bool done() const noexcept { return state == TicketState::Done; }
+    /** Whether the work has not completed yet. @note Never throws. */
+    [[nodiscard]] bool pending() const noexcept { return state == TicketState::Pending; }
+    /** Whether the work completed with an error. @note Never throws. */
+    [[nodiscard]] bool failed() const noexcept { return state == TicketState::Failed; }
+};
+
+namespace detail {
+inline const char* dtype_name(DType d) noexcept {
+    switch (d) {
+    case DType::None: return "none";
+    case DType::F32: return "f32";
+    case DType::Bf16: return "bf16";
+    case DType::F16: return "f16";
+    }
+    return "unknown dtype";
+}
+
+/** The element type of a contiguous container (what its data() points at). */
+template <class C>
+using data_element_t = std::remove_pointer_t<decltype(std::declval<C&>().data())>;
+
+/** Throws Error(`SO_STATUS_INVALID_ARGUMENT`) if `s` holds a NUL character (C would truncate it). */
+inline void check_c_string(const std::string& s, const char* what, const char* where) {
+    if (s.find('\0') != std::string::npos) {
+        throw Error(SO_STATUS_INVALID_ARGUMENT,
+                    std::string("superoffload::Session::") + where + ": " + what + " contains a NUL character");
+    }
+}
+} // namespace detail
+
+/**
+ * An owned offload session (`so_session*`): sub-groups of parameters whose Adam state lives in
+ * host memory, stepped speculatively during backward on the session's CPU-Adam thread and
+ * made exact at step(). Move-only; destroying it calls `so_session_destroy`, which waits for
+ * every queued step, then stops the thread and frees the session's memory. A default-
+ * constructed or moved-from Session is empty: destroying, resetting or moving it is safe and
+ * does nothing; any other call on it throws Error (`SO_STATUS_NULL_ARGUMENT`).
+ *
+ * One step: begin_step(); grad_copy() (or grad_written()) for every slice, next_micro_step()
+ * between micro-steps; optionally local_grad_sumsq(); step(), which returns at once with a
+ * ticket; step_result(ticket). Master weights may be read again once the sub-group's
+ * final_ticket() (or the step's ticket) is complete.
+ *
+ * Borrowed memory: the master weights (and caller gradient buffers) given to add_subgroup
+ * are borrowed until the sub-group is removed or the session destroyed (see
+ * `so_session_add_subgroup`): they must stay valid, and must not be touched from the
+ * hand-off that completes their sub-group until its final ticket of that step.
+ *
+ * Errors and waiting: see the comment at the top of this section. Every function not marked
+ * `noexcept` throws Error when the C call fails.
+ *
+ * Thread-safety: calls on one session may come from several threads at once (the library
+ * serialises them), but the Session object itself must not be moved, reset or destroyed
+ * while another thread uses it.
+ */
+class Session {
+public:
+    /** An empty session handle (nothing to destroy). @note Never throws. */
+    Session() noexcept = default;
+
+    /**
+     * Creates a session and starts its CPU-Adam thread.
+     * @throws Error `SO_STATUS_UNSUPPORTED` (AMSGrad, f16 moments), `SO_STATUS_INVALID_ARGUMENT`
+     *         (a pool and cores both given, bad cores, bad dtypes or loss-scaler settings),
+     *         `SO_STATUS_OUT_OF_RESOURCES` (threads cannot start).
+     */
+    [[nodiscard]] static Session create(const SessionOptions& options = {}) {
+        so_session_options raw = so_session_options_default();
+        raw.pool = options.pool.raw();
+        raw.cores = options.cores.empty() ? nullptr : options.cores.data();
+        raw.num_cores = options.cores.size();
+        raw.mode = static_cast<std::uint32_t>(options.mode);
+        raw.bias_correction = options.bias_correction;
+        raw.moment_dtype = static_cast<std::uint32_t>(options.moment_dtype);
+        raw.grad_dtype = static_cast<std::uint32_t>(options.grad_dtype);
+        raw.accum_dtype = static_cast<std::uint32_t>(options.accum_dtype);
+        raw.speculation = options.speculation;
+        raw.host_memory_limit = options.host_memory_limit;
+        raw.amsgrad = options.amsgrad;
+        raw.copy_dtype = static_cast<std::uint32_t>(options.copy_dtype);
+        so_loss_scaler_options scaler = so_loss_scaler_options_default();
+        if (options.loss_scaler) {
+            scaler = options.loss_scaler->to_c();
+            raw.loss_scaler = &scaler;
+        }
+        so_session* out = nullptr;
+        check(so_session_create(&raw, &out));
+        return adopt(out, options.grad_dtype, options.accum_dtype);
+    }
+
+    /**
+     * Takes ownership of a handle from `so_session_create` (or nullptr, giving an empty
+     * Session). `grad_dtype` and `accum_dtype` must be those the session was created with:
+     * the typed calls check their element types against them.
+     * @note Never throws.
+     */
+    [[nodiscard]] static Session adopt(so_session* raw, DType grad_dtype, DType accum_dtype) noexcept {
+        Session session;
+        session.handle_.reset(raw);
+        session.grad_dtype_ = grad_dtype;
+        session.accum_dtype_ = accum_dtype;
+        return session;
+    }
+
+    /** Whether this handle owns a session. @note Never throws. */
+    explicit operator bool() const noexcept { return handle_ != nullptr; }
+
+    /** The C handle, still owned by this object (nullptr when empty). @note Never throws. */
+    [[nodiscard]] so_session* raw() const noexcept { return handle_.get(); }
+
+    /** Gives up ownership: returns the C handle (the caller must `so_session_destroy` it). */
+    [[nodiscard]] so_session* release() noexcept { return handle_.release(); }
+
+    /** Destroys the owned session now (waiting for its queued work), leaving this handle empty. */
+    void reset() noexcept { handle_.reset(); }
+
+    /** The dtype grad_copy expects (SessionOptions::grad_dtype). @note Never throws. */
+    [[nodiscard]] DType grad_dtype() const noexcept { return grad_dtype_; }
+
+    /** The dtype of the sub-group gradient buffers (SessionOptions::accum_dtype). @note Never throws. */
+    [[nodiscard]] DType accum_dtype() const noexcept { return accum_dtype_; }
+
+    // ---- param groups ----------------------------------------------------------------
+
+    /**
+     * Adds a param group. @return Its id (0, 1, ... in order of addition).
+     * @throws Error `SO_STATUS_INVALID_ARGUMENT` for out-of-range values.
+     */
+    std::uint32_t add_group(const GroupHparams& hparams = {}) {
+        const so_group_hparams raw = hparams.to_c();
+        std::uint32_t id = 0;
+        check(so_session_add_group(handle_.get(), &raw, &id));
+        return id;
+    }
+
+    /**
+     * Changes a group's hyperparameters, at any time (`so_session_set_group`: speculative
+     * steps already taken with other values are rolled back and redone at step()).
+     * @throws Error `SO_STATUS_NOT_FOUND` (unknown group), `SO_STATUS_INVALID_ARGUMENT`.
+     */
+    void set_group(std::uint32_t group, const GroupHparams& hparams) {
+        const so_group_hparams raw = hparams.to_c();
+        check(so_session_set_group(handle_.get(), group, &raw));
+    }
+
+    /** A group's current hyperparameters. @throws Error `SO_STATUS_NOT_FOUND` (unknown group). */
+    [[nodiscard]] GroupHparams group(std::uint32_t group) const {
+        so_group_hparams raw = so_group_hparams_default();
+        check(so_session_get_group(handle_.get(), group, &raw));
+        return GroupHparams(raw);
+    }
+
+    // ---- sub-groups ------------------------------------------------------------------
+
+    /**
+     * Registers a sub-group of `numel` master weights (float: speculates; bf16 or f16:
+     * stepped at step()) in `group`, with the slices whose gradients complete it; the session
+     * allocates its gradient buffer. `master` is borrowed (see the class comment).
+     * Sub-groups are finalized in registration order: register them in forward order.
+     * @return The sub-group id (0, 1, ... in order of registration).
+     * @throws Error `SO_STATUS_INVALID_STATE` (during a step), `SO_STATUS_NOT_FOUND` (unknown
+     *         group), `SO_STATUS_ALIASING` (overlapping slices or buffers),
+     *         `SO_STATUS_INVALID_ARGUMENT` (bad slices or names), `SO_STATUS_OUT_OF_RESOURCES`
+     *         (host-memory limit). Nothing is registered on error.
+     */
+    template <class T, std::enable_if_t<is_element_v<T>, int> = 0>
+    std::uint32_t add_subgroup(std::uint32_t group, T* master, std::size_t numel, const std::vector<Slice>& slices) {
+        return add_subgroup_impl(group, master, dtype_of<T>::value, numel, slices, nullptr);
+    }
+
+    /**
+     * As add_subgroup(group, master, numel, slices), with a caller gradient buffer of
+     * `numel` elements of the accumulation dtype, also borrowed, for grad_written().
+     * @throws Error as the other form, and `SO_STATUS_INVALID_ARGUMENT` (from the wrapper) if
+     *         `A` is not the session's accum_dtype().
+     */
+    template <class T, class A, std::enable_if_t<is_element_v<T> && is_element_v<A>, int> = 0>
+    std::uint32_t add_subgroup(std::uint32_t group, T* master, std::size_t numel, const std::vector<Slice>& slices,
+                               A* grad) {
+        if (handle_ && dtype_of<A>::value != accum_dtype_) {
+            throw Error(SO_STATUS_INVALID_ARGUMENT, std::string("superoffload::Session::add_subgroup: the gradient "
+                                                                "buffer is ") +
+                                                        detail::dtype_name(dtype_of<A>::value) +
+                                                        " but the session's accum_dtype is " +
+                                                        detail::dtype_name(accum_dtype_));
+        }
+        return add_subgroup_impl(group, master, dtype_of<T>::value, numel, slices, grad);
+    }
+
+    /**
+     * As add_subgroup(group, master.data(), master.size(), slices), for a contiguous container
+     * (std::vector, a span, ...) of float, bf16 or f16 that must not be resized while borrowed.
+     * @throws Error as the pointer form.
+     */
+    template <class C, std::enable_if_t<is_element_v<detail::data_element_t<C>>, int> = 0>
+    std::uint32_t add_subgroup(std::uint32_t group, C& master, const std::vector<Slice>& slices) {
+        return add_subgroup(group, master.data(), master.size(), slices);
+    }
+
+    /**
+     * As add_subgroup(group, master, slices), with a caller gradient buffer container of the
+     * same size (else `SO_STATUS_INVALID_ARGUMENT`, from the wrapper).
+     * @throws Error as the pointer form.
+     */
+    template <class C, class GC,
+              std::enable_if_t<is_element_v<detail::data_element_t<C>> && is_element_v<detail::data_element_t<GC>>,
+                               int> = 0>
+    std::uint32_t add_subgroup(std::uint32_t group, C& master, const std::vector<Slice>& slices, GC& grad) {
+        if (grad.size() != master.size()) {
+            throw Error(SO_STATUS_INVALID_ARGUMENT, "superoffload::Session::add_subgroup: the gradient buffer has " +
+                                                        std::to_string(grad.size()) + " elements, the master weights " +
+                                                        std::to_string(master.size()));
+        }
+        return add_subgroup(group, master.data(), master.size(), slices, grad.data());
+    }
+
+    /**
+     * Unregisters a sub-group between steps, after its outstanding work; its slice names
+     * become free and its borrowed buffers are not used after this returns.
+     * @throws Error `SO_STATUS_NOT_FOUND`, `SO_STATUS_INVALID_STATE` (during a step).
+     */
+    void remove_subgroup(std::uint32_t subgroup) { check(so_session_remove_subgroup(handle_.get(), subgroup)); }
+
+    /**
+     * The id of a slice (stable for the session's lifetime: look it up once).
+     * @throws Error `SO_STATUS_NOT_FOUND`.
+     */
+    [[nodiscard]] std::uint32_t slice_id(const std::string& name) const {
+        detail::check_c_string(name, "the slice name", "slice_id");
+        std::uint32_t id = 0;
+        check(so_session_slice_id(handle_.get(), name.c_str(), &id));
+        return id;
+    }
+
+    // ---- one step --------------------------------------------------------------------
+
+    /**
+     * Starts an optimizer step whose backward uses `loss_scale` (0: the built-in scaler's
+     * scale, or 1 without one) and `micro_steps` micro-steps of gradient accumulation.
+     * @throws Error `SO_STATUS_INVALID_STATE` (the previous step was not given to step()),
+     *         `SO_STATUS_INVALID_ARGUMENT` (bad scale, 0 micro-steps).
+     */
+    void begin_step(float loss_scale = 0.0f, std::uint32_t micro_steps = 1) {
+        check(so_session_begin_step(handle_.get(), loss_scale, micro_steps));
+    }
+
+    /** Moves to the next micro-step. @throws Error `SO_STATUS_INVALID_STATE` (beyond the count, or no step). */
+    void next_micro_step() { check(so_session_next_micro_step(handle_.get())); }
+
+    /**
+     * Hands over a slice's gradient by copy (`so_session_grad_copy`): `numel` elements of
+     * `G`, which must be the session's grad_dtype(). `grad` may be reused at once.
+     * @return The ticket of the work this queued (the sub-group's speculative step, when this
+     *         completed it), or no_ticket.
+     * @throws Error `SO_STATUS_INVALID_ARGUMENT` (wrong element type, from the wrapper; wrong
+     *         size), `SO_STATUS_INVALID_STATE`, `SO_STATUS_NOT_FOUND`, `SO_STATUS_OUT_OF_RESOURCES`.
+     */
+    template <class G, std::enable_if_t<is_element_v<G>, int> = 0>
+    Ticket grad_copy(std::uint32_t slice, const G* grad, std::size_t numel) {
+        return grad_copy(slice, static_cast<const void*>(grad), dtype_of<G>::value, numel);
+    }
+
+    /** As grad_copy(slice, grad.data(), grad.size()), for a contiguous container. @throws Error as that. */
+    template <class C, std::enable_if_t<is_element_v<std::remove_const_t<detail::data_element_t<const C>>>, int> = 0>
+    Ticket grad_copy(std::uint32_t slice, const C& grad) {
+        return grad_copy(slice, grad.data(), grad.size());
+    }
+
+    /**
+     * Untyped form of grad_copy: `numel` elements of `dtype` at `grad` (e.g. a framework
+     * tensor's data pointer). @throws Error as the typed form.
+     */
+    Ticket grad_copy(std::uint32_t slice, const void* grad, DType dtype, std::size_t numel) {
+        if (handle_ && dtype != grad_dtype_) {
+            throw Error(SO_STATUS_INVALID_ARGUMENT, std::string("superoffload::Session::grad_copy: the gradient is ") +
+                                                        detail::dtype_name(dtype) +
+                                                        " but the session's grad_dtype is " +
+                                                        detail::dtype_name(grad_dtype_));
+        }
+        Ticket ticket = no_ticket;
+        check(so_session_grad_copy(handle_.get(), slice, grad, numel, &ticket));
+        return ticket;
+    }
+
+    /**
+     * Records that the slice's gradient of this micro-step is in place in its sub-group's
+     * caller gradient buffer (`so_session_grad_written`).
+     * @return As grad_copy.
+     * @throws Error `SO_STATUS_INVALID_ARGUMENT` (the session owns the buffer),
+     *         `SO_STATUS_INVALID_STATE` (outside backward, or the sub-group already completed),
+     *         `SO_STATUS_NOT_FOUND`.
+     */
+    Ticket grad_written(std::uint32_t slice) {
+        Ticket ticket = no_ticket;
+        check(so_session_grad_written(handle_.get(), slice, &ticket));
+        return ticket;
+    }
+
+    /**
+     * The sum of squares of this step's unscaled gradient over all sub-groups, waiting
+     * forever for the speculative passes. Ends the backward: only step() may follow.
+     * @throws Error `SO_STATUS_INVALID_STATE` (outside a step), or the error of a failed pass.
+     */
+    [[nodiscard]] double local_grad_sumsq() {
+        const std::optional<double> sumsq = local_grad_sumsq(forever);
+        if (!sumsq) {
+            throw Error(SO_STATUS_TIMEOUT, "superoffload::Session::local_grad_sumsq: timed out waiting forever");
+        }
+        return *sumsq;
+    }
+
+    /**
+     * As local_grad_sumsq(), waiting at most `timeout`.
+     * @return The sum, or std::nullopt if the timeout expired (call again to keep waiting).
+     * @throws Error as local_grad_sumsq().
+     */
+    [[nodiscard]] std::optional<double> local_grad_sumsq(Timeout timeout) {
+        double sumsq = 0.0;
+        const so_status st = so_session_local_grad_sumsq(handle_.get(), timeout.c_ns(), &sumsq);
+        if (st == SO_STATUS_TIMEOUT) {
+            return std::nullopt;
+        }
+        check(st);
+        return sumsq;
+    }
+
+    /**
+     * Ends the step and returns at once; the CPU-Adam thread decides (norm, skip, clip) and
+     * makes every sub-group exact in registration order.
+     * @return The ticket that completes when every sub-group is final (for step_result).
+     * @throws Error `SO_STATUS_INVALID_STATE` (no begin_step), `SO_STATUS_INVALID_ARGUMENT`
+     *         (bad max_norm).
+     */
+    Ticket step(const StepArgs& args = {}) {
+        const so_step_args raw = args.to_c();
+        Ticket ticket = no_ticket;
+        check(so_session_step(handle_.get(), &raw, &ticket));
+        return ticket;
+    }
+
+    /**
+     * Waits forever for the step of `ticket` (as returned by step()) and describes it.
+     * @throws Error `SO_STATUS_NOT_FOUND` (not the latest step's ticket), or the step's error.
+     */
+    [[nodiscard]] StepResult step_result(Ticket ticket) const {
+        const std::optional<StepResult> result = step_result(ticket, forever);
+        if (!result) {
+            throw Error(SO_STATUS_TIMEOUT, "superoffload::Session::step_result: timed out waiting forever");
+        }
+        return *result;
+    }
+
+    /**
+     * As step_result(ticket), waiting at most `timeout`.
+     * @return The result, or std::nullopt if the timeout expired.
+     * @throws Error as step_result(ticket).
+     */
+    [[nodiscard]] std::optional<StepResult> step_result(Ticket ticket, Timeout timeout) const {
+        so_step_result raw{};
+        raw.struct_size = sizeof raw;
+        const so_status st = so_session_step_result(handle_.get(), ticket, timeout.c_ns(), &raw);
+        if (st == SO_STATUS_TIMEOUT) {
+            return std::nullopt;
+        }
+        check(st);
+        return StepResult(raw);
+    }
+
+    // ---- queries ---------------------------------------------------------------------
+
+    /**
+     * The ticket that completes when the sub-group's latest step is final (no_ticket before
+     * its first step). @throws Error `SO_STATUS_NOT_FOUND`.
+     */
+    [[nodiscard]] Ticket final_ticket(std::uint32_t subgroup) const {
+        Ticket ticket = no_ticket;
+        check(so_session_final_ticket(handle_.get(), subgroup, &ticket));
+        return ticket;
+    }
+
+    /**
+     * Steps the sub-group has taken (skipped steps do not count); read it after the
+     * sub-group's final ticket. @throws Error `SO_STATUS_NOT_FOUND`.
+     */
+    [[nodiscard]] std::uint64_t step_count(std::uint32_t subgroup) const {
+        std::uint64_t count = 0;
+        check(so_session_step_count(handle_.get(), subgroup, &count));
+        return count;
+    }
+
+    /**
+     * The built-in loss scaler's current scale (waiting for the latest step's verdict), or 1
+     * without a scaler. @throws Error only for an empty handle.
+     */
+    [[nodiscard]] float loss_scale() const {
+        float scale = 0.0f;
+        check(so_session_loss_scale(handle_.get(), &scale));
+        return scale;
+    }
+
+    /** Host bytes the session allocated. @throws Error only for an empty handle. */
+    [[nodiscard]] std::size_t host_bytes() const {
+        std::size_t bytes = 0;
+        check(so_session_host_bytes(handle_.get(), &bytes));
+        return bytes;
+    }
+
+    // ---- tickets ---------------------------------------------------------------------
+
+    /**
+     * The state of a ticket, without waiting: done, pending, or failed with the work's Error.
+     * @throws Error `SO_STATUS_NOT_FOUND` for a ticket this session never issued (misuse, not
+     *         a state), `SO_STATUS_NULL_ARGUMENT` for an empty handle.
+     */
+    [[nodiscard]] TicketStatus query(Ticket ticket) const {
+        const so_status st = so_ticket_query(handle_.get(), ticket);
+        TicketStatus out;
+        switch (st) {
+        case SO_STATUS_OK: out.state = TicketState::Done; return out;
+        case SO_STATUS_PENDING: out.state = TicketState::Pending; return out;
+        case SO_STATUS_NOT_FOUND:
+        case SO_STATUS_NULL_ARGUMENT: check(st); break;
+        default: break;
+        }
+        std::string message = last_error_message();
+        if (message.empty()) {
+            message = status_str(st);
+        }
+        out.state = TicketState::Failed;
+        out.error = Error(st, message);
+        return out;
+    }
+
+    /**
+     * Waits forever for a ticket (no_ticket is always complete).
+     * @throws Error the work's error if it failed; `SO_STATUS_NOT_FOUND` for a ticket never issued.
+     */
+    void wait(Ticket ticket) const {
+        if (!wait(ticket, forever)) {
+            throw Error(SO_STATUS_TIMEOUT, "superoffload::Session::wait: timed out waiting forever");
+        }
+    }
+
+    /**
+     * Waits at most `timeout` for a ticket (a zero duration polls).
+     * @return true if the work completed successfully, false if the timeout expired.
+     * @throws Error as wait(ticket).
+     */
+    [[nodiscard]] bool wait(Ticket ticket, Timeout timeout) const {
+        const so_status st = so_ticket_wait(handle_.get(), ticket, timeout.c_ns());
+        if (st == SO_STATUS_TIMEOUT) {
+            return false;
+        }
+        check(st);
+        return true;
+    }
+
+    /**
+     * Waits forever for every ticket up to and including `ticket`.
+     * @throws Error the error of the first failed one (`so_ticket_wait_all`).
+     */
+    void wait_all(Ticket ticket) const {
+        if (!wait_all(ticket, forever)) {
+            throw Error(SO_STATUS_TIMEOUT, "superoffload::Session::wait_all: timed out waiting forever");
+        }
+    }
+
+    /**
+     * Waits at most `timeout` for every ticket up to and including `ticket`.
+     * @return true if all completed successfully, false if the timeout expired.
+     * @throws Error as wait_all(ticket).
+     */
+    [[nodiscard]] bool wait_all(Ticket ticket, Timeout timeout) const {
+        const so_status st = so_ticket_wait_all(handle_.get(), ticket, timeout.c_ns());
+        if (st == SO_STATUS_TIMEOUT) {
+            return false;
+        }
+        check(st);
+        return true;
+    }
+
+    // ---- checkpoints -----------------------------------------------------------------
+
+    /**
+     * Saves a checkpoint between steps, after in-flight work (atomic: the file at `path` is
+     * the old one or the new one). @throws Error `SO_STATUS_IO`, `SO_STATUS_INVALID_STATE`.
+     */
+    void save(const std::string& path) {
+        detail::check_c_string(path, "the path", "save");
+        check(so_session_save(handle_.get(), path.c_str()));
+    }
+
+    /**
+     * Loads a checkpoint into the registered sub-groups, between steps.
+     * @throws Error `SO_STATUS_BAD_CHECKPOINT` (truncated, corrupt or mismatched: nothing
+     *         changed), `SO_STATUS_IO`, `SO_STATUS_INVALID_STATE`.
+     */
+    void load(const std::string& path) {
+        detail::check_c_string(path, "the path", "load");
+        check(so_session_load(handle_.get(), path.c_str()));
+    }
+
+private:
+    std::uint32_t add_subgroup_impl(std::uint32_t group, void* master, DType master_dtype, std::size_t numel,
+                                    const std::vector<Slice>& slices, void* grad) {
+        std::vector<so_slice_desc> raw_slices;
+        raw_slices.reserve(slices.size());
+        for (const Slice& s : slices) {
+            detail::check_c_string(s.name, "a slice name", "add_subgroup");
+            so_slice_desc d;
+            d.name = s.name.c_str();
+            d.offset = s.offset;
+            d.numel = s.numel;
+            raw_slices.push_back(d);
+        }
+        so_subgroup_desc desc = so_subgroup_desc_default();
+        desc.group = group;
+        desc.master = master;
+        desc.master_dtype = static_cast<std::uint32_t>(master_dtype);
+        desc.numel = numel;
+        desc.grad = grad;
+        desc.slices = raw_slices.empty() ? nullptr : raw_slices.data();
+        desc.num_slices = raw_slices.size();
+        std::uint32_t id = 0;
+        check(so_session_add_subgroup(handle_.get(), &desc, &id));
+        return id;
+    }
+
+    struct Deleter {
+        void operator()(so_session* session) const noexcept { so_session_destroy(session); }
+    };
+    std::unique_ptr<so_session, Deleter> handle_;
+    DType grad_dtype_ = DType::F32;
+    DType accum_dtype_ = DType::F32;
+};
 
 } // namespace superoffload
 

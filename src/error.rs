@@ -5,7 +5,7 @@ use std::fmt;
 /// Result status of every fallible call (`so_status` in C). `SO_STATUS_OK` (0) is success.
 ///
 /// Values are grouped by origin and never reused: 1–19 arguments and state, 20–29
-/// numerics, 30–39 resources, 40–49 waiting, 50–59 files, 90–99 internal.
+/// numerics, 30–39 resources, 40–49 waiting, 50–59 files, 60–69 CUDA, 90–99 internal.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Status {
@@ -39,6 +39,12 @@ pub enum Status {
     Io = 50,
     /// A checkpoint file is truncated, corrupt, or does not match the session.
     BadCheckpoint = 51,
+    /// No CUDA driver or device could be found (a host-mode session still works).
+    CudaUnavailable = 60,
+    /// A CUDA call failed; the message names the call and the driver's error.
+    CudaError = 61,
+    /// A CUDA stream is being captured into a graph, where the session cannot work.
+    StreamCapturing = 62,
     /// A panic was caught inside the library; this is a bug in superoffload.
     Panic = 99,
 }
@@ -61,13 +67,16 @@ impl Status {
             Status::Pending => c"the work has not completed yet",
             Status::Io => c"a file could not be read or written",
             Status::BadCheckpoint => c"the checkpoint is truncated, corrupt or does not match the session",
+            Status::CudaUnavailable => c"CUDA is unavailable (no driver or no device)",
+            Status::CudaError => c"a CUDA call failed",
+            Status::StreamCapturing => c"the CUDA stream is being captured into a graph",
             Status::Panic => c"internal error (caught panic) in superoffload",
         }
     }
 
     /// Maps a raw value from C back to a status, if it is one.
     pub fn from_raw(raw: u32) -> Option<Status> {
-        const ALL: [Status; 15] = [
+        const ALL: [Status; 18] = [
             Status::Ok,
             Status::NullArgument,
             Status::InvalidArgument,
@@ -82,6 +91,9 @@ impl Status {
             Status::Pending,
             Status::Io,
             Status::BadCheckpoint,
+            Status::CudaUnavailable,
+            Status::CudaError,
+            Status::StreamCapturing,
             Status::Panic,
         ];
         ALL.into_iter().find(|s| *s as u32 == raw)

@@ -2,12 +2,13 @@
 //! behind a stable C ABI.
 //!
 //! Layers, each depending only on the ones before it: [`kernels`] (math, instruction-set
-//! paths, thread pool), [`session`] (speculation logic, transport-agnostic) and [`ffi`]
-//! (the C surface only).
+//! paths, thread pool), [`session`] (speculation logic, transport-agnostic), [`cuda`]
+//! (the CUDA transport) and [`ffi`] (the C surface only).
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod error;
 pub mod kernels;
 pub mod session;
+pub mod cuda;
 pub mod ffi;

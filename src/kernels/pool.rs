@@ -1,7 +1,7 @@
 //! The thread pool kernels run on: a dedicated rayon pool (never rayon's global one),
 //! optionally one thread pinned per listed core, plus the instruction set it uses.
 
-use std::sync::{Arc, Condvar, LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 
 use crate::error::{Error, Result, Status};
 
@@ -56,13 +56,6 @@ pub struct PoolOptions {
     pub isa: Option<Isa>,
 }
 
-/// Counts the pool's live threads so that dropping a pool waits for all of them to exit.
-#[derive(Default)]
-struct LiveThreads {
-    count: Mutex<usize>,
-    exited: Condvar,
-}
-
 /// A set of worker threads that kernels split their work across.
 ///
 /// Thread-safety: `Pool` is `Send + Sync`; any number of threads may run kernels on one
@@ -72,7 +65,8 @@ pub struct Pool {
     num_threads: usize,
     cores: Option<Vec<usize>>,
     isa: Isa,
-    live: Arc<LiveThreads>,
+    /// The pool's threads, spawned by us so that dropping the pool can join them.
+    handles: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 impl Pool {
@@ -106,21 +100,22 @@ impl Pool {
             )));
         }
 
-        let live = Arc::new(LiveThreads::default());
-        let (started, exited) = (live.clone(), live.clone());
+        let handles = Arc::new(Mutex::new(Vec::with_capacity(num_threads)));
+        let spawned = handles.clone();
         let threads = rayon::ThreadPoolBuilder::new()
             .num_threads(num_threads)
-            .thread_name(|i| format!("superoffload-{i}"))
-            .start_handler(move |_| *started.count.lock().unwrap() += 1)
-            .exit_handler(move |_| {
-                *exited.count.lock().unwrap() -= 1;
-                exited.exited.notify_all();
+            .spawn_handler(move |thread| {
+                let name = format!("superoffload-{}", thread.index());
+                let handle = std::thread::Builder::new().name(name).spawn(|| thread.run())?;
+                spawned.lock().unwrap().push(handle);
+                Ok(())
             })
             .build()
             .map_err(|e| Error::new(Status::OutOfResources, format!("cannot start pool threads: {e}")))?;
+        let handles = std::mem::take(&mut *handles.lock().unwrap());
 
-        let pool = Pool { threads: Some(threads), num_threads, cores: options.cores.clone(), isa, live };
-        // Every thread runs this once, so afterwards all have started (and been pinned).
+        let pool = Pool { threads: Some(threads), num_threads, cores: options.cores.clone(), isa, handles: Mutex::new(handles) };
+        // Every thread runs this once: afterwards all are pinned.
         let cores = pool.cores.clone();
         let pinned = pool.rayon().broadcast(|ctx| match &cores {
             Some(cores) => pin_current_thread(cores[ctx.index()]),
@@ -173,11 +168,11 @@ impl std::fmt::Debug for Pool {
 }
 
 impl Drop for Pool {
+    /// Stops the threads and joins them: when this returns, none is running.
     fn drop(&mut self) {
         drop(self.threads.take());
-        let mut count = self.live.count.lock().unwrap();
-        while *count > 0 {
-            count = self.live.exited.wait(count).unwrap();
+        for handle in self.handles.get_mut().unwrap().drain(..) {
+            let _ = handle.join();
         }
     }
 }

@@ -37,6 +37,14 @@ impl Borrowed {
             .ok_or_else(|| Error::invalid(format!("{name}: {len} elements do not fit in memory")))?;
         Ok(Borrowed { addr, len, dtype })
     }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
 }
 
 enum Storage {

@@ -1,0 +1,135 @@
+# ctest's build_consumer: install the build tree into a fresh prefix (or use a prebuilt
+# prefix), check the installed files, then build and run c_tests/consumer against it with
+# find_package(SuperOffload <major.minor> CONFIG REQUIRED), from the prefix and from a
+# moved copy of it; check that asking for the next minor version fails; check pkg-config.
+#
+# Variables (-D): SO_BUILD_DIR, SO_PREFIX (empty: install SO_BUILD_DIR), SO_WORK_DIR,
+# SO_CONSUMER_SOURCE_DIR, SO_VERSION, SO_LIBDIR, SO_GENERATOR, SO_C_COMPILER, SO_PKG_CONFIG.
+cmake_minimum_required(VERSION 3.22)
+
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    string(REPLACE ";" " " cmd "${ARGN}")
+    message(FATAL_ERROR "failed (${rc}): ${cmd}\n${out}\n${err}")
+  endif()
+  set(run_output "${out}" PARENT_SCOPE)
+endfunction()
+
+string(REGEX MATCH "^([0-9]+)\\.([0-9]+)\\.([0-9]+)$" _ "${SO_VERSION}")
+set(major "${CMAKE_MATCH_1}")
+set(minor "${CMAKE_MATCH_2}")
+math(EXPR next_minor "${minor} + 1")
+
+file(REMOVE_RECURSE "${SO_WORK_DIR}")
+file(MAKE_DIRECTORY "${SO_WORK_DIR}")
+
+if(SO_PREFIX)
+  set(prefix "${SO_PREFIX}")
+  message(STATUS "using the prebuilt prefix ${prefix}")
+else()
+  set(prefix "${SO_WORK_DIR}/prefix")
+  run("${CMAKE_COMMAND}" --install "${SO_BUILD_DIR}" --prefix "${prefix}")
+  message(STATUS "installed into ${prefix}")
+endif()
+
+# The installed files.
+set(libdir "${prefix}/${SO_LIBDIR}")
+foreach(f "${libdir}/libsuperoffload.so.${SO_VERSION}"
+          "${libdir}/libsuperoffload.a"
+          "${prefix}/include/superoffload.h"
+          "${prefix}/bin/superoffload-bench"
+          "${libdir}/cmake/SuperOffload/SuperOffloadConfig.cmake"
+          "${libdir}/cmake/SuperOffload/SuperOffloadConfigVersion.cmake"
+          "${libdir}/pkgconfig/superoffload.pc")
+  if(NOT EXISTS "${f}")
+    message(FATAL_ERROR "not installed: ${f}")
+  endif()
+endforeach()
+foreach(link "libsuperoffload.so.${major}" "libsuperoffload.so")
+  if(NOT IS_SYMLINK "${libdir}/${link}")
+    message(FATAL_ERROR "${libdir}/${link} is not a symlink")
+  endif()
+endforeach()
+file(READ_SYMLINK "${libdir}/libsuperoffload.so.${major}" target)
+if(NOT target STREQUAL "libsuperoffload.so.${SO_VERSION}")
+  message(FATAL_ERROR "libsuperoffload.so.${major} -> ${target}")
+endif()
+file(READ_SYMLINK "${libdir}/libsuperoffload.so" target)
+if(NOT target STREQUAL "libsuperoffload.so.${major}")
+  message(FATAL_ERROR "libsuperoffload.so -> ${target}")
+endif()
+
+# configure_build_run(<name> <prefix>): the consumer against <prefix>, then its programs.
+function(configure_build_run name pfx)
+  set(bin "${SO_WORK_DIR}/${name}")
+  run("${CMAKE_COMMAND}" -S "${SO_CONSUMER_SOURCE_DIR}" -B "${bin}" -G "${SO_GENERATOR}"
+      "-DCMAKE_C_COMPILER=${SO_C_COMPILER}" "-DCMAKE_PREFIX_PATH=${pfx}"
+      "-DSO_WANT_VERSION=${major}.${minor}" -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF)
+  string(FIND "${run_output}" "found SuperOffload ${SO_VERSION} in ${pfx}/" found)
+  if(found EQUAL -1)
+    message(FATAL_ERROR "the consumer did not find SuperOffload ${SO_VERSION} in ${pfx}:\n${run_output}")
+  endif()
+  run("${CMAKE_COMMAND}" --build "${bin}")
+  set(apps app app_static)
+  if(EXISTS "${bin}/app_cxx")
+    list(APPEND apps app_cxx)
+  endif()
+  foreach(app IN LISTS apps)
+    run("${bin}/${app}")
+    message(STATUS "${name}/${app}: ${run_output}")
+  endforeach()
+  # The shared one really loads the library from the prefix, by its SONAME.
+  run(readelf -d "${bin}/app")
+  string(FIND "${run_output}" "[libsuperoffload.so.${major}]" needed)
+  if(needed EQUAL -1)
+    message(FATAL_ERROR "app does not record NEEDED libsuperoffload.so.${major}:\n${run_output}")
+  endif()
+endfunction()
+
+configure_build_run(consumer "${prefix}")
+
+# The package is relocatable: a copy of the prefix elsewhere works the same.
+set(moved "${SO_WORK_DIR}/moved-prefix")
+file(COPY "${prefix}/" DESTINATION "${moved}")
+configure_build_run(consumer-moved "${moved}")
+
+# SameMinorVersion: asking for major.(minor+1) must fail to configure.
+execute_process(
+  COMMAND "${CMAKE_COMMAND}" -S "${SO_CONSUMER_SOURCE_DIR}" -B "${SO_WORK_DIR}/consumer-too-new"
+          -G "${SO_GENERATOR}" "-DCMAKE_C_COMPILER=${SO_C_COMPILER}" "-DCMAKE_PREFIX_PATH=${prefix}"
+          "-DSO_WANT_VERSION=${major}.${next_minor}" -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF
+  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0)
+  message(FATAL_ERROR "find_package(SuperOffload ${major}.${next_minor}) succeeded against ${SO_VERSION}")
+endif()
+string(FIND "${err}" "${major}.${next_minor}" mentions)
+if(mentions EQUAL -1)
+  message(FATAL_ERROR "the failure does not mention the version asked for:\n${err}")
+endif()
+message(STATUS "find_package(SuperOffload ${major}.${next_minor}) is refused, as it should be")
+
+# pkg-config, where installed: flags, version, and a program built with them.
+if(SO_PKG_CONFIG)
+  set(env "${CMAKE_COMMAND}" -E env "PKG_CONFIG_PATH=${libdir}/pkgconfig")
+  run(${env} "${SO_PKG_CONFIG}" --modversion superoffload)
+  string(STRIP "${run_output}" pc_version)
+  if(NOT pc_version STREQUAL SO_VERSION)
+    message(FATAL_ERROR "pkg-config --modversion superoffload: ${pc_version}")
+  endif()
+  run(${env} "${SO_PKG_CONFIG}" --cflags --libs superoffload)
+  string(STRIP "${run_output}" flags)
+  message(STATUS "pkg-config --cflags --libs superoffload: ${flags}")
+  separate_arguments(flags UNIX_COMMAND "${flags}")
+  run("${SO_C_COMPILER}" "${SO_CONSUMER_SOURCE_DIR}/main.c" -o "${SO_WORK_DIR}/app_pkgconfig" ${flags}
+      -lm "-Wl,-rpath,${libdir}")
+  run("${SO_WORK_DIR}/app_pkgconfig")
+  message(STATUS "app_pkgconfig: ${run_output}")
+  run(${env} "${SO_PKG_CONFIG}" --static --libs superoffload)
+  string(FIND "${run_output}" "-lpthread" has_pthread)
+  if(has_pthread EQUAL -1)
+    message(FATAL_ERROR "pkg-config --static --libs lacks the system libraries: ${run_output}")
+  endif()
+else()
+  message(STATUS "pkg-config not found: its check is skipped")
+endif()

@@ -1,0 +1,645 @@
+//! `overlap_bench`: how well a session hides CPU Adam behind a (simulated) training loop.
+//!
+//! The training thread, pinned to a core outside the session pool's cores, runs L layers of
+//! busy work per pass: a forward where layer k first waits for sub-group k's final ticket of
+//! the previous step, then a backward (last layer first) that hands each layer's gradient to
+//! the session (`grad_copy`, one slice per sub-group of P f32 elements) as soon as the layer
+//! "finishes", then `step()`. Four modes run side by side, each with its own session on one
+//! shared pool, in interleaved blocks of consecutive steps (so that machine noise hits all
+//! of them alike; the first steps of each block refill the pipeline and are not counted):
+//!
+//! - `spec`        speculation on, no clipping: every speculative step is kept;
+//! - `spec+clip`   speculation on, clipping on every step (max_norm = half the norm): every
+//!                 sub-group is rescaled at step(), in forward order, while the forward runs;
+//! - `nospec`      speculation off ("step after backward"): all Adam work at step();
+//! - `nospec+clip` the same with clipping.
+//!
+//! Per mode: median step time (forward + backward + step(), one loop iteration), the
+//! training thread's median wait for the optimizer per step, the median forward+backward
+//! time without the waits (busy work and hand-offs), the backward time, the CPU Adam time of
+//! a step alone (the kernels the session runs for that mode, on the same pool and
+//! sub-group sizes, with no simulated compute and nothing else running), and the ratio
+//! step / max(forward+backward, CPU Adam), which is 1 for perfect overlap.
+//!
+//! The target: a clipped step at most 1.15 x an unclipped one when the CPU Adam time of a
+//! step is at most the forward time.
+
+use std::fmt::Write as _;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use superoffload::kernels::{self, AdamBuffers, AdamHyper, DType, Floats, FloatsMut, MomentsMut, Pool, PoolOptions, UpdateOptions};
+use superoffload::session::{Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, StepArgs, SubGroupDesc, Ticket};
+
+const USAGE: &str = "\
+overlap_bench: step time of a simulated training loop with a superoffload session, with and
+without speculation and clipping, next to the CPU Adam time alone
+
+USAGE: overlap_bench [OPTIONS]
+
+OPTIONS:
+  --layers L        layers, one sub-group each (default 8)
+  --elems P         f32 elements per layer (default 512k = 524288; 1e6 notation accepted)
+  --fwd-ms F        forward busy time per layer in ms (default 4)
+  --bwd-ms B        backward busy time per layer in ms (default 8)
+  --steps N         measured steps per mode (default 20)
+  --block K         consecutive steps per mode per round; the first --refill of each block
+                    are not measured (default 6)
+  --refill R        steps per block that refill the pipeline, not measured (default 1)
+  --pool-cores LIST cores of the session pool, e.g. 1 or 2-5 (default: every CPU this
+                    process may run on except the training core)
+  --train-core C    core of the training thread (default: the first CPU this process may
+                    run on)
+  --json PATH       also write the results as JSON to PATH (- for stdout)
+  -h, --help        this text
+
+Memory: about 5 x 4 x P x L bytes per mode (master, gradient source, session gradient,
+two moments), plus the same once for the CPU Adam measurement.";
+
+struct Args {
+    layers: usize,
+    elems: usize,
+    fwd: Duration,
+    bwd: Duration,
+    steps: usize,
+    block: usize,
+    refill: usize,
+    pool_cores: Option<Vec<usize>>,
+    train_core: Option<usize>,
+    json: Option<String>,
+}
+
+fn parse_count(flag: &str, s: &str) -> Result<usize, String> {
+    let s = s.to_ascii_lowercase().replace('_', "");
+    let (digits, mult) = match s.strip_suffix('k') {
+        Some(d) => (d.to_string(), 1024.0),
+        None => match s.strip_suffix('m') {
+            Some(d) => (d.to_string(), 1024.0 * 1024.0),
+            None => (s.clone(), 1.0),
+        },
+    };
+    let x: f64 = digits.parse().map_err(|_| format!("{flag}: {s:?} is not a number"))?;
+    let x = x * mult;
+    if !x.is_finite() || x < 0.0 || x.fract() != 0.0 || x > 1e15 {
+        return Err(format!("{flag}: {s:?} is not a whole non-negative number"));
+    }
+    Ok(x as usize)
+}
+
+fn parse_ms(flag: &str, s: &str) -> Result<Duration, String> {
+    let x: f64 = s.parse().map_err(|_| format!("{flag}: {s:?} is not a number"))?;
+    if !x.is_finite() || x < 0.0 {
+        return Err(format!("{flag}: {s:?} must be finite and >= 0"));
+    }
+    Ok(Duration::from_secs_f64(x / 1e3))
+}
+
+fn parse_cores(flag: &str, s: &str) -> Result<Vec<usize>, String> {
+    let mut cores = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let bad = || format!("{flag}: {part:?} is not a core or a range like 2-5");
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (usize, usize) = (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
+                if a > b {
+                    return Err(bad());
+                }
+                cores.extend(a..=b);
+            }
+            None => cores.push(part.parse().map_err(|_| bad())?),
+        }
+    }
+    if cores.is_empty() {
+        return Err(format!("{flag}: the list is empty"));
+    }
+    Ok(cores)
+}
+
+fn parse_args() -> Result<Option<Args>, String> {
+    let mut a = Args {
+        layers: 8,
+        elems: 512 * 1024,
+        fwd: Duration::from_millis(4),
+        bwd: Duration::from_millis(8),
+        steps: 20,
+        block: 6,
+        refill: 1,
+        pool_cores: None,
+        train_core: None,
+        json: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (arg.clone(), None),
+        };
+        if flag == "-h" || flag == "--help" {
+            return Ok(None);
+        }
+        let mut value = || inline.clone().or_else(|| it.next()).ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--layers" => a.layers = parse_count(&flag, &value()?)?,
+            "--elems" => a.elems = parse_count(&flag, &value()?)?,
+            "--fwd-ms" => a.fwd = parse_ms(&flag, &value()?)?,
+            "--bwd-ms" => a.bwd = parse_ms(&flag, &value()?)?,
+            "--steps" => a.steps = parse_count(&flag, &value()?)?,
+            "--block" => a.block = parse_count(&flag, &value()?)?,
+            "--refill" => a.refill = parse_count(&flag, &value()?)?,
+            "--pool-cores" => a.pool_cores = Some(parse_cores(&flag, &value()?)?),
+            "--train-core" => a.train_core = Some(parse_count(&flag, &value()?)?),
+            "--json" => a.json = Some(value()?),
+            _ => return Err(format!("unknown argument {arg:?} (try --help)")),
+        }
+    }
+    if a.layers == 0 || a.elems == 0 || a.steps == 0 {
+        return Err("--layers, --elems and --steps must be at least 1".into());
+    }
+    if a.block <= a.refill {
+        return Err(format!("--block ({}) must be larger than --refill ({})", a.block, a.refill));
+    }
+    Ok(Some(a))
+}
+
+// ---- threads and cores -------------------------------------------------------------------
+
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; the size matches.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect()
+    }
+}
+
+fn pin_current_thread(core: usize) -> Result<(), String> {
+    // SAFETY: as in `allowed_cpus`.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(core, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        return Err(format!("cannot pin the training thread to core {core}: {}", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Busy work on the training thread for `d` (wall clock).
+fn spin(d: Duration) {
+    if d.is_zero() {
+        return;
+    }
+    let end = Instant::now() + d;
+    while Instant::now() < end {
+        std::hint::spin_loop();
+    }
+}
+
+fn gauss(seed: u64, i: usize) -> f32 {
+    let mut z = (i as u64).wrapping_add(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    let sum: u32 = (0..4).map(|k| ((z >> (16 * k)) & 0xFFFF) as u32).sum();
+    ((sum as f32 + 2.0) / 65536.0 - 2.0) * 1.732_050_8
+}
+
+// ---- modes -------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Spec,
+    SpecClip,
+    NoSpec,
+    NoSpecClip,
+}
+
+impl Kind {
+    const ALL: [Kind; 4] = [Kind::Spec, Kind::SpecClip, Kind::NoSpec, Kind::NoSpecClip];
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Spec => "spec",
+            Kind::SpecClip => "spec+clip",
+            Kind::NoSpec => "nospec",
+            Kind::NoSpecClip => "nospec+clip",
+        }
+    }
+    fn speculation(self) -> bool {
+        matches!(self, Kind::Spec | Kind::SpecClip)
+    }
+    fn clip(self) -> bool {
+        matches!(self, Kind::SpecClip | Kind::NoSpecClip)
+    }
+}
+
+/// One mode: its session, its master weights, what it measured.
+struct Mode {
+    kind: Kind,
+    session: Session,
+    _masters: Vec<Vec<f32>>,
+    slices: Vec<u32>,
+    finals: Vec<Ticket>,
+    /// The step ticket whose result is still to be read.
+    pending: Option<Ticket>,
+    step_ms: Vec<f64>,
+    wait_ms: Vec<f64>,
+    busy_ms: Vec<f64>,
+    fwd_ms: Vec<f64>,
+    bwd_ms: Vec<f64>,
+    /// Totals of the step results (every step, measured or not).
+    kept: u64,
+    rescaled: u64,
+    stepped: u64,
+    other: u64,
+    steps: u64,
+    clipped: u64,
+}
+
+impl Mode {
+    fn new(kind: Kind, pool: &Arc<Pool>, layers: usize, elems: usize) -> Result<Mode, String> {
+        let session = Session::new(SessionOptions {
+            pool: Some(pool.clone()),
+            speculation: kind.speculation(),
+            ..SessionOptions::default()
+        })
+        .map_err(|e| format!("session: {e}"))?;
+        let group = session
+            .add_group(GroupHparams { lr: 1e-4, ..GroupHparams::default() })
+            .map_err(|e| format!("add_group: {e}"))?;
+        let mut masters: Vec<Vec<f32>> = (0..layers).map(|k| (0..elems).map(|i| 0.02 * gauss(100 + k as u64, i)).collect()).collect();
+        let mut slices = Vec::new();
+        for (k, master) in masters.iter_mut().enumerate() {
+            // SAFETY: the masters live in this struct next to the session, which is dropped
+            // first (field order), and nothing else touches them.
+            let borrowed = unsafe { Borrowed::new("master", master.as_mut_ptr().cast(), elems, DType::F32) }.map_err(|e| e.to_string())?;
+            let name = format!("layer{k}");
+            session
+                .add_subgroup(SubGroupDesc {
+                    group,
+                    master: borrowed,
+                    grad: None,
+                    slices: vec![SliceDesc { name: name.clone(), offset: 0, numel: elems }],
+                })
+                .map_err(|e| format!("add_subgroup: {e}"))?;
+            slices.push(session.slice_id(&name).map_err(|e| e.to_string())?);
+        }
+        Ok(Mode {
+            kind,
+            session,
+            _masters: masters,
+            slices,
+            finals: vec![0; layers],
+            pending: None,
+            step_ms: Vec::new(),
+            wait_ms: Vec::new(),
+            busy_ms: Vec::new(),
+            fwd_ms: Vec::new(),
+            bwd_ms: Vec::new(),
+            kept: 0,
+            rescaled: 0,
+            stepped: 0,
+            other: 0,
+            steps: 0,
+            clipped: 0,
+        })
+    }
+
+    fn read_result(&mut self) -> Result<(), String> {
+        if let Some(ticket) = self.pending.take() {
+            let r = self.session.step_result(ticket, None).map_err(|e| format!("step_result: {e}"))?;
+            self.kept += r.kept as u64;
+            self.rescaled += r.rescaled as u64;
+            self.stepped += r.stepped as u64;
+            self.other += (r.rolled_back + r.redone) as u64 + u64::from(r.skipped);
+            self.clipped += u64::from(r.clip_coef < 1.0);
+            self.steps += 1;
+        }
+        Ok(())
+    }
+
+    /// One loop iteration: forward (waiting for each layer's final ticket), backward with
+    /// hand-offs, step(). Returns (step, wait, busy, forward, backward) in ms.
+    fn iterate(&mut self, a: &Args, grads: &[Vec<f32>], max_norm: f64) -> Result<[f64; 5], String> {
+        let t0 = Instant::now();
+        let mut wait = Duration::ZERO;
+        for k in 0..a.layers {
+            let tw = Instant::now();
+            self.session.wait(self.finals[k], None).map_err(|e| format!("wait: {e}"))?;
+            wait += tw.elapsed();
+            spin(a.fwd);
+        }
+        let tw = Instant::now();
+        self.read_result()?; // normally complete already: the last final ticket precedes it
+        wait += tw.elapsed();
+        let forward = t0.elapsed();
+        let tb = Instant::now();
+        self.session.begin_step(Some(1.0), 1).map_err(|e| format!("begin_step: {e}"))?;
+        for k in (0..a.layers).rev() {
+            spin(a.bwd);
+            self.session.grad_copy(self.slices[k], Floats::F32(&grads[k])).map_err(|e| format!("grad_copy: {e}"))?;
+        }
+        let backward = tb.elapsed();
+        let args = StepArgs { max_norm: if self.kind.clip() { max_norm } else { 0.0 }, norm: NormSource::Local, overflow: false };
+        self.pending = Some(self.session.step(args).map_err(|e| format!("step: {e}"))?);
+        for k in 0..a.layers {
+            self.finals[k] = self.session.final_ticket(k as u32).map_err(|e| e.to_string())?;
+        }
+        let step = t0.elapsed();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        Ok([ms(step), ms(wait), ms(step - wait), ms(forward - wait), ms(backward)])
+    }
+
+    fn drain(&mut self) -> Result<(), String> {
+        self.read_result()
+    }
+}
+
+// ---- CPU Adam alone ----------------------------------------------------------------------
+
+/// Median ms of each mode's CPU Adam work for one step: the kernels the session runs, on the
+/// pool, on buffers of the same sizes, with nothing else running.
+fn cpu_adam_alone(pool: &Pool, a: &Args, grads: &[Vec<f32>], reps: usize) -> Result<[f64; 4], String> {
+    let n = a.elems;
+    let mut p: Vec<Vec<f32>> = (0..a.layers).map(|k| (0..n).map(|i| 0.02 * gauss(300 + k as u64, i)).collect()).collect();
+    let mut m: Vec<Vec<f32>> = (0..a.layers).map(|_| vec![0.0; n]).collect();
+    let mut v: Vec<Vec<f32>> = (0..a.layers).map(|_| vec![0.0; n]).collect();
+    let err = |e: superoffload::error::Error| e.to_string();
+    let mut times = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+    let hp0 = AdamHyper { lr: 1e-4, ..AdamHyper::default() };
+    for rep in 0..reps + 1 {
+        let hp = AdamHyper { step: rep as u64 + 1, ..hp0 };
+        let mut t = [Duration::ZERO; 4];
+        for k in 0..a.layers {
+            let (pk, mk, vk, g) = (&mut p[k], &mut m[k], &mut v[k], &grads[k]);
+            // Speculative step: finiteness pre-pass with the sum of squares, then the update.
+            let spec_opts = UpdateOptions { grad_scale: 1.0, check_finite: true, grad_sumsq: true };
+            let t0 = Instant::now();
+            kernels::update(pool, &hp, bufs(pk, mk, vk, g), &spec_opts).map_err(err)?;
+            let spec = t0.elapsed();
+            // Rescale at step() (clip factor 0.5).
+            let t0 = Instant::now();
+            kernels::rescale(pool, &hp, bufs(pk, mk, vk, g), 1.0, 0.5).map_err(err)?;
+            let rescale = t0.elapsed();
+            kernels::rollback(pool, &hp, bufs(pk, mk, vk, g), 0.5).map_err(err)?;
+            // No speculation: sum of squares at the hand-off, the update at step().
+            let t0 = Instant::now();
+            kernels::grad_sumsq(pool, Floats::F32(g), 1.0).map_err(err)?;
+            kernels::update(pool, &hp, bufs(pk, mk, vk, g), &UpdateOptions { grad_scale: 0.5, ..UpdateOptions::default() })
+                .map_err(err)?;
+            let nospec = t0.elapsed();
+            t[0] += spec;
+            t[1] += spec + rescale;
+            t[2] += nospec;
+            t[3] += nospec;
+        }
+        if rep > 0 {
+            for (i, d) in t.iter().enumerate() {
+                times[i].push(d.as_secs_f64() * 1e3);
+            }
+        }
+    }
+    Ok([median(&times[0]), median(&times[1]), median(&times[2]), median(&times[3])])
+}
+
+fn bufs<'a>(p: &'a mut [f32], m: &'a mut [f32], v: &'a mut [f32], g: &'a [f32]) -> AdamBuffers<'a> {
+    AdamBuffers {
+        param: FloatsMut::F32(p),
+        grad: Floats::F32(g),
+        moments: MomentsMut::F32 { exp_avg: m, exp_avg_sq: v },
+        copy_out: None,
+    }
+}
+
+fn median(xs: &[f64]) -> f64 {
+    percentile(xs, 0.5)
+}
+
+fn percentile(xs: &[f64], q: f64) -> f64 {
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = xs.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    let pos = q * (v.len() - 1) as f64;
+    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    v[lo] + (v[hi] - v[lo]) * (pos - lo as f64)
+}
+
+fn json_num(x: f64) -> String {
+    if x.is_finite() { format!("{x:.4}") } else { "null".into() }
+}
+
+fn run() -> Result<bool, String> {
+    let Some(a) = parse_args()? else {
+        println!("{USAGE}");
+        return Ok(true);
+    };
+    let cpus = allowed_cpus();
+    let train_core = a.train_core.or_else(|| cpus.first().copied()).ok_or("no CPU in the affinity mask")?;
+    let pool_cores: Vec<usize> = match &a.pool_cores {
+        Some(c) => c.clone(),
+        None => cpus.iter().copied().filter(|&c| c != train_core).collect(),
+    };
+    if pool_cores.is_empty() {
+        return Err(format!("no core left for the session pool (the training thread has core {train_core}); pass --pool-cores"));
+    }
+    if pool_cores.contains(&train_core) {
+        return Err(format!("the training core {train_core} is also a pool core"));
+    }
+    // Sessions and the pool are created before the training thread pins itself: the library
+    // checks pool cores against the calling thread's affinity mask, and each session's
+    // CPU-Adam thread inherits the mask of the thread that creates it.
+    let pool = Arc::new(Pool::new(&PoolOptions { cores: Some(pool_cores.clone()), ..PoolOptions::default() }).map_err(|e| format!("pool: {e}"))?);
+    let grads: Vec<Vec<f32>> = (0..a.layers).map(|k| (0..a.elems).map(|i| 0.01 * gauss(200 + k as u64, i)).collect()).collect();
+    let sumsq: f64 = grads.iter().flat_map(|g| g.iter()).map(|&x| x as f64 * x as f64).sum();
+    let max_norm = 0.5 * sumsq.sqrt(); // clip coefficient ~0.5 on every clipped step
+    let mut modes: Vec<Mode> = Kind::ALL.iter().map(|&k| Mode::new(k, &pool, a.layers, a.elems)).collect::<Result<_, _>>()?;
+    pin_current_thread(train_core)?;
+
+    println!(
+        "overlap_bench: {} layers x {} f32 elements ({:.1} MB of master weights), forward {:.2} ms + backward {:.2} ms per layer",
+        a.layers,
+        a.elems,
+        (a.layers * a.elems * 4) as f64 / 1e6,
+        a.fwd.as_secs_f64() * 1e3,
+        a.bwd.as_secs_f64() * 1e3
+    );
+    println!(
+        "training thread on core {train_core}; session pool: {} thread(s) on cores {:?}, {}; {} measured steps per mode in blocks of {} (first {} not measured)",
+        pool.num_threads(),
+        pool_cores,
+        pool.isa().name(),
+        a.steps,
+        a.block,
+        a.refill
+    );
+
+    let cpu = cpu_adam_alone(&pool, &a, &grads, 5)?;
+
+    // Interleaved blocks.
+    let per_block = a.block - a.refill;
+    let rounds = a.steps.div_ceil(per_block);
+    for round in 0..rounds {
+        for mode in modes.iter_mut() {
+            for i in 0..a.block {
+                let r = mode.iterate(&a, &grads, max_norm)?;
+                if i >= a.refill && mode.step_ms.len() < a.steps {
+                    mode.step_ms.push(r[0]);
+                    mode.wait_ms.push(r[1]);
+                    mode.busy_ms.push(r[2]);
+                    mode.fwd_ms.push(r[3]);
+                    mode.bwd_ms.push(r[4]);
+                }
+            }
+            // Let this mode's last step finish before the next mode starts.
+            let last = mode.pending.unwrap_or(0);
+            mode.session.wait_all(last, None).map_err(|e| e.to_string())?;
+            mode.drain()?;
+        }
+        let _ = round;
+    }
+
+    // Table.
+    let nominal_fwd = a.fwd.as_secs_f64() * 1e3 * a.layers as f64;
+    println!();
+    println!(
+        "{:<12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}   {}",
+        "mode", "step", "p90", "wait", "fwd+bwd", "fwd", "bwd", "CPU Adam", "ratio", "per step (kept/rescaled/stepped)"
+    );
+    let mut json = String::new();
+    write!(
+        json,
+        "{{\"layers\":{},\"elems\":{},\"fwd_ms_per_layer\":{},\"bwd_ms_per_layer\":{},\"train_core\":{},\"pool_cores\":{:?},\"modes\":[",
+        a.layers,
+        a.elems,
+        json_num(a.fwd.as_secs_f64() * 1e3),
+        json_num(a.bwd.as_secs_f64() * 1e3),
+        train_core,
+        pool_cores
+    )
+    .unwrap();
+    let mut medians = Vec::new();
+    for (i, m) in modes.iter().enumerate() {
+        let (step, p90, wait, busy, fwd, bwd) = (
+            median(&m.step_ms),
+            percentile(&m.step_ms, 0.9),
+            median(&m.wait_ms),
+            median(&m.busy_ms),
+            median(&m.fwd_ms),
+            median(&m.bwd_ms),
+        );
+        let ratio = step / busy.max(cpu[i]);
+        let per = |x: u64| x as f64 / m.steps.max(1) as f64;
+        println!(
+            "{:<12} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>7.3}   {:.1}/{:.1}/{:.1}{}",
+            m.kind.name(),
+            step,
+            p90,
+            wait,
+            busy,
+            fwd,
+            bwd,
+            cpu[i],
+            ratio,
+            per(m.kept),
+            per(m.rescaled),
+            per(m.stepped),
+            if m.other > 0 { format!(" ({} rolled back/redone/skipped!)", m.other) } else { String::new() }
+        );
+        if i > 0 {
+            json.push(',');
+        }
+        write!(
+            json,
+            "{{\"mode\":\"{}\",\"step_ms\":{},\"step_p90_ms\":{},\"wait_ms\":{},\"fwd_bwd_ms\":{},\"fwd_ms\":{},\"bwd_ms\":{},\"cpu_adam_ms\":{},\"ratio\":{},\"kept_per_step\":{},\"rescaled_per_step\":{},\"stepped_per_step\":{},\"clipped_steps\":{},\"steps\":{}}}",
+            m.kind.name(),
+            json_num(step),
+            json_num(p90),
+            json_num(wait),
+            json_num(busy),
+            json_num(fwd),
+            json_num(bwd),
+            json_num(cpu[i]),
+            json_num(ratio),
+            json_num(per(m.kept)),
+            json_num(per(m.rescaled)),
+            json_num(per(m.stepped)),
+            m.clipped,
+            m.steps
+        )
+        .unwrap();
+        medians.push(step);
+    }
+    println!("(all times in ms, medians over {} steps per mode; wait: the training thread waiting for the optimizer;", a.steps);
+    println!(" fwd+bwd: the step without the waits; CPU Adam: that mode's kernels alone for one step; ratio: step / max(fwd+bwd, CPU Adam))");
+
+    // Expected behaviour of each mode.
+    let mut behaved = true;
+    for m in &modes {
+        let l = (a.layers as u64) * m.steps;
+        let ok = match m.kind {
+            Kind::Spec => m.kept == l,
+            Kind::SpecClip => m.rescaled == l && m.clipped == m.steps,
+            Kind::NoSpec => m.stepped == l,
+            Kind::NoSpecClip => m.stepped == l && m.clipped == m.steps,
+        } && m.other == 0;
+        if !ok {
+            behaved = false;
+            println!("warning: mode {} did not behave as intended (kept {}, rescaled {}, stepped {}, other {}, clipped {} of {} steps)", m.kind.name(), m.kept, m.rescaled, m.stepped, m.other, m.clipped, m.steps);
+        }
+    }
+
+    let clip_ratio = medians[1] / medians[0];
+    let applies = cpu[0] <= nominal_fwd;
+    let met = clip_ratio <= 1.15;
+    println!();
+    println!(
+        "clipped / unclipped step (speculation on): {:.3} (target <= 1.15 when CPU Adam {:.2} ms <= forward {:.2} ms: {})",
+        clip_ratio,
+        cpu[0],
+        nominal_fwd,
+        if !applies {
+            "does not apply here, CPU Adam exceeds the forward".to_string()
+        } else if met {
+            "met".to_string()
+        } else {
+            "NOT met".to_string()
+        }
+    );
+    println!(
+        "speculation off / on: {:.3} unclipped, {:.3} clipped",
+        medians[2] / medians[0],
+        medians[3] / medians[1]
+    );
+    write!(
+        json,
+        "],\"clipped_over_unclipped\":{},\"target\":1.15,\"target_applies\":{},\"target_met\":{},\"modes_behaved\":{}}}",
+        json_num(clip_ratio),
+        applies,
+        met,
+        behaved
+    )
+    .unwrap();
+    if let Some(path) = &a.json {
+        if path == "-" {
+            println!("{json}");
+        } else {
+            std::fs::write(path, json + "\n").map_err(|e| format!("--json {path}: {e}"))?;
+        }
+    }
+    Ok(true)
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("overlap_bench: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
