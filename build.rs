@@ -25,6 +25,9 @@ fn main() {
 /** The ABI this header describes; compare with `so_abi_version()` at start-up. */
 #define SO_ABI_VERSION {abi}
 
+/** A CUDA stream: the same type as `cudaStream_t` and `CUstream` (no CUDA header needed). */
+typedef struct CUstream_st *so_cuda_stream_t;
+
 /** Marks functions whose status must be checked. */
 #if defined(__GNUC__) || defined(__clang__)
 #define SO_NODISCARD __attribute__((warn_unused_result))

@@ -16,6 +16,9 @@
 /** The ABI this header describes; compare with `so_abi_version()` at start-up. */
 #define SO_ABI_VERSION 1
 
+/** A CUDA stream: the same type as `cudaStream_t` and `CUstream` (no CUDA header needed). */
+typedef struct CUstream_st *so_cuda_stream_t;
+
 /** Marks functions whose status must be checked. */
 #if defined(__GNUC__) || defined(__clang__)
 #define SO_NODISCARD __attribute__((warn_unused_result))
@@ -570,6 +573,11 @@ typedef struct so_slice_desc {
 } so_slice_desc;
 
 /**
+ * A device address (`CUdeviceptr`, or a `void*` from `cudaMalloc` cast to an integer).
+ */
+typedef uint64_t so_device_ptr;
+
+/**
  * A sub-group to register. Initialise with `so_subgroup_desc_default()`.
  */
 typedef struct so_subgroup_desc {
@@ -607,6 +615,16 @@ typedef struct so_subgroup_desc {
    * Entries in `slices`, >= 1.
    */
   size_t num_slices;
+  /**
+   * CUDA sessions: the model's parameter on the device (`numel` elements of
+   * `device_param_dtype`), where updated weights are published; borrowed like `master`.
+   * 0 in host sessions.
+   */
+  so_device_ptr device_param;
+  /**
+   * `SO_DTYPE_F32`, `SO_DTYPE_BF16` or `SO_DTYPE_F16` (CUDA sessions).
+   */
+  uint32_t device_param_dtype;
 } so_subgroup_desc;
 
 /**
@@ -635,6 +653,26 @@ typedef struct so_step_args {
    */
   bool overflow;
 } so_step_args;
+
+/**
+ * How a CUDA session moves data. Initialise with `so_cuda_options_default()`.
+ */
+typedef struct so_cuda_options {
+  /**
+   * `sizeof(so_cuda_options)`.
+   */
+  size_t struct_size;
+  /**
+   * Device ordinal (as the driver numbers them, i.e. after `CUDA_VISIBLE_DEVICES`).
+   */
+  int32_t device;
+  /**
+   * Gradients larger than this go to the host in pieces of this size, alternating two
+   * copy streams, each waiting for the one before (so that other streams' copies, such
+   * as a `.item()`, get in between); >= 4096. Default 16 MiB.
+   */
+  size_t piece_bytes;
+} so_cuda_options;
 
 /**
  * A ticket: a number in a per-session sequence (from 1) of work items that complete in
@@ -966,6 +1004,25 @@ so_status so_session_create(const struct so_session_options *options,
                             struct so_session **out_session);
 
 /**
+ * @brief Creates a CUDA session: as `so_session_create`, with gradients handed over as
+ * device pointers (`so_session_grad_device`) and updated weights published into each
+ * sub-group's device parameter (`so_subgroup_desc.device_param`) after `so_session_step`
+ * decides. Uses the device's primary context (the one PyTorch and JAX use) and creates its
+ * own copy streams; nothing the caller owns is ever freed or destroyed. Session-allocated
+ * host buffers and the borrowed master weights are page-locked (`cuMemHostRegister`, in
+ * place; buffers the caller already pinned are used as they are and never unregistered).
+ *
+ * @param cuda NULL for `so_cuda_options_default()`.
+ * @return As `so_session_create`; `SO_STATUS_CUDA_UNAVAILABLE` without a driver or device;
+ *         `SO_STATUS_CUDA_ERROR` (with the driver's error name) if setup fails.
+ * @note Thread-safety: safe to call from any thread.
+ */
+SO_NODISCARD
+so_status so_session_create_cuda(const struct so_session_options *options,
+                                 const struct so_cuda_options *cuda,
+                                 struct so_session **out_session);
+
+/**
  * @brief Destroys a session: waits for every queued step to finish, stops the CPU-Adam
  * thread, frees the session's memory and releases its pool reference. NULL is a no-op.
  * Borrowed buffers are not used after this returns.
@@ -1250,6 +1307,100 @@ SO_NODISCARD so_status so_session_save(struct so_session *session, const char *p
  * @note Thread-safety: see `so_session`.
  */
 SO_NODISCARD so_status so_session_load(struct so_session *session, const char *path);
+
+/**
+ * Returns CUDA options: device 0, 16 MiB pieces; `struct_size` set.
+ *
+ * @note Thread-safety: safe to call from any thread.
+ */
+struct so_cuda_options so_cuda_options_default(void);
+
+/**
+ * @brief Whether CUDA can be used: the driver library loads, initialises and reports a
+ * device. Never aborts on a machine without CUDA.
+ * @return `SO_STATUS_OK` or `SO_STATUS_CUDA_UNAVAILABLE` (the message says why).
+ * @note Thread-safety: safe to call from any thread.
+ */
+SO_NODISCARD so_status so_cuda_available(void);
+
+/**
+ * @brief "The gradient of `slice` is ready at device address `grad` (`numel` elements of
+ * `dtype`) on `stream`": queues its copy into the sub-group's pinned host gradient buffer
+ * and returns at once; the training thread never waits for copies (the CPU-Adam thread
+ * does, before it steps the sub-group).
+ *
+ * The session records an event on `stream` and copies on its own copy stream: a gradient
+ * larger than `piece_bytes` goes in pieces alternating two copy streams, each waiting for
+ * the one before, the first copy stream ending with a wait on the last piece. `dtype` must
+ * be the session's accumulation dtype (bf16 gradients of f32 master weights cross the link
+ * once, in bf16). Each slice is handed over once per step, at the last micro-step
+ * (accumulate micro-steps on the GPU); a second hand-off after its sub-group completed is a
+ * late gradient (redone at `so_session_step`).
+ *
+ * **Lifetime rule:** the device gradient must stay valid until the session's copy stream
+ * (`so_session_copy_stream`) has passed the copy: with PyTorch's caching allocator call
+ * `grad.record_stream(copy_stream)`; otherwise keep the buffer alive until the returned
+ * ticket or the step's ticket is complete.
+ *
+ * @param out_ticket NULL, or the ticket of the speculative step this queued (0 if none).
+ * @return As `so_session_grad_copy`; `SO_STATUS_INVALID_STATE` for a host session;
+ *         `SO_STATUS_STREAM_CAPTURING` for a stream in graph capture; `SO_STATUS_UNSUPPORTED`
+ *         for a dtype other than the accumulation dtype or a second hand-off in one step
+ *         before completion; `SO_STATUS_CUDA_ERROR`.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_grad_device(struct so_session *session,
+                                 uint32_t slice,
+                                 so_device_ptr grad,
+                                 size_t numel,
+                                 uint32_t dtype,
+                                 so_cuda_stream_t stream,
+                                 so_ticket *out_ticket);
+
+/**
+ * @brief Registers the caller's compute stream (borrowed; NULL is the legacy default
+ * stream): each `so_session_step` records an event on it, and updated weights are published
+ * only after that point, so a backward still running on the GPU never sees its weights
+ * change. Call it once, and again if the compute stream changes.
+ * @return `SO_STATUS_OK`, `SO_STATUS_STREAM_CAPTURING`, `SO_STATUS_INVALID_STATE` for a host
+ *         session.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_set_compute_stream(struct so_session *session,
+                                        so_cuda_stream_t stream);
+
+/**
+ * @brief Makes `stream` wait, on the GPU and without blocking the calling thread, until
+ * `ticket` is complete — e.g. a sub-group's final ticket before the forward of its layer
+ * reads the published weights. Implemented with a device word the session's stream
+ * writes as tickets complete (`cuStreamWaitValue64`), so it may be called before the work
+ * has even started. The outcome of failed work is reported on the host (`so_ticket_wait`).
+ * @return `SO_STATUS_OK`, `SO_STATUS_NOT_FOUND` for a ticket never issued,
+ *         `SO_STATUS_STREAM_CAPTURING`, `SO_STATUS_INVALID_STATE` for a host session.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_ticket_enqueue_wait(const struct so_session *session,
+                                 so_ticket ticket,
+                                 so_cuda_stream_t stream);
+
+/**
+ * @brief The session's first copy stream, on which every gradient copy ends (for
+ * `record_stream`); owned by the session, valid until it is destroyed.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_copy_stream(const struct so_session *session,
+                                 so_cuda_stream_t *out_stream);
+
+/**
+ * @brief Host bytes the session page-locked (0 for a host session). Buffers the caller
+ * had already pinned are not counted; nothing is rounded up to powers of two.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD so_status so_session_pinned_bytes(const struct so_session *session, size_t *out_bytes);
 
 /**
  * Returns the ABI version of the loaded library; compare with `SO_ABI_VERSION`.

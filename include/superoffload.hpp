@@ -872,7 +872,10 @@ struct LossScalerOptions {
  * copied by Session::create.
  */
 struct SessionOptions {
-    /** Pool for the optimizer passes; nullptr (the default) for the default pool or, with `cores`, a pool of the session's own. */
+    /**
+     * Pool for the optimizer passes; nullptr (the default) for the default pool or, with
+     * `cores`, a pool of the session's own.
+     */
     PoolRef pool;
     /** Cores for a pool of the session's own (one pinned thread each); empty for none. Not with `pool`. */
     std::vector<std::uint32_t> cores;

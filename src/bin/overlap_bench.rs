@@ -51,6 +51,9 @@ OPTIONS:
                     process may run on except the training core)
   --train-core C    core of the training thread (default: the first CPU this process may
                     run on)
+  --adam-thread W   where the sessions' CPU-Adam threads may run: pool (the pool's cores,
+                    default), unpinned (any allowed CPU) or training (the training core,
+                    what a session created by an already pinned training thread gets)
   --json PATH       also write the results as JSON to PATH (- for stdout)
   -h, --help        this text
 
@@ -67,7 +70,16 @@ struct Args {
     refill: usize,
     pool_cores: Option<Vec<usize>>,
     train_core: Option<usize>,
+    adam_thread: AdamThread,
     json: Option<String>,
+}
+
+/// Where the sessions' CPU-Adam threads may run (they inherit the creating thread's mask).
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum AdamThread {
+    Pool,
+    Unpinned,
+    Training,
 }
 
 fn parse_count(flag: &str, s: &str) -> Result<usize, String> {
@@ -127,6 +139,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         refill: 1,
         pool_cores: None,
         train_core: None,
+        adam_thread: AdamThread::Pool,
         json: None,
     };
     let mut it = std::env::args().skip(1);
@@ -149,6 +162,14 @@ fn parse_args() -> Result<Option<Args>, String> {
             "--refill" => a.refill = parse_count(&flag, &value()?)?,
             "--pool-cores" => a.pool_cores = Some(parse_cores(&flag, &value()?)?),
             "--train-core" => a.train_core = Some(parse_count(&flag, &value()?)?),
+            "--adam-thread" => {
+                a.adam_thread = match value()?.as_str() {
+                    "pool" => AdamThread::Pool,
+                    "unpinned" => AdamThread::Unpinned,
+                    "training" => AdamThread::Training,
+                    other => return Err(format!("--adam-thread: {other:?} is not pool, unpinned or training")),
+                }
+            }
             "--json" => a.json = Some(value()?),
             _ => return Err(format!("unknown argument {arg:?} (try --help)")),
         }
@@ -175,15 +196,18 @@ fn allowed_cpus() -> Vec<usize> {
     }
 }
 
-fn pin_current_thread(core: usize) -> Result<(), String> {
+/// Restricts the calling thread to `cores`.
+fn pin_current_thread(cores: &[usize]) -> Result<(), String> {
     // SAFETY: as in `allowed_cpus`.
     let rc = unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(core, &mut set);
+        for &core in cores {
+            libc::CPU_SET(core, &mut set);
+        }
         libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
     };
     if rc != 0 {
-        return Err(format!("cannot pin the training thread to core {core}: {}", std::io::Error::last_os_error()));
+        return Err(format!("cannot pin the calling thread to cores {cores:?}: {}", std::io::Error::last_os_error()));
     }
     Ok(())
 }
@@ -250,6 +274,7 @@ struct Mode {
     busy_ms: Vec<f64>,
     fwd_ms: Vec<f64>,
     bwd_ms: Vec<f64>,
+    handoff_ms: Vec<f64>,
     /// Totals of the step results (every step, measured or not).
     kept: u64,
     rescaled: u64,
@@ -299,6 +324,7 @@ impl Mode {
             busy_ms: Vec::new(),
             fwd_ms: Vec::new(),
             bwd_ms: Vec::new(),
+            handoff_ms: Vec::new(),
             kept: 0,
             rescaled: 0,
             stepped: 0,
@@ -322,8 +348,8 @@ impl Mode {
     }
 
     /// One loop iteration: forward (waiting for each layer's final ticket), backward with
-    /// hand-offs, step(). Returns (step, wait, busy, forward, backward) in ms.
-    fn iterate(&mut self, a: &Args, grads: &[Vec<f32>], max_norm: f64) -> Result<[f64; 5], String> {
+    /// hand-offs, step(). Returns (step, wait, busy, forward, backward, hand-offs) in ms.
+    fn iterate(&mut self, a: &Args, grads: &[Vec<f32>], max_norm: f64) -> Result<[f64; 6], String> {
         let t0 = Instant::now();
         let mut wait = Duration::ZERO;
         for k in 0..a.layers {
@@ -338,9 +364,12 @@ impl Mode {
         let forward = t0.elapsed();
         let tb = Instant::now();
         self.session.begin_step(Some(1.0), 1).map_err(|e| format!("begin_step: {e}"))?;
+        let mut handoff = Duration::ZERO;
         for k in (0..a.layers).rev() {
             spin(a.bwd);
+            let th = Instant::now();
             self.session.grad_copy(self.slices[k], Floats::F32(&grads[k])).map_err(|e| format!("grad_copy: {e}"))?;
+            handoff += th.elapsed();
         }
         let backward = tb.elapsed();
         let args = StepArgs { max_norm: if self.kind.clip() { max_norm } else { 0.0 }, norm: NormSource::Local, overflow: false };
@@ -350,7 +379,7 @@ impl Mode {
         }
         let step = t0.elapsed();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        Ok([ms(step), ms(wait), ms(step - wait), ms(forward - wait), ms(backward)])
+        Ok([ms(step), ms(wait), ms(step - wait), ms(forward - wait), ms(backward), ms(handoff)])
     }
 
     fn drain(&mut self) -> Result<(), String> {
@@ -450,15 +479,24 @@ fn run() -> Result<bool, String> {
     if pool_cores.contains(&train_core) {
         return Err(format!("the training core {train_core} is also a pool core"));
     }
-    // Sessions and the pool are created before the training thread pins itself: the library
-    // checks pool cores against the calling thread's affinity mask, and each session's
-    // CPU-Adam thread inherits the mask of the thread that creates it.
+    // The pool is created before the training thread pins itself: the library checks pool
+    // cores against the calling thread's affinity mask. Each session's CPU-Adam thread
+    // inherits the mask of the thread that creates the session: with --adam-thread pool
+    // (the default) the sessions are created while this thread is restricted to the pool's
+    // cores, so those threads stay off the training core.
     let pool = Arc::new(Pool::new(&PoolOptions { cores: Some(pool_cores.clone()), ..PoolOptions::default() }).map_err(|e| format!("pool: {e}"))?);
     let grads: Vec<Vec<f32>> = (0..a.layers).map(|k| (0..a.elems).map(|i| 0.01 * gauss(200 + k as u64, i)).collect()).collect();
     let sumsq: f64 = grads.iter().flat_map(|g| g.iter()).map(|&x| x as f64 * x as f64).sum();
     let max_norm = 0.5 * sumsq.sqrt(); // clip coefficient ~0.5 on every clipped step
+    let saved_mask = allowed_cpus();
+    match a.adam_thread {
+        AdamThread::Pool => pin_current_thread(&pool_cores)?,
+        AdamThread::Training => pin_current_thread(&[train_core])?,
+        AdamThread::Unpinned => {}
+    }
     let mut modes: Vec<Mode> = Kind::ALL.iter().map(|&k| Mode::new(k, &pool, a.layers, a.elems)).collect::<Result<_, _>>()?;
-    pin_current_thread(train_core)?;
+    pin_current_thread(&saved_mask)?;
+    pin_current_thread(&[train_core])?;
 
     println!(
         "overlap_bench: {} layers x {} f32 elements ({:.1} MB of master weights), forward {:.2} ms + backward {:.2} ms per layer",
@@ -493,6 +531,7 @@ fn run() -> Result<bool, String> {
                     mode.busy_ms.push(r[2]);
                     mode.fwd_ms.push(r[3]);
                     mode.bwd_ms.push(r[4]);
+                    mode.handoff_ms.push(r[5]);
                 }
             }
             // Let this mode's last step finish before the next mode starts.
@@ -507,8 +546,8 @@ fn run() -> Result<bool, String> {
     let nominal_fwd = a.fwd.as_secs_f64() * 1e3 * a.layers as f64;
     println!();
     println!(
-        "{:<12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}   {}",
-        "mode", "step", "p90", "wait", "fwd+bwd", "fwd", "bwd", "CPU Adam", "ratio", "per step (kept/rescaled/stepped)"
+        "{:<12} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>7}   {}",
+        "mode", "step", "p90", "wait", "fwd+bwd", "fwd", "bwd", "hand-off", "CPU Adam", "ratio", "kept/rescaled/stepped"
     );
     let mut json = String::new();
     write!(
@@ -524,18 +563,19 @@ fn run() -> Result<bool, String> {
     .unwrap();
     let mut medians = Vec::new();
     for (i, m) in modes.iter().enumerate() {
-        let (step, p90, wait, busy, fwd, bwd) = (
+        let (step, p90, wait, busy, fwd, bwd, handoff) = (
             median(&m.step_ms),
             percentile(&m.step_ms, 0.9),
             median(&m.wait_ms),
             median(&m.busy_ms),
             median(&m.fwd_ms),
             median(&m.bwd_ms),
+            median(&m.handoff_ms),
         );
         let ratio = step / busy.max(cpu[i]);
         let per = |x: u64| x as f64 / m.steps.max(1) as f64;
         println!(
-            "{:<12} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>7.3}   {:.1}/{:.1}/{:.1}{}",
+            "{:<12} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>9.2} {:>7.3}   {:.1}/{:.1}/{:.1}{}",
             m.kind.name(),
             step,
             p90,
@@ -543,6 +583,7 @@ fn run() -> Result<bool, String> {
             busy,
             fwd,
             bwd,
+            handoff,
             cpu[i],
             ratio,
             per(m.kept),
@@ -555,7 +596,7 @@ fn run() -> Result<bool, String> {
         }
         write!(
             json,
-            "{{\"mode\":\"{}\",\"step_ms\":{},\"step_p90_ms\":{},\"wait_ms\":{},\"fwd_bwd_ms\":{},\"fwd_ms\":{},\"bwd_ms\":{},\"cpu_adam_ms\":{},\"ratio\":{},\"kept_per_step\":{},\"rescaled_per_step\":{},\"stepped_per_step\":{},\"clipped_steps\":{},\"steps\":{}}}",
+            "{{\"mode\":\"{}\",\"step_ms\":{},\"step_p90_ms\":{},\"wait_ms\":{},\"fwd_bwd_ms\":{},\"fwd_ms\":{},\"bwd_ms\":{},\"handoff_ms\":{},\"cpu_adam_ms\":{},\"ratio\":{},\"kept_per_step\":{},\"rescaled_per_step\":{},\"stepped_per_step\":{},\"clipped_steps\":{},\"steps\":{}}}",
             m.kind.name(),
             json_num(step),
             json_num(p90),
@@ -563,6 +604,7 @@ fn run() -> Result<bool, String> {
             json_num(busy),
             json_num(fwd),
             json_num(bwd),
+            json_num(handoff),
             json_num(cpu[i]),
             json_num(ratio),
             json_num(per(m.kept)),
@@ -575,7 +617,7 @@ fn run() -> Result<bool, String> {
         medians.push(step);
     }
     println!("(all times in ms, medians over {} steps per mode; wait: the training thread waiting for the optimizer;", a.steps);
-    println!(" fwd+bwd: the step without the waits; CPU Adam: that mode's kernels alone for one step; ratio: step / max(fwd+bwd, CPU Adam))");
+    println!(" fwd+bwd: the step without the waits; bwd includes the hand-offs (time in grad_copy); CPU Adam: that mode's kernels alone for one step; ratio: step / max(fwd+bwd, CPU Adam))");
 
     // Expected behaviour of each mode.
     let mut behaved = true;

@@ -8,6 +8,7 @@ use super::types::{dtype_from_raw, dtype_to_raw, so_adam_mode, so_dtype};
 use super::{WithStructSize, check_struct_size, ffi_boundary, non_null, read_struct};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{AdamMode, DType, Floats};
+use crate::cuda::{CudaOptions, CudaSession};
 use crate::session::{
     Borrowed, GroupHparams, LossScalerOptions, NormSource, Session, SessionOptions, SliceDesc, StepArgs, StepResult,
     SubGroupDesc, TicketState,
@@ -148,6 +149,12 @@ pub struct so_subgroup_desc {
     pub slices: *const so_slice_desc,
     /// Entries in `slices`, >= 1.
     pub num_slices: usize,
+    /// CUDA sessions: the model's parameter on the device (`numel` elements of
+    /// `device_param_dtype`), where updated weights are published; borrowed like `master`.
+    /// 0 in host sessions.
+    pub device_param: so_device_ptr,
+    /// `SO_DTYPE_F32`, `SO_DTYPE_BF16` or `SO_DTYPE_F16` (CUDA sessions).
+    pub device_param_dtype: u32,
 }
 
 /// What `so_session_step` is told. Initialise with `so_step_args_default()`.
@@ -293,10 +300,48 @@ fn timeout(ns: i64) -> Option<Duration> {
 
 /// # Safety
 /// `session` must be NULL or a live handle.
-unsafe fn session_ref<'a>(session: *const so_session) -> Result<&'a Session> {
+unsafe fn handle_ref<'a>(session: *const so_session) -> Result<&'a Handle> {
     non_null(session, "session")?;
-    // SAFETY: a live handle is a Box<Session> pointer.
-    Ok(unsafe { &*session.cast::<Session>() })
+    // SAFETY: a live handle is a Box<Handle> pointer.
+    Ok(unsafe { &*session.cast::<Handle>() })
+}
+
+/// # Safety
+/// As `handle_ref`.
+unsafe fn session_ref<'a>(session: *const so_session) -> Result<&'a Session> {
+    Ok(unsafe { handle_ref(session)? }.session())
+}
+
+/// # Safety
+/// As `handle_ref`.
+unsafe fn cuda_ref<'a>(session: *const so_session, what: &str) -> Result<&'a CudaSession> {
+    match unsafe { handle_ref(session)? } {
+        Handle::Cuda(c) => Ok(c),
+        Handle::Host(_) => Err(Error::new(
+            Status::InvalidState,
+            format!("{what} needs a CUDA session (so_session_create_cuda); this one is a host session"),
+        )),
+    }
+}
+
+/// What a `so_session*` points to.
+enum Handle {
+    Host(Session),
+    Cuda(CudaSession),
+}
+
+impl Handle {
+    fn session(&self) -> &Session {
+        match self {
+            Handle::Host(s) => s,
+            Handle::Cuda(c) => c.session(),
+        }
+    }
+}
+
+/// Our name for CUDA's stream type is CUDA's own; NULL (the legacy default stream) is valid.
+fn stream_arg(stream: so_cuda_stream_t) -> crate::cuda::Stream {
+    stream.cast()
 }
 
 /// Writes an out-parameter if the caller gave one.
@@ -364,6 +409,8 @@ pub extern "C" fn so_subgroup_desc_default() -> so_subgroup_desc {
         grad: std::ptr::null_mut(),
         slices: std::ptr::null(),
         num_slices: 0,
+        device_param: 0,
+        device_param_dtype: so_dtype::None as u32,
     };
     ffi_boundary!("so_subgroup_desc_default", fallback = empty(), { empty() })
 }
@@ -390,6 +437,52 @@ pub extern "C" fn so_step_args_default() -> so_step_args {
 pub unsafe extern "C" fn so_session_create(options: *const so_session_options, out_session: *mut *mut so_session) -> Status {
     ffi_boundary!("so_session_create", {
         non_null(out_session, "out_session")?;
+        // SAFETY: as documented; see `session_options`.
+        let options = unsafe { session_options(options)? };
+        let handle = Box::new(Handle::Host(Session::new(options)?));
+        // SAFETY: checked non-NULL.
+        unsafe { out_session.write(Box::into_raw(handle).cast()) };
+        Ok(())
+    })
+}
+
+/// @brief Creates a CUDA session: as `so_session_create`, with gradients handed over as
+/// device pointers (`so_session_grad_device`) and updated weights published into each
+/// sub-group's device parameter (`so_subgroup_desc.device_param`) after `so_session_step`
+/// decides. Uses the device's primary context (the one PyTorch and JAX use) and creates its
+/// own copy streams; nothing the caller owns is ever freed or destroyed. Session-allocated
+/// host buffers and the borrowed master weights are page-locked (`cuMemHostRegister`, in
+/// place; buffers the caller already pinned are used as they are and never unregistered).
+///
+/// @param cuda NULL for `so_cuda_options_default()`.
+/// @return As `so_session_create`; `SO_STATUS_CUDA_UNAVAILABLE` without a driver or device;
+///         `SO_STATUS_CUDA_ERROR` (with the driver's error name) if setup fails.
+/// @note Thread-safety: safe to call from any thread.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_create_cuda(
+    options: *const so_session_options,
+    cuda: *const so_cuda_options,
+    out_session: *mut *mut so_session,
+) -> Status {
+    ffi_boundary!("so_session_create_cuda", {
+        non_null(out_session, "out_session")?;
+        let options = unsafe { session_options(options)? };
+        let c = if cuda.is_null() { cuda_defaults() } else { unsafe { read_struct(cuda, "cuda")? } };
+        crate::cuda::available()?;
+        let session = CudaSession::new(options, CudaOptions { device: c.device, piece_bytes: c.piece_bytes })?;
+        let handle = Box::new(Handle::Cuda(session));
+        unsafe { out_session.write(Box::into_raw(handle).cast()) };
+        Ok(())
+    })
+}
+
+/// Reads and converts session options.
+///
+/// # Safety
+/// `options` must be NULL or point to a `so_session_options` whose pointers are valid.
+unsafe fn session_options(options: *const so_session_options) -> Result<SessionOptions> {
+    {
         // SAFETY: pointers are NULL or point to the documented structs and arrays.
         let raw = if options.is_null() { session_defaults() } else { unsafe { read_struct(options, "options")? } };
         let pool = if raw.pool.is_null() { None } else { Some(unsafe { pool_arg(raw.pool)? }) };
@@ -431,11 +524,8 @@ pub unsafe extern "C" fn so_session_create(options: *const so_session_options, o
             loss_scaler,
             copy_dtype: dtype_from_raw(raw.copy_dtype, "options->copy_dtype")?,
         };
-        let session = Box::new(Session::new(options)?);
-        // SAFETY: checked non-NULL.
-        unsafe { out_session.write(Box::into_raw(session).cast()) };
-        Ok(())
-    })
+        Ok(options)
+    }
 }
 
 /// @brief Destroys a session: waits for every queued step to finish, stops the CPU-Adam
@@ -448,7 +538,7 @@ pub unsafe extern "C" fn so_session_destroy(session: *mut so_session) {
     ffi_boundary!("so_session_destroy", fallback = (), {
         if !session.is_null() {
             // SAFETY: a live handle owns its Box.
-            drop(unsafe { Box::from_raw(session.cast::<Session>()) });
+            drop(unsafe { Box::from_raw(session.cast::<Handle>()) });
         }
     })
 }
@@ -534,7 +624,8 @@ pub unsafe extern "C" fn so_session_add_subgroup(
     out_subgroup: *mut u32,
 ) -> Status {
     ffi_boundary!("so_session_add_subgroup", {
-        let s = unsafe { session_ref(session)? };
+        let h = unsafe { handle_ref(session)? };
+        let s = h.session();
         non_null(out_subgroup, "out_subgroup")?;
         let d = unsafe { read_struct(desc, "desc")? };
         let master_dtype = required_dtype(d.master_dtype, "desc->master_dtype")?;
@@ -557,7 +648,19 @@ pub unsafe extern "C" fn so_session_add_subgroup(
                 .map_err(|_| Error::invalid(format!("desc->slices[{i}].name is not UTF-8")))?;
             slices.push(SliceDesc { name: name.to_string(), offset: raw.offset, numel: raw.numel });
         }
-        let id = s.add_subgroup(SubGroupDesc { group: d.group, master, grad, slices })?;
+        let desc = SubGroupDesc { group: d.group, master, grad, slices };
+        let id = match h {
+            Handle::Host(s) => {
+                if d.device_param != 0 {
+                    return Err(Error::invalid("desc->device_param is set but this is a host session"));
+                }
+                s.add_subgroup(desc)?
+            }
+            Handle::Cuda(c) => {
+                let dtype = required_dtype(d.device_param_dtype, "desc->device_param_dtype")?;
+                c.add_subgroup(desc, d.device_param, dtype)?
+            }
+        };
         unsafe { write_out(out_subgroup, "out_subgroup", id) }
     })
 }
@@ -725,7 +828,7 @@ pub unsafe extern "C" fn so_session_local_grad_sumsq(session: *mut so_session, t
 #[must_use]
 pub unsafe extern "C" fn so_session_step(session: *mut so_session, args: *const so_step_args, out_ticket: *mut so_ticket) -> Status {
     ffi_boundary!("so_session_step", {
-        let s = unsafe { session_ref(session)? };
+        let h = unsafe { handle_ref(session)? };
         non_null(out_ticket, "out_ticket")?;
         let a = if args.is_null() { step_args_defaults() } else { unsafe { read_struct(args, "args")? } };
         let norm = match a.norm_source {
@@ -733,7 +836,11 @@ pub unsafe extern "C" fn so_session_step(session: *mut so_session, args: *const 
             x if x == so_norm_source::Given as u32 => NormSource::Given(a.global_norm),
             other => return Err(Error::invalid(format!("args->norm_source = {other} is not a so_norm_source value"))),
         };
-        let ticket = s.step(StepArgs { max_norm: a.max_norm, norm, overflow: a.overflow })?;
+        let args = StepArgs { max_norm: a.max_norm, norm, overflow: a.overflow };
+        let ticket = match h {
+            Handle::Host(s) => s.step(args)?,
+            Handle::Cuda(c) => c.step(args)?,
+        };
         unsafe { write_out(out_ticket, "out_ticket", ticket) }
     })
 }
@@ -895,4 +1002,166 @@ fn path_arg(path: *const c_char) -> Result<std::path::PathBuf> {
     // SAFETY: non-NULL and NUL-terminated per the contract.
     let path = unsafe { CStr::from_ptr(path) }.to_str().map_err(|_| Error::invalid("path is not UTF-8"))?;
     Ok(std::path::PathBuf::from(path))
+}
+
+/// A CUDA stream (`cudaStream_t` and `CUstream` are this same type); the header declares
+/// it in build.rs's preamble as `struct CUstream_st *`, so no CUDA header is needed.
+pub type so_cuda_stream_t = *mut CUstream_st;
+
+/// CUDA's opaque stream type.
+pub struct CUstream_st {
+    _private: [u8; 0],
+}
+
+/// A device address (`CUdeviceptr`, or a `void*` from `cudaMalloc` cast to an integer).
+pub type so_device_ptr = u64;
+
+/// How a CUDA session moves data. Initialise with `so_cuda_options_default()`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_cuda_options {
+    /// `sizeof(so_cuda_options)`.
+    pub struct_size: usize,
+    /// Device ordinal (as the driver numbers them, i.e. after `CUDA_VISIBLE_DEVICES`).
+    pub device: i32,
+    /// Gradients larger than this go to the host in pieces of this size, alternating two
+    /// copy streams, each waiting for the one before (so that other streams' copies, such
+    /// as a `.item()`, get in between); >= 4096. Default 16 MiB.
+    pub piece_bytes: usize,
+}
+
+// SAFETY: `#[repr(C)]` with `struct_size: usize` first.
+unsafe impl WithStructSize for so_cuda_options {
+    const NAME: &'static str = "so_cuda_options";
+}
+
+fn cuda_defaults() -> so_cuda_options {
+    let d = CudaOptions::default();
+    so_cuda_options { struct_size: std::mem::size_of::<so_cuda_options>(), device: d.device, piece_bytes: d.piece_bytes }
+}
+
+/// Returns CUDA options: device 0, 16 MiB pieces; `struct_size` set.
+///
+/// @note Thread-safety: safe to call from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn so_cuda_options_default() -> so_cuda_options {
+    ffi_boundary!("so_cuda_options_default", fallback = cuda_defaults(), { cuda_defaults() })
+}
+
+/// @brief Whether CUDA can be used: the driver library loads, initialises and reports a
+/// device. Never aborts on a machine without CUDA.
+/// @return `SO_STATUS_OK` or `SO_STATUS_CUDA_UNAVAILABLE` (the message says why).
+/// @note Thread-safety: safe to call from any thread.
+#[unsafe(no_mangle)]
+#[must_use]
+pub extern "C" fn so_cuda_available() -> Status {
+    ffi_boundary!("so_cuda_available", { crate::cuda::available() })
+}
+
+/// @brief "The gradient of `slice` is ready at device address `grad` (`numel` elements of
+/// `dtype`) on `stream`": queues its copy into the sub-group's pinned host gradient buffer
+/// and returns at once; the training thread never waits for copies (the CPU-Adam thread
+/// does, before it steps the sub-group).
+///
+/// The session records an event on `stream` and copies on its own copy stream: a gradient
+/// larger than `piece_bytes` goes in pieces alternating two copy streams, each waiting for
+/// the one before, the first copy stream ending with a wait on the last piece. `dtype` must
+/// be the session's accumulation dtype (bf16 gradients of f32 master weights cross the link
+/// once, in bf16). Each slice is handed over once per step, at the last micro-step
+/// (accumulate micro-steps on the GPU); a second hand-off after its sub-group completed is a
+/// late gradient (redone at `so_session_step`).
+///
+/// **Lifetime rule:** the device gradient must stay valid until the session's copy stream
+/// (`so_session_copy_stream`) has passed the copy: with PyTorch's caching allocator call
+/// `grad.record_stream(copy_stream)`; otherwise keep the buffer alive until the returned
+/// ticket or the step's ticket is complete.
+///
+/// @param out_ticket NULL, or the ticket of the speculative step this queued (0 if none).
+/// @return As `so_session_grad_copy`; `SO_STATUS_INVALID_STATE` for a host session;
+///         `SO_STATUS_STREAM_CAPTURING` for a stream in graph capture; `SO_STATUS_UNSUPPORTED`
+///         for a dtype other than the accumulation dtype or a second hand-off in one step
+///         before completion; `SO_STATUS_CUDA_ERROR`.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_grad_device(
+    session: *mut so_session,
+    slice: u32,
+    grad: so_device_ptr,
+    numel: usize,
+    dtype: u32,
+    stream: so_cuda_stream_t,
+    out_ticket: *mut so_ticket,
+) -> Status {
+    ffi_boundary!("so_session_grad_device", {
+        let c = unsafe { cuda_ref(session, "so_session_grad_device")? };
+        let dtype = required_dtype(dtype, "dtype")?;
+        let ticket = c.gradient_from_device(slice, grad, numel, dtype, stream_arg(stream))?;
+        unsafe { write_opt(out_ticket, ticket.unwrap_or(0)) };
+        Ok(())
+    })
+}
+
+/// @brief Registers the caller's compute stream (borrowed; NULL is the legacy default
+/// stream): each `so_session_step` records an event on it, and updated weights are published
+/// only after that point, so a backward still running on the GPU never sees its weights
+/// change. Call it once, and again if the compute stream changes.
+/// @return `SO_STATUS_OK`, `SO_STATUS_STREAM_CAPTURING`, `SO_STATUS_INVALID_STATE` for a host
+///         session.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_set_compute_stream(session: *mut so_session, stream: so_cuda_stream_t) -> Status {
+    ffi_boundary!("so_session_set_compute_stream", {
+        let c = unsafe { cuda_ref(session, "so_session_set_compute_stream")? };
+        c.set_compute_stream(stream_arg(stream))
+    })
+}
+
+/// @brief Makes `stream` wait, on the GPU and without blocking the calling thread, until
+/// `ticket` is complete — e.g. a sub-group's final ticket before the forward of its layer
+/// reads the published weights. Implemented with a device word the session's stream
+/// writes as tickets complete (`cuStreamWaitValue64`), so it may be called before the work
+/// has even started. The outcome of failed work is reported on the host (`so_ticket_wait`).
+/// @return `SO_STATUS_OK`, `SO_STATUS_NOT_FOUND` for a ticket never issued,
+///         `SO_STATUS_STREAM_CAPTURING`, `SO_STATUS_INVALID_STATE` for a host session.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_ticket_enqueue_wait(session: *const so_session, ticket: so_ticket, stream: so_cuda_stream_t) -> Status {
+    ffi_boundary!("so_ticket_enqueue_wait", {
+        let c = unsafe { cuda_ref(session, "so_ticket_enqueue_wait")? };
+        if ticket == 0 {
+            return Ok(());
+        }
+        c.session().ticket_state(ticket)?;
+        c.enqueue_wait(ticket, stream_arg(stream))
+    })
+}
+
+/// @brief The session's first copy stream, on which every gradient copy ends (for
+/// `record_stream`); owned by the session, valid until it is destroyed.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_copy_stream(session: *const so_session, out_stream: *mut so_cuda_stream_t) -> Status {
+    ffi_boundary!("so_session_copy_stream", {
+        let c = unsafe { cuda_ref(session, "so_session_copy_stream")? };
+        unsafe { write_out(out_stream, "out_stream", c.copy_stream().cast()) }
+    })
+}
+
+/// @brief Host bytes the session page-locked (0 for a host session). Buffers the caller
+/// had already pinned are not counted; nothing is rounded up to powers of two.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_pinned_bytes(session: *const so_session, out_bytes: *mut usize) -> Status {
+    ffi_boundary!("so_session_pinned_bytes", {
+        let n = match unsafe { handle_ref(session)? } {
+            Handle::Host(_) => 0,
+            Handle::Cuda(c) => c.pinned_bytes(),
+        };
+        unsafe { write_out(out_bytes, "out_bytes", n) }
+    })
 }

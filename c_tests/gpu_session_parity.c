@@ -1,0 +1,180 @@
+/* A small model stepped through a CUDA session ends bit-identical to the same run through a
+ * host session given the same gradients and global norms, with clipping, a skipped step
+ * and a late gradient in the run; after each step the model's device parameters equal the
+ * bf16 rounding of the master weights, read back after a GPU-side wait on each sub-group's
+ * final ticket. */
+#include "cuda_driver.h"
+
+#define NSG 3
+#define STEPS 6
+static const size_t SLICES[NSG][2] = {{100000, 0}, {50000, 20001}, {5000, 0}};
+
+typedef struct {
+    so_session *s;
+    float *master[NSG];
+    size_t numel[NSG];
+} model;
+
+static void build(model *mm, int cuda, cu_ptr *d_params) {
+    so_session_options o = so_session_options_default();
+    o.grad_dtype = SO_DTYPE_BF16;
+    o.accum_dtype = SO_DTYPE_BF16;
+    if (cuda) {
+        CHECK_OK(so_session_create_cuda(&o, NULL, &mm->s));
+    } else {
+        CHECK_OK(so_session_create(&o, &mm->s));
+    }
+    uint32_t g;
+    so_group_hparams hp = so_group_hparams_default();
+    hp.weight_decay = 0.05;
+    CHECK_OK(so_session_add_group(mm->s, &hp, &g));
+    so_rng rng = so_rng_new(7);
+    char names[NSG][2][16];
+    for (int k = 0; k < NSG; k++) {
+        size_t n = SLICES[k][0] + SLICES[k][1];
+        mm->numel[k] = n;
+        mm->master[k] = (float *)so_test_malloc(n * 4);
+        for (size_t i = 0; i < n; i++) mm->master[k][i] = (float)so_rng_normalish(&rng, 0.05);
+        so_slice_desc sl[2];
+        size_t ns = SLICES[k][1] ? 2 : 1;
+        for (size_t j = 0; j < ns; j++) {
+            snprintf(names[k][j], sizeof names[k][j], "sg%d.%zu", k, j);
+            sl[j].name = names[k][j];
+            sl[j].offset = j ? SLICES[k][0] : 0;
+            sl[j].numel = SLICES[k][j];
+        }
+        so_subgroup_desc d = so_subgroup_desc_default();
+        d.master = mm->master[k];
+        d.numel = n;
+        d.slices = sl;
+        d.num_slices = ns;
+        if (cuda) {
+            d.device_param = d_params[k];
+            d.device_param_dtype = SO_DTYPE_BF16;
+        }
+        uint32_t id;
+        CHECK_OK(so_session_add_subgroup(mm->s, &d, &id));
+        CHECK(id == (uint32_t)k);
+    }
+}
+
+int main(void) {
+    cuda_driver_load();
+    cu_ptr d_params[NSG], d_grads[NSG];
+    model host, dev;
+    size_t total = 0;
+    for (int k = 0; k < NSG; k++) total += SLICES[k][0] + SLICES[k][1];
+    for (int k = 0; k < NSG; k++) {
+        size_t n = SLICES[k][0] + SLICES[k][1];
+        CU_CHECK(cu.mem_alloc(&d_params[k], n * 2));
+        CU_CHECK(cu.mem_alloc(&d_grads[k], n * 2));
+    }
+    build(&host, 0, NULL);
+    build(&dev, 1, d_params);
+    so_cuda_stream_t stream;
+    CU_CHECK(cu.stream_create(&stream, 1));
+    CHECK_OK(so_session_set_compute_stream(dev.s, stream));
+
+    so_rng rng = so_rng_new(99);
+    uint16_t *grad = (uint16_t *)so_test_malloc(total * 2);
+    uint16_t *late = (uint16_t *)so_test_malloc(SLICES[0][0] * 2);
+    uint16_t *readback = (uint16_t *)so_test_malloc(total * 2);
+    uint16_t *previous = (uint16_t *)so_test_malloc(total * 2);
+    size_t pinned = 0;
+    for (int step = 1; step <= STEPS; step++) {
+        int is_late = step == 3, overflow = step == 4;
+        double norm = step % 2 ? 5.0 : 0.5; /* max_norm 1: odd steps clip */
+        for (size_t i = 0; i < total; i++) grad[i] = so_f32_to_bf16((float)so_rng_normalish(&rng, 1e-2));
+        for (size_t i = 0; i < SLICES[0][0]; i++) late[i] = so_f32_to_bf16((float)so_rng_normalish(&rng, 1e-2));
+        size_t off = 0;
+        for (int k = 0; k < NSG; k++) {
+            CU_CHECK(cu.htod(d_grads[k], grad + off, dev.numel[k] * 2));
+            off += dev.numel[k];
+        }
+        CHECK_OK(so_session_begin_step(host.s, 1.0f, 1));
+        CHECK_OK(so_session_begin_step(dev.s, 1.0f, 1));
+        /* Backward order: last sub-group first. */
+        off = total;
+        uint32_t slice_id = 0;
+        for (int k = NSG - 1; k >= 0; k--) {
+            off -= dev.numel[k];
+            size_t ns = SLICES[k][1] ? 2 : 1;
+            size_t inner = 0;
+            for (size_t j = 0; j < ns; j++) {
+                char name[16];
+                snprintf(name, sizeof name, "sg%d.%zu", k, j);
+                CHECK_OK(so_session_slice_id(host.s, name, &slice_id));
+                size_t n = SLICES[k][j];
+                CHECK_OK(so_session_grad_copy(host.s, slice_id, grad + off + inner, n, NULL));
+                CHECK_OK(so_session_grad_device(dev.s, slice_id, d_grads[k] + inner * 2, n, SO_DTYPE_BF16, stream, NULL));
+                inner += n;
+            }
+        }
+        if (is_late) {
+            /* A second gradient for sub-group 0's slice after the sub-group completed. */
+            CHECK_OK(so_session_grad_copy(host.s, 0, late, SLICES[0][0], NULL));
+            CU_CHECK(cu.stream_sync(stream));
+            CU_CHECK(cu.htod(d_grads[0], late, SLICES[0][0] * 2));
+            CHECK_OK(so_session_grad_device(dev.s, 0, d_grads[0], SLICES[0][0], SO_DTYPE_BF16, stream, NULL));
+        }
+        so_step_args a = so_step_args_default();
+        a.max_norm = 1.0;
+        a.norm_source = SO_NORM_SOURCE_GIVEN;
+        a.global_norm = norm;
+        a.overflow = overflow;
+        so_ticket th, td;
+        CHECK_OK(so_session_step(host.s, &a, &th));
+        CHECK_OK(so_session_step(dev.s, &a, &td));
+        so_step_result rh, rd;
+        memset(&rh, 0, sizeof rh);
+        memset(&rd, 0, sizeof rd);
+        rh.struct_size = rd.struct_size = sizeof rh;
+        CHECK_OK(so_session_step_result(host.s, th, -1, &rh));
+        CHECK_OK(so_session_step_result(dev.s, td, -1, &rd));
+        CHECK(rh.skipped == rd.skipped && rh.rescaled == rd.rescaled && rh.rolled_back == rd.rolled_back &&
+              rh.redone == rd.redone && rh.kept == rd.kept);
+        printf("step %d: skipped %d clip %.3f rescaled %u rolled back %u redone %u kept %u\n", step, rd.skipped,
+               rd.clip_coef, rd.rescaled, rd.rolled_back, rd.redone, rd.kept);
+        /* The published parameters, read back after a GPU-side wait on each final ticket. */
+        off = 0;
+        for (int k = 0; k < NSG; k++) {
+            so_ticket fin;
+            CHECK_OK(so_session_final_ticket(dev.s, (uint32_t)k, &fin));
+            CHECK_OK(so_ticket_enqueue_wait(dev.s, fin, stream));
+            CU_CHECK(cu.dtoh_async(readback + off, d_params[k], dev.numel[k] * 2, stream));
+            off += dev.numel[k];
+        }
+        CU_CHECK(cu.stream_sync(stream));
+        off = 0;
+        for (int k = 0; k < NSG; k++) {
+            CHECKF(memcmp(host.master[k], dev.master[k], dev.numel[k] * 4) == 0, "step %d sub-group %d: masters differ", step, k);
+            for (size_t i = 0; i < dev.numel[k]; i++) {
+                /* A skipped step publishes nothing: the device keeps the previous weights
+                 * (the rolled-back master equals them only up to rounding). */
+                uint16_t want = overflow ? previous[off + i] : so_f32_to_bf16(dev.master[k][i]);
+                CHECKF(readback[off + i] == want, "step %d sub-group %d element %zu: device %#06x, expected %#06x",
+                       step, k, i, readback[off + i], want);
+            }
+            off += dev.numel[k];
+        }
+        memcpy(previous, readback, total * 2);
+        CHECK_OK(so_session_pinned_bytes(dev.s, &pinned));
+    }
+    printf("pinned bytes: %zu\n", pinned);
+    CHECK(pinned > 0);
+    so_session_destroy(host.s);
+    so_session_destroy(dev.s);
+    CU_CHECK(cu.stream_destroy(stream));
+    for (int k = 0; k < NSG; k++) {
+        CU_CHECK(cu.mem_free(d_params[k]));
+        CU_CHECK(cu.mem_free(d_grads[k]));
+        free(host.master[k]);
+        free(dev.master[k]);
+    }
+    free(grad);
+    free(late);
+    free(readback);
+    free(previous);
+    printf("CUDA session bit-identical to the host session over %d steps\n", STEPS);
+    return 0;
+}
