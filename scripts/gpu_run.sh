@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Everything measured on the GPU machine, in one go, against an install prefix built
+# elsewhere (that machine has CMake, g++, CUDA, PyTorch and JAX but no Rust toolchain):
+#   1. the ctest suite built against the prefix (gpu_ tests run there, not skipped);
+#   2. the kernel benchmark (N = 1e8, 16 threads) and ours vs torch.optim.AdamW(fused=True);
+#   3. the CUDA transport benchmarks (copies in pieces, overlap with a GPU backward).
+# Usage: scripts/gpu_run.sh <prefix> [output dir]   (output dir default: gpu-out)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+prefix="$(cd "$1" && pwd)"
+out="${2:-${OUT:-gpu-out}}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 LD_LIBRARY_PATH="$prefix/lib:${LD_LIBRARY_PATH:-}"
+threads=$(nproc)
+step() { printf '\n==== %s ====\n' "$1"; }
+
+step "machine"
+{ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv,noheader
+  grep -m1 'model name' /proc/cpuinfo; echo "cpus: $threads"; } | tee "$out/machine.txt"
+
+step "ctest against the installed prefix"
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DSO_PREBUILT_DIR="$prefix" > "$out/ctest.log" 2>&1 &&
+  cmake --build build-gpu -j "$threads" >> "$out/ctest.log" 2>&1
+ctest --test-dir build-gpu --output-on-failure -j 4 2>&1 | tee -a "$out/ctest.log" | tail -40
+
+step "kernel benchmark ($threads threads, N = 1e8)"
+"$prefix/bin/superoffload-bench" --threads "$threads" --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
+
+step "ours vs torch.optim.AdamW(fused=True)"
+python3 bench/torch_compare.py --lib "$prefix/lib/libsuperoffload.so" --threads "$threads" --json "$out/torch.json" 2>&1 |
+  tee "$out/torch.txt" | tail -30
+
+step "CUDA transport"
+cores=$(seq -s, 2 $((threads - 1)))
+python3 bench/cuda_bench.py --lib "$prefix/lib/libsuperoffload.so" --cores "$cores" --json "$out/cuda.json" 2>&1 |
+  tee "$out/cuda.txt"
