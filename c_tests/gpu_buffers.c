@@ -39,6 +39,7 @@ int main(void) {
     uint16_t *g = (uint16_t *)so_test_malloc(N * 2);
     for (size_t i = 0; i < N; i++) g[i] = so_f32_to_bf16(1e-3f * (float)(i % 17));
     CU_CHECK(cu.htod(grad, g, N * 2));
+    CU_CHECK(cu.ctx_sync()); /* a pageable upload may return before its DMA lands */
 
     /* Unpinned master: the session pins it in place (plus its own gradient buffer). */
     so_session *s = session();

@@ -22,6 +22,7 @@ int main(int argc, char **argv) {
     CU_CHECK(cu.mem_alloc(&d_grad, NUMEL * 2));
     CU_CHECK(cu.mem_alloc(&d_param, NUMEL * 2));
     CU_CHECK(cu.htod(d_grad, grad_src, NUMEL * 2));
+    CU_CHECK(cu.ctx_sync()); /* a pageable upload may return before its DMA lands */
 
     /* Host side: f32 master weights and a caller gradient buffer poisoned with NaN, so a
      * step that reads a region before its copy landed fails its finiteness check. */
@@ -58,8 +59,15 @@ int main(int argc, char **argv) {
     so_ticket spec = 0;
     CHECK_OK(so_session_grad_device(s, 0, d_grad, NUMEL, SO_DTYPE_BF16, stream, &spec));
     CHECK(spec != 0);
+    /* The protocol's promise: once the copy stream has passed the hand-off, the whole
+     * gradient is on the host. Look at the very end of the last piece at once (a piece
+     * still in flight leaves it NaN), then at everything once the step ran. */
+    so_cuda_stream_t copy_stream;
+    CHECK_OK(so_session_copy_stream(s, &copy_stream));
+    CU_CHECK(cu.stream_sync(copy_stream));
+    int tail_arrived = grad_host[NUMEL - 1] == grad_src[NUMEL - 1];
     so_status spec_status = so_ticket_wait(s, spec, -1);
-    int arrived = memcmp(grad_host, grad_src, NUMEL * 2) == 0;
+    int arrived = tail_arrived && memcmp(grad_host, grad_src, NUMEL * 2) == 0;
 
     /* What the step should have produced: the same update on the true gradient. */
     so_adam_hparams ahp = so_adam_hparams_default();

@@ -60,7 +60,7 @@ static void build(model *mm, int cuda, cu_ptr *d_params) {
 
 int main(void) {
     cuda_driver_load();
-    cu_ptr d_params[NSG], d_grads[NSG];
+    cu_ptr d_params[NSG], d_grads[NSG], d_late;
     model host, dev;
     size_t total = 0;
     for (int k = 0; k < NSG; k++) total += SLICES[k][0] + SLICES[k][1];
@@ -69,6 +69,7 @@ int main(void) {
         CU_CHECK(cu.mem_alloc(&d_params[k], n * 2));
         CU_CHECK(cu.mem_alloc(&d_grads[k], n * 2));
     }
+    CU_CHECK(cu.mem_alloc(&d_late, SLICES[0][0] * 2));
     build(&host, 0, NULL);
     build(&dev, 1, d_params);
     so_cuda_stream_t stream;
@@ -87,10 +88,16 @@ int main(void) {
         for (size_t i = 0; i < total; i++) grad[i] = so_f32_to_bf16((float)so_rng_normalish(&rng, 1e-2));
         for (size_t i = 0; i < SLICES[0][0]; i++) late[i] = so_f32_to_bf16((float)so_rng_normalish(&rng, 1e-2));
         size_t off = 0;
+        /* The previous step's copies read these device gradients: wait for them first (the
+         * documented lifetime rule), and for the uploads (a pageable upload may return before
+         * its DMA lands) before handing the gradients over on another stream. */
+        CU_CHECK(cu.ctx_sync());
         for (int k = 0; k < NSG; k++) {
             CU_CHECK(cu.htod(d_grads[k], grad + off, dev.numel[k] * 2));
             off += dev.numel[k];
         }
+        CU_CHECK(cu.htod(d_late, late, SLICES[0][0] * 2));
+        CU_CHECK(cu.ctx_sync());
         CHECK_OK(so_session_begin_step(host.s, 1.0f, 1));
         CHECK_OK(so_session_begin_step(dev.s, 1.0f, 1));
         /* Backward order: last sub-group first. */
@@ -113,9 +120,7 @@ int main(void) {
         if (is_late) {
             /* A second gradient for sub-group 0's slice after the sub-group completed. */
             CHECK_OK(so_session_grad_copy(host.s, 0, late, SLICES[0][0], NULL));
-            CU_CHECK(cu.stream_sync(stream));
-            CU_CHECK(cu.htod(d_grads[0], late, SLICES[0][0] * 2));
-            CHECK_OK(so_session_grad_device(dev.s, 0, d_grads[0], SLICES[0][0], SO_DTYPE_BF16, stream, NULL));
+            CHECK_OK(so_session_grad_device(dev.s, 0, d_late, SLICES[0][0], SO_DTYPE_BF16, stream, NULL));
         }
         so_step_args a = so_step_args_default();
         a.max_norm = 1.0;
@@ -147,7 +152,11 @@ int main(void) {
         CU_CHECK(cu.stream_sync(stream));
         off = 0;
         for (int k = 0; k < NSG; k++) {
-            CHECKF(memcmp(host.master[k], dev.master[k], dev.numel[k] * 4) == 0, "step %d sub-group %d: masters differ", step, k);
+            for (size_t i = 0; i < dev.numel[k]; i++) {
+                CHECKF(so_f32_to_bits(host.master[k][i]) == so_f32_to_bits(dev.master[k][i]),
+                       "step %d sub-group %d element %zu: host %.9g, cuda %.9g", step, k, i, (double)host.master[k][i],
+                       (double)dev.master[k][i]);
+            }
             for (size_t i = 0; i < dev.numel[k]; i++) {
                 /* A skipped step publishes nothing: the device keeps the previous weights
                  * (the rolled-back master equals them only up to rounding). */
@@ -165,6 +174,7 @@ int main(void) {
     so_session_destroy(host.s);
     so_session_destroy(dev.s);
     CU_CHECK(cu.stream_destroy(stream));
+    CU_CHECK(cu.mem_free(d_late));
     for (int k = 0; k < NSG; k++) {
         CU_CHECK(cu.mem_free(d_params[k]));
         CU_CHECK(cu.mem_free(d_grads[k]));

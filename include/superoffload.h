@@ -1282,7 +1282,10 @@ so_status so_ticket_wait(const struct so_session *session,
 
 /**
  * @brief Waits for every ticket up to and including `ticket`.
- * @return `SO_STATUS_OK` if all succeeded, else the status of the first that failed.
+ * @return `SO_STATUS_OK` if all succeeded, else the status of the first that failed —
+ *         including failures a later `so_session_step` already accounted for (a
+ *         speculative step refused for a non-finite gradient, which made that step
+ *         skipped); wait on a step's own ticket for its outcome alone.
  * @note Thread-safety: see `so_session`.
  */
 SO_NODISCARD

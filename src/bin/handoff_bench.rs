@@ -71,6 +71,17 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
+/// (voluntary, involuntary) context switches of the calling thread so far: voluntary ones
+/// mean it blocked (a contended lock, a wait), involuntary ones that it was preempted.
+fn context_switches() -> (i64, i64) {
+    // SAFETY: a zeroed rusage is valid; RUSAGE_THREAD fills it for this thread.
+    unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_THREAD, &mut u);
+        (u.ru_nvcsw as i64, u.ru_nivcsw as i64)
+    }
+}
+
 fn my_allocs() -> u64 {
     THREAD_ALLOCS.with(Cell::get)
 }
@@ -292,8 +303,8 @@ struct Api {
     c_session: *mut c::so_session,
     _masters: Vec<Vec<f32>>,
     ids: Vec<u32>,
-    /// Per measured call: (slice index, ns, completed a sub-group).
-    calls: Vec<(usize, f64, bool)>,
+    /// Per measured call: (slice index, ns, completed a sub-group, preempted during it).
+    calls: Vec<(usize, f64, bool, bool)>,
     step_ms: Vec<f64>,
     /// Per measured step: allocations by the training thread inside the hand-offs.
     my_allocs: Vec<u64>,
@@ -302,6 +313,8 @@ struct Api {
     /// Allocations by the training thread, per call kind: (completing, other).
     alloc_calls: (u64, u64),
     alloc_count: (u64, u64),
+    /// Context switches of the training thread inside the measured hand-offs.
+    switches: (i64, i64),
 }
 
 impl Api {
@@ -381,6 +394,7 @@ impl Api {
             other_allocs: Vec::new(),
             alloc_calls: (0, 0),
             alloc_count: (0, 0),
+            switches: (0, 0),
         }
     }
 
@@ -433,12 +447,15 @@ impl Api {
         let mut times = Vec::with_capacity(if measure { n } else { 0 });
         let (mut ac, mut ao, mut cc, mut co) = (0, 0, 0, 0);
         let (mine0, all0) = (my_allocs(), all_allocs());
+        let cs0 = context_switches();
         let t_step = Instant::now();
         for i in (0..n).rev() {
             let before = my_allocs();
+            let preempt0 = if measure { context_switches().1 } else { 0 };
             let t0 = Instant::now();
             let completed = self.hand_off(self.ids[i], &grads[i])?;
             let dt = t0.elapsed();
+            let preempted = measure && context_switches().1 != preempt0;
             let made = my_allocs() - before;
             if made > 0 {
                 if completed {
@@ -450,10 +467,11 @@ impl Api {
                 }
             }
             if measure {
-                times.push((i, dt.as_nanos() as f64, completed));
+                times.push((i, dt.as_nanos() as f64, completed, preempted));
             }
         }
         let step = t_step.elapsed();
+        let cs1 = context_switches();
         let (mine, all) = (my_allocs() - mine0, all_allocs() - all0);
         let (speculative, kept, _, late) = self.finish()?;
         if late != 0 || (kept as usize != expected && speculative as usize == expected) {
@@ -468,6 +486,8 @@ impl Api {
             self.alloc_calls.1 += ao;
             self.alloc_count.0 += cc;
             self.alloc_count.1 += co;
+            self.switches.0 += cs1.0 - cs0.0;
+            self.switches.1 += cs1.1 - cs0.1;
         }
         Ok(())
     }
@@ -594,16 +614,17 @@ fn run() -> Result<bool, String> {
 
     println!();
     println!(
-        "{:<22} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9}",
-        "per call (us)", "median", "p99", "max", "ovh mean", "ovh med", "ovh p99", "ovh max", "> 10 us"
+        "{:<22} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10}",
+        "per call (us)", "median", "p99", "max", "ovh mean", "ovh med", "ovh p99", "ovh max", "> 10 us", "(not pre.)"
     );
     let copy_sorted = sorted(copy_ns.iter().map(|x| x / 1e3).collect());
     println!(
-        "{:<22} {:>9.3} {:>9.3} {:>10.3} {:>9} {:>9} {:>9} {:>10} {:>9}",
+        "{:<22} {:>8.3} {:>8.3} {:>9.3} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10}",
         "plain copy",
         percentile(&copy_sorted, 0.5),
         percentile(&copy_sorted, 0.99),
         copy_sorted.last().copied().unwrap_or(f64::NAN),
+        "-",
         "-",
         "-",
         "-",
@@ -632,10 +653,15 @@ fn run() -> Result<bool, String> {
         let ovh = |filter: &dyn Fn(bool) -> bool| {
             sorted(api.calls.iter().filter(|c| filter(c.2)).map(|c| (c.1 - copy_ns[c.0]) / 1e3).collect())
         };
+        let over_unpreempted = |filter: &dyn Fn(bool) -> bool| {
+            let calls: Vec<_> = api.calls.iter().filter(|c| filter(c.2) && !c.3).collect();
+            let over = calls.iter().filter(|c| (c.1 - copy_ns[c.0]) / 1e3 > 10.0).count();
+            format!("{over}/{}", calls.len())
+        };
         let all = ovh(&|_| true);
         let completing = ovh(&|x| x);
         let other = ovh(&|x| !x);
-        let row = |label: &str, t: Option<&Vec<f64>>, o: &Vec<f64>| {
+        let row = |label: &str, t: Option<&Vec<f64>>, o: &Vec<f64>, unpreempted: String| {
             let (m, p, x) = match t {
                 Some(t) => (
                     format!("{:.3}", percentile(t, 0.5)),
@@ -647,7 +673,7 @@ fn run() -> Result<bool, String> {
             let mean = o.iter().sum::<f64>() / o.len().max(1) as f64;
             let over = o.iter().filter(|&&x| x > 10.0).count();
             println!(
-                "{:<22} {:>9} {:>9} {:>10} {:>9.3} {:>9.3} {:>9.3} {:>10.1} {:>9}",
+                "{:<22} {:>8} {:>8} {:>9} {:>8.3} {:>8.3} {:>8.3} {:>9.1} {:>10} {:>10}",
                 label,
                 m,
                 p,
@@ -656,22 +682,26 @@ fn run() -> Result<bool, String> {
                 percentile(o, 0.5),
                 percentile(o, 0.99),
                 o.last().copied().unwrap_or(f64::NAN),
-                format!("{over}/{}", o.len())
+                format!("{over}/{}", o.len()),
+                unpreempted
             );
         };
-        row(api.name, Some(&total), &all);
-        row(&format!("  completing ({}/step)", completing.len() / a.steps.max(1)), None, &completing);
-        row("  other", None, &other);
+        row(api.name, Some(&total), &all, over_unpreempted(&|_| true));
+        row(&format!("  completing ({}/step)", completing.len() / a.steps.max(1)), None, &completing, over_unpreempted(&|x| x));
+        row("  other", None, &other, over_unpreempted(&|x| !x));
         worst_p99 = worst_p99.max(percentile(&all, 0.99));
         let mine_total: u64 = api.my_allocs.iter().sum();
         let other_total: u64 = api.other_allocs.iter().sum();
         any_alloc |= mine_total > 0;
         let step_med = percentile(&sorted(api.step_ms.clone()), 0.5);
+        let step_min = sorted(api.step_ms.clone())[0];
         summaries.push(format!(
-            "{}: hand-offs of a step {:.2} ms (median; plain copies {:.2} ms); training-thread allocations in the hand-offs: {} per step \
-             (total {} over {} steps: {} in {} completing calls, {} in {} other calls); other threads in the same window: {:.1} per step",
+            "{}: hand-offs of a step {:.2} ms median, {:.2} ms min (plain copies: {:.2} ms median); training-thread allocations in the hand-offs: {} per step \
+             (total {} over {} steps: {} in {} completing calls, {} in {} other calls); other threads in the same window: {:.1} per step; \
+             context switches of the training thread in the hand-offs: {:.2} voluntary (blocked) and {:.2} involuntary (preempted) per step",
             api.name,
             step_med,
+            step_min,
             percentile(&sorted(copy_step_ms.clone()), 0.5),
             if api.my_allocs.iter().all(|&x| x == api.my_allocs[0]) { api.my_allocs[0].to_string() } else { format!("{:?}", api.my_allocs) },
             mine_total,
@@ -680,14 +710,16 @@ fn run() -> Result<bool, String> {
             api.alloc_calls.0,
             api.alloc_count.1,
             api.alloc_calls.1,
-            other_total as f64 / a.steps as f64
+            other_total as f64 / a.steps as f64,
+            api.switches.0 as f64 / a.steps as f64,
+            api.switches.1 as f64 / a.steps as f64
         ));
         if k > 0 {
             json.push(',');
         }
         write!(
             json,
-            "{{\"api\":\"{}\",\"call_us_median\":{},\"call_us_p99\":{},\"overhead_us_median\":{},\"overhead_us_p99\":{},\"overhead_us_max\":{},\"overhead_us_mean\":{},\"calls_over_10us\":{},\"completing_overhead_us_median\":{},\"completing_overhead_us_p99\":{},\"other_overhead_us_median\":{},\"other_overhead_us_p99\":{},\"step_handoff_ms\":{},\"train_thread_allocs_per_step\":{},\"allocs_in_completing_calls\":{},\"allocs_in_other_calls\":{},\"other_thread_allocs_per_step\":{}}}",
+            "{{\"api\":\"{}\",\"call_us_median\":{},\"call_us_p99\":{},\"overhead_us_median\":{},\"overhead_us_p99\":{},\"overhead_us_max\":{},\"overhead_us_mean\":{},\"calls_over_10us\":{},\"completing_overhead_us_median\":{},\"completing_overhead_us_p99\":{},\"other_overhead_us_median\":{},\"other_overhead_us_p99\":{},\"step_handoff_ms\":{},\"train_thread_allocs_per_step\":{},\"allocs_in_completing_calls\":{},\"allocs_in_other_calls\":{},\"other_thread_allocs_per_step\":{},\"voluntary_switches_per_step\":{},\"involuntary_switches_per_step\":{}}}",
             api.name,
             json_num(percentile(&total, 0.5)),
             json_num(percentile(&total, 0.99)),
@@ -704,11 +736,14 @@ fn run() -> Result<bool, String> {
             json_num(mine_total as f64 / a.steps as f64),
             api.alloc_count.0,
             api.alloc_count.1,
-            json_num(other_total as f64 / a.steps as f64)
+            json_num(other_total as f64 / a.steps as f64),
+            json_num(api.switches.0 as f64 / a.steps as f64),
+            json_num(api.switches.1 as f64 / a.steps as f64)
         )
         .unwrap();
     }
-    println!("(overhead = call time - median plain-copy time of the same slice; timer pair {timer:.0} ns, in both)");
+    println!("(overhead = call time - median plain-copy time of the same slice; timer pair {timer:.0} ns, in both;");
+    println!(" > 10 us: calls whose overhead exceeds 10 us, of all calls and of those during which the thread was not preempted)");
     println!();
     for s in &summaries {
         println!("{s}");

@@ -188,6 +188,13 @@ pub(crate) fn mem_free(ptr: CUdeviceptr) {
 /// Page-locks host memory in place. `Ok(false)`: it was already page-locked by someone else
 /// (e.g. `tensor.pin_memory()`), so it must not be unregistered by us.
 pub(crate) fn host_register(ptr: *mut u8, bytes: usize) -> Result<bool> {
+    // Memory from cuMemHostAlloc / cudaHostAlloc (torch's pin_memory) is refused by
+    // cuMemHostRegister with INVALID_VALUE on some drivers: recognise it first.
+    let mut flags = 0;
+    // SAFETY: out-pointer; the call only inspects the address.
+    if unsafe { sys::cuMemHostGetFlags(&mut flags, ptr.cast()) } == sys::CUresult::CUDA_SUCCESS {
+        return Ok(false);
+    }
     // SAFETY: the caller guarantees the range is valid host memory.
     let r = unsafe { sys::cuMemHostRegister_v2(ptr.cast::<c_void>(), bytes, sys::CU_MEMHOSTREGISTER_PORTABLE) };
     if r == sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED {

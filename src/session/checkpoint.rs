@@ -1,7 +1,7 @@
 //! Checkpoints: one safetensors file (readable by Python's `safetensors`) holding, per
 //! named param slice, the master weights (`master/<name>`) and moments (`exp_avg/<name>`,
 //! `exp_avg_sq/<name>`), plus metadata strings: options, group hyperparameters, each
-//! slice's group and step count, the loss scaler, and a checksum of the data.
+//! slice's group and step count, the loss scaler, and a checksum of all of it.
 //!
 //! State is stored per slice, not per sub-group, so a checkpoint loads into a session whose
 //! sub-group partition differs. Saving is atomic (temporary file, fsync, rename, fsync of
@@ -65,8 +65,17 @@ impl View for &TensorBytes<'_> {
     }
 }
 
-/// 64-bit checksum of named byte strings, in the order given (callers sort by name). Any
-/// change of one 8-byte word changes the result; it guards against corruption, not attack.
+/// The checksum of a checkpoint: every tensor (name and bytes) and every metadata entry
+/// but the checksum itself, in name order.
+fn checkpoint_checksum<'a>(tensors: impl Iterator<Item = (&'a str, &'a [u8])>, meta: &'a HashMap<String, String>) -> u64 {
+    let mut entries: Vec<(&str, &str)> =
+        meta.iter().filter(|(k, _)| k.as_str() != "checksum").map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    entries.sort();
+    checksum(tensors.chain(entries.into_iter().map(|(k, v)| (k, v.as_bytes()))))
+}
+
+/// 64-bit checksum of named byte strings, in the order given. Any change of one 8-byte
+/// word changes the result; it guards against corruption, not attack.
 fn checksum<'a>(parts: impl Iterator<Item = (&'a str, &'a [u8])>) -> u64 {
     const K: u64 = 0x9E37_79B9_7F4A_7C15;
     let mut h: u64 = 0x243F_6A88_85A3_08D3;
@@ -92,7 +101,7 @@ impl Session {
     pub fn save(&self, path: &Path) -> Result<()> {
         let t = self.lock();
         if t.phase != Phase::Idle {
-            return Err(super::state_error("save: checkpoints are taken between steps (after step(), before begin_step)"));
+            return Err(super::state_error("checkpoints are taken between steps (after step(), before begin_step)"));
         }
         self.shared.tickets.drain();
         let tracks: Vec<_> = t.subgroups.iter().flatten().collect();
@@ -152,7 +161,7 @@ impl Session {
             }
         }
         tensors.sort_by(|a, b| a.0.cmp(&b.0));
-        let sum = checksum(tensors.iter().map(|(n, t)| (n.as_str(), t.bytes)));
+        let sum = checkpoint_checksum(tensors.iter().map(|(n, t)| (n.as_str(), t.bytes)), &meta);
         put(&mut meta, "checksum", format!("{sum:016x}"));
 
         let tmp = path.with_file_name(format!(
@@ -184,7 +193,7 @@ impl Session {
     pub fn load(&self, path: &Path) -> Result<()> {
         let mut t = self.lock();
         if t.phase != Phase::Idle {
-            return Err(super::state_error("load: checkpoints are loaded between steps"));
+            return Err(super::state_error("checkpoints are loaded between steps"));
         }
         self.shared.tickets.drain();
         let bytes = std::fs::read(path).map_err(|e| io(path, "cannot read", e))?;
@@ -214,7 +223,7 @@ impl Session {
         let mut names: Vec<String> = file.names().into_iter().map(String::from).collect();
         names.sort();
         let views: Vec<_> = names.iter().map(|n| file.tensor(n).expect("listed")).collect();
-        let sum = checksum(names.iter().zip(&views).map(|(n, v)| (n.as_str(), v.data())));
+        let sum = checkpoint_checksum(names.iter().zip(&views).map(|(n, v)| (n.as_str(), v.data())), &meta);
         if get("checksum")? != format!("{sum:016x}") {
             return Err(bad(format!("{}: checksum mismatch, the data is corrupt", path.display())));
         }

@@ -525,12 +525,19 @@ impl Session {
             return Err(state_error("sub-groups can only be removed between steps"));
         }
         let track = t.subgroups.get(sg as usize).and_then(Option::as_ref).ok_or_else(|| unknown("sub-group", sg))?;
-        let (slices, bytes, pinned) = (track.slices.clone(), track.host_bytes, track.pinned.clone());
+        let (slices, mut bytes, pinned) = (track.slices.clone(), track.host_bytes, track.pinned.clone());
+        let late = track.sg.late.lock().unwrap().take();
         self.shared.tickets.drain();
         if let Some(transport) = &self.transport {
             transport.subgroup_removed(sg);
             for ptr in pinned {
                 transport.unpin(ptr as *mut u8);
+            }
+        }
+        if let Some(mut late) = late {
+            bytes += late.buffer.bytes();
+            if let Some(transport) = &self.transport {
+                transport.unpin(late.buffer.as_mut_ptr());
             }
         }
         for i in slices {
@@ -604,7 +611,7 @@ impl Session {
         match t.phase {
             Phase::Idle => {}
             Phase::Backward { .. } | Phase::Prepared { .. } => {
-                return Err(state_error("begin_step: the previous step has not been given to step()"));
+                return Err(state_error("the previous step has not been given to step()"));
             }
         }
         if micro_steps == 0 {
@@ -651,9 +658,12 @@ impl Session {
                 Ok(())
             }
             Phase::Backward { micro_steps, .. } => {
-                Err(state_error(format!("next_micro_step: all {micro_steps} micro-steps have begun")))
+                Err(state_error(format!("all {micro_steps} micro-steps of this step have begun")))
             }
-            _ => Err(state_error("next_micro_step: no step has begun")),
+            Phase::Prepared { .. } => {
+                Err(state_error("the backward of this step ended with local_grad_sumsq; call step() next"))
+            }
+            Phase::Idle => Err(state_error("no step has begun (call begin_step first)")),
         }
     }
 
@@ -833,7 +843,7 @@ impl Session {
                     ticket
                 }
                 Phase::Prepared { ticket } => ticket,
-                Phase::Idle => return Err(state_error("local_grad_sumsq: no step has begun")),
+                Phase::Idle => return Err(state_error("no step has begun (call begin_step first)")),
             };
             (ticket, t.subgroups.iter().flatten().map(|s| s.sg.clone()).collect::<Vec<_>>())
         };
@@ -852,7 +862,7 @@ impl Session {
         let prepare = match t.phase {
             Phase::Backward { .. } => Some(self.prepare_plan(&t)),
             Phase::Prepared { .. } => None,
-            Phase::Idle => return Err(state_error("step: no step has begun (call begin_step first)")),
+            Phase::Idle => return Err(state_error("no step has begun (call begin_step first)")),
         };
         let decide_ticket = self.shared.tickets.issue();
         let mut subgroups = Vec::new();
@@ -971,9 +981,9 @@ fn backward_phase(t: &Tracking, what: &str) -> Result<(u32, u32)> {
     match t.phase {
         Phase::Backward { micro, micro_steps } => Ok((micro, micro_steps)),
         Phase::Prepared { .. } => Err(state_error(format!(
-            "{what}: the backward of this step ended with local_grad_sumsq; call step() next"
+            "{what} after the backward ended with local_grad_sumsq; call step() next"
         ))),
-        Phase::Idle => Err(state_error(format!("{what}: no step has begun (call begin_step first)"))),
+        Phase::Idle => Err(state_error(format!("{what} before any step has begun (call begin_step first)"))),
     }
 }
 

@@ -1,0 +1,125 @@
+//! The session under a transport whose gradient copies land asynchronously (as the CUDA
+//! transport's device-to-host copies do) must give exactly the bits of host mode, and must
+//! call the hooks in the order the protocol promises.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use superoffload::error::Result;
+use superoffload::kernels::{DType, Floats, FloatsMut, Isa, Pool, PoolOptions, bf16};
+use superoffload::session::{
+    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, StepArgs, SubGroupDesc, Ticket, Transport,
+};
+
+/// Copies land 2 ms after the hand-off, on another thread; `gradient_ready` waits for them.
+#[derive(Default)]
+struct DelayedCopies {
+    pending: Mutex<HashMap<u32, Vec<JoinHandle<()>>>>,
+    log: Mutex<Vec<String>>,
+}
+
+struct SendPtr(*mut u8);
+// SAFETY: the session keeps the destination alive and untouched until gradient_ready.
+unsafe impl Send for SendPtr {}
+
+impl DelayedCopies {
+    fn deliver(&self, sg: u32, dst: FloatsMut<'_>, src: Vec<bf16>) {
+        let FloatsMut::Bf16(d) = dst else { panic!("bf16 accumulation expected") };
+        assert_eq!(d.len(), src.len());
+        let ptr = SendPtr(d.as_mut_ptr().cast());
+        let handle = std::thread::spawn(move || {
+            let ptr = ptr;
+            std::thread::sleep(Duration::from_millis(2));
+            // SAFETY: see SendPtr.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().cast::<u8>(), ptr.0, src.len() * 2) };
+        });
+        self.pending.lock().unwrap().entry(sg).or_default().push(handle);
+    }
+}
+
+impl Transport for DelayedCopies {
+    fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
+        Ok(())
+    }
+    fn unpin(&self, _: *mut u8) {}
+    fn gradient_ready(&self, sg: u32) -> Result<()> {
+        let handles = self.pending.lock().unwrap().remove(&sg).unwrap_or_default();
+        for h in handles {
+            h.join().unwrap();
+        }
+        Ok(())
+    }
+    fn master_write(&self, sg: u32) -> Result<()> {
+        self.log.lock().unwrap().push(format!("write {sg}"));
+        Ok(())
+    }
+    fn weights_updated(&self, sg: u32, _: Floats<'_>, _: Option<Floats<'_>>) -> Result<()> {
+        self.log.lock().unwrap().push(format!("staged {sg}"));
+        Ok(())
+    }
+    fn publish(&self, sg: u32) -> Result<()> {
+        self.log.lock().unwrap().push(format!("publish {sg}"));
+        Ok(())
+    }
+    fn ticket_done(&self, _: Ticket) {}
+    fn subgroup_removed(&self, _: u32) {}
+}
+
+const SIZES: [usize; 3] = [100_000, 70_001, 5_000];
+
+fn build(transport: Option<Arc<DelayedCopies>>) -> (Session, Vec<Vec<f32>>) {
+    let pool = Arc::new(Pool::new(&PoolOptions { num_threads: 2, isa: Some(Isa::best()), ..Default::default() }).unwrap());
+    let opts = SessionOptions { pool: Some(pool), grad_dtype: DType::Bf16, accum_dtype: DType::Bf16, ..Default::default() };
+    let t: Option<Arc<dyn Transport>> = transport.map(|t| t as Arc<dyn Transport>);
+    let s = Session::with_transport(opts, t).unwrap();
+    s.add_group(GroupHparams { weight_decay: 0.05, ..GroupHparams::default() }).unwrap();
+    let mut masters: Vec<Vec<f32>> = SIZES.iter().map(|&n| (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-3).collect()).collect();
+    for (k, m) in masters.iter_mut().enumerate() {
+        let master = unsafe { Borrowed::new("m", m.as_mut_ptr().cast(), m.len(), DType::F32) }.unwrap();
+        let slices = vec![SliceDesc { name: format!("sg{k}"), offset: 0, numel: m.len() }];
+        s.add_subgroup(SubGroupDesc { group: 0, master, grad: None, slices }).unwrap();
+    }
+    (s, masters)
+}
+
+#[test]
+fn delayed_copies_give_host_mode_bits() {
+    let transport = Arc::new(DelayedCopies::default());
+    let (host, host_masters) = build(None);
+    let (dev, dev_masters) = build(Some(transport.clone()));
+    for step in 1..=6u64 {
+        for s in [&host, &dev] {
+            s.begin_step(Some(1.0), 1).unwrap();
+        }
+        for k in (0..SIZES.len()).rev() {
+            let g: Vec<bf16> = (0..SIZES[k]).map(|i| bf16::from_f32(((i as u64 * 7 + step * 13) % 29) as f32 * 1e-3 - 0.014)).collect();
+            host.grad_copy(k as u32, Floats::Bf16(&g)).unwrap();
+            dev.hand_off(k as u32, g.len(), "test", |h| {
+                transport.deliver(h.sg, h.dst, g.clone());
+                Ok(())
+            })
+            .unwrap();
+        }
+        let norm = if step % 2 == 1 { 5.0 } else { 0.5 };
+        let args = StepArgs { max_norm: 1.0, norm: NormSource::Given(norm), overflow: step == 4 };
+        for s in [&host, &dev] {
+            let t = s.step(args).unwrap();
+            s.wait(t, None).unwrap();
+        }
+        for k in 0..SIZES.len() {
+            for i in 0..SIZES[k] {
+                assert_eq!(host_masters[k][i].to_bits(), dev_masters[k][i].to_bits(), "step {step} sg {k} element {i}");
+            }
+        }
+    }
+    // Weights are staged after every change and published only for steps that were not skipped.
+    let log = transport.log.lock().unwrap();
+    assert!(log.iter().any(|l| l.starts_with("publish")));
+    for (i, l) in log.iter().enumerate() {
+        if let Some(sg) = l.strip_prefix("publish ") {
+            assert!(log[..i].iter().any(|p| p == &format!("staged {sg}")), "publish without staging");
+        }
+    }
+}
