@@ -1406,6 +1406,24 @@ so_status so_session_copy_stream(const struct so_session *session,
 SO_NODISCARD so_status so_session_pinned_bytes(const struct so_session *session, size_t *out_bytes);
 
 /**
+ * @brief Starts recording a timeline of the session's work (clearing an earlier one) when
+ * `enable`, or stops recording: gradient hand-offs and waits of the calling threads, and
+ * the CPU-Adam thread's speculative steps, sums of squares, decisions and per-sub-group
+ * finalization (kept, rescaled, rolled back, redone, stepped), and its waits for gradient
+ * copies. Costs one clock read per event while on, nothing while off.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD so_status so_session_trace(struct so_session *session, bool enable);
+
+/**
+ * @brief Writes the recorded timeline to `path` as Chrome trace-event JSON (open it in
+ * Perfetto or chrome://tracing, or render it with `bench/trace_plot.py`).
+ * @return `SO_STATUS_OK` or `SO_STATUS_IO`.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD so_status so_session_trace_save(const struct so_session *session, const char *path);
+
+/**
  * Returns the ABI version of the loaded library; compare with `SO_ABI_VERSION`.
  *
  * @note Thread-safety: safe to call from any thread.

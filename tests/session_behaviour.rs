@@ -372,3 +372,22 @@ fn destroying_a_session_with_work_in_flight_completes_it() {
     assert!(master.iter().all(|&x| x < 0.5), "the queued step completed before the session went away");
 }
 
+
+#[test]
+fn the_timeline_records_hand_offs_steps_and_finalization() {
+    let mut m = model(PARTITION_A, options(false), 9);
+    m.session.trace(true);
+    m.step(1, 1, 0.01);
+    m.step(1, 2, 0.0);
+    let path = temp_path("trace").with_extension("json");
+    m.session.save_trace(&path).unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert!(text.starts_with("{\"displayTimeUnit\""), "{}", &text[..80.min(text.len())]);
+    for expected in ["gradient emb", "speculative step, sub-group 0", "decide step 1", "\"outcome\":\"rescaled\"", "\"outcome\":\"kept\"", "wait for ticket"] {
+        assert!(text.contains(expected), "the trace lacks {expected:?}");
+    }
+    // Every event line is one JSON object; the whole is balanced.
+    assert_eq!(text.matches('{').count(), text.matches('}').count());
+    m.session.trace(false);
+}

@@ -1168,3 +1168,31 @@ pub unsafe extern "C" fn so_session_pinned_bytes(session: *const so_session, out
         unsafe { write_out(out_bytes, "out_bytes", n) }
     })
 }
+
+/// @brief Starts recording a timeline of the session's work (clearing an earlier one) when
+/// `enable`, or stops recording: gradient hand-offs and waits of the calling threads, and
+/// the CPU-Adam thread's speculative steps, sums of squares, decisions and per-sub-group
+/// finalization (kept, rescaled, rolled back, redone, stepped), and its waits for gradient
+/// copies. Costs one clock read per event while on, nothing while off.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_trace(session: *mut so_session, enable: bool) -> Status {
+    ffi_boundary!("so_session_trace", {
+        unsafe { session_ref(session)? }.trace(enable);
+        Ok(())
+    })
+}
+
+/// @brief Writes the recorded timeline to `path` as Chrome trace-event JSON (open it in
+/// Perfetto or chrome://tracing, or render it with `bench/trace_plot.py`).
+/// @return `SO_STATUS_OK` or `SO_STATUS_IO`.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_trace_save(session: *const so_session, path: *const c_char) -> Status {
+    ffi_boundary!("so_session_trace_save", {
+        let s = unsafe { session_ref(session)? };
+        s.save_trace(&path_arg(path)?)
+    })
+}

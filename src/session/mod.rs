@@ -19,6 +19,7 @@ mod buffers;
 mod checkpoint;
 mod scaler;
 mod tickets;
+mod trace;
 mod worker;
 
 use std::collections::HashMap;
@@ -36,6 +37,7 @@ use crate::error::{Error, Result, Status};
 use crate::kernels::{self, AdamHyper, AdamMode, DType, Floats, Pool, PoolOptions};
 use buffers::HostBuf;
 use tickets::Tickets;
+use trace::Lane;
 use worker::{FinalizePlan, Job, PrepareEntry, PreparePlan, SgWork, WorkerShared};
 
 /// Hyperparameters of a param group; changeable at any time.
@@ -358,6 +360,7 @@ impl Session {
             scaler: Mutex::new(options.loss_scaler.map(LossScaler::new)),
             last_result: Mutex::new(None),
             transport: transport.clone(),
+            tracer: trace::Tracer::new(),
         });
         let (sender, receiver) = channel();
         let worker_shared = shared.clone();
@@ -693,12 +696,17 @@ impl Session {
         deliver: impl FnOnce(HandOff<'_>) -> Result<()>,
     ) -> Result<Option<Ticket>> {
         let mut t = self.lock();
+        let span = self.shared.tracer.span(Lane::Caller, || {
+            let name = t.slices.get(slice as usize).map_or("?", |s| s.name.as_str());
+            format!("gradient {name}")
+        });
         let (micro, micro_steps) = backward_phase(&t, what)?;
         let (sg_index, range) = self.slice_target(&t, slice, numel)?;
         let track = t.subgroups[sg_index].as_ref().expect("checked by slice_target");
         let sg = track.sg.clone();
         if track.submitted {
             self.add_late(&mut t, &sg, range, deliver)?;
+            drop(span.arg("late", true));
             return Ok(None);
         }
         self.wait_final(track.final_ticket);
@@ -707,7 +715,9 @@ impl Session {
             let mut data = sg.data.lock().unwrap();
             deliver(HandOff { sg: sg.id, dst: data.grad.range_mut(range), accumulate: seen > 0, late: false })?;
         }
-        Ok(self.mark_gradient(&mut t, slice, sg_index, micro, micro_steps))
+        let ticket = self.mark_gradient(&mut t, slice, sg_index, micro, micro_steps);
+        drop(span.arg("sub-group", sg.id).arg("completes", ticket.is_some()));
+        Ok(ticket)
     }
 
     /// Records that the caller wrote a slice's gradient (accumulated, for later
@@ -847,7 +857,9 @@ impl Session {
             };
             (ticket, t.subgroups.iter().flatten().map(|s| s.sg.clone()).collect::<Vec<_>>())
         };
+        let span = self.shared.tracer.span(Lane::Caller, || "wait for the local sum of squares".into());
         self.shared.tickets.wait(ticket, timeout, false)?;
+        drop(span);
         Ok(subgroups.iter().map(|sg| sg.data.lock().unwrap().work.sumsq.unwrap_or(f64::NAN)).sum())
     }
 
@@ -898,7 +910,9 @@ impl Session {
     /// The result of the step whose ticket `step()` returned (the latest step's only),
     /// waiting up to `timeout` for it.
     pub fn step_result(&self, ticket: Ticket, timeout: Option<Duration>) -> Result<StepResult> {
+        let span = self.shared.tracer.span(Lane::Caller, || format!("wait for step ticket {ticket}"));
         self.shared.tickets.wait(ticket, timeout, false)?;
+        drop(span);
         match *self.shared.last_result.lock().unwrap() {
             Some((t, result)) if t == ticket => Ok(result),
             _ => Err(Error::new(
@@ -948,7 +962,18 @@ impl Session {
         if ticket == 0 {
             return Ok(());
         }
+        let _span = self.shared.tracer.span(Lane::Caller, || format!("wait for ticket {ticket}"));
         self.shared.tickets.wait(ticket, timeout, false)
+    }
+
+    /// Starts recording a timeline (clearing an earlier one), or stops.
+    pub fn trace(&self, enable: bool) {
+        self.shared.tracer.set_enabled(enable);
+    }
+
+    /// Writes the recorded timeline as Chrome trace JSON (open it in Perfetto).
+    pub fn save_trace(&self, path: &std::path::Path) -> Result<()> {
+        self.shared.tracer.write(path)
     }
 
     /// Waits for every ticket up to `ticket`; the first error among them, if any failed.

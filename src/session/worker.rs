@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use super::scaler::LossScaler;
 use super::tickets::{Ticket, Tickets};
+use super::trace::{Lane, Tracer};
 use super::{GroupHparams, NormSource, StepResult, SubGroup, Transport, clip_coefficient, grad_factor};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, AdamBuffers, AdamHyper, CopyOutMut, FloatsMut, MomentsMut, Pool, UpdateOptions};
@@ -78,6 +79,7 @@ pub(crate) struct WorkerShared {
     pub scaler: Mutex<Option<LossScaler>>,
     pub last_result: Mutex<Option<(Ticket, StepResult)>>,
     pub transport: Option<Arc<dyn Transport>>,
+    pub tracer: Tracer,
 }
 
 impl WorkerShared {
@@ -97,15 +99,21 @@ pub(crate) fn run(shared: Arc<WorkerShared>, jobs: Receiver<Job>) {
     while let Ok(job) = jobs.recv() {
         match job {
             Job::Speculate { sg, hp, scale, ticket } => {
+                let span = shared.tracer.span(Lane::CpuAdam, || format!("speculative step, sub-group {}", sg.id));
                 let outcome = guarded(|| speculate(&shared, &sg, hp, scale));
+                drop(span.arg("ticket", ticket).arg("ok", outcome.is_ok()));
                 shared.complete(ticket, outcome);
             }
             Job::SumOfSquares { sg, scale, ticket } => {
+                let span = shared.tracer.span(Lane::CpuAdam, || format!("sum of squares, sub-group {}", sg.id));
                 let outcome = guarded(|| measure(&shared, &sg, scale));
+                drop(span.arg("ticket", ticket));
                 shared.complete(ticket, outcome);
             }
             Job::Prepare { plan, ticket } => {
+                let span = shared.tracer.span(Lane::CpuAdam, || "prepare (missing and late gradients)".into());
                 let outcome = guarded(|| prepare(&shared, &plan));
+                drop(span.arg("ticket", ticket));
                 shared.complete(ticket, outcome);
             }
             Job::Finalize(plan) => finalize(&shared, *plan),
@@ -148,7 +156,9 @@ fn staged(shared: &WorkerShared, sg: &SubGroup, data: &super::SgData) -> Result<
 }
 
 fn gradient_ready(shared: &WorkerShared, sg: &SubGroup) -> Result<()> {
-    shared.transport().map_or(Ok(()), |t| t.gradient_ready(sg.id))
+    let Some(t) = shared.transport() else { return Ok(()) };
+    let _span = shared.tracer.span(Lane::CpuAdam, || format!("wait for gradient copies, sub-group {}", sg.id));
+    t.gradient_ready(sg.id)
 }
 
 fn master_write(shared: &WorkerShared, sg: &SubGroup) -> Result<()> {
@@ -223,6 +233,7 @@ fn finalize(shared: &WorkerShared, plan: FinalizePlan) {
         late_gradients: plan.late_gradients,
         ..StepResult::default()
     };
+    let decide = shared.tracer.span(Lane::CpuAdam, || format!("decide step {}", plan.serial));
     let prepared = match &plan.prepare {
         Some(p) => guarded(|| prepare(shared, p)),
         None => Ok(()),
@@ -250,12 +261,19 @@ fn finalize(shared: &WorkerShared, plan: FinalizePlan) {
     } else {
         result.next_loss_scale = plan.loss_scale;
     }
+    drop(decide.arg("norm", result.global_norm).arg("clip", result.clip_coef).arg("skipped", result.skipped));
     shared.complete(plan.decide_ticket, prepared.clone());
 
     // Make every sub-group exact, in forward order.
     for (sg, ticket) in &plan.subgroups {
         let group = plan.groups[sg.group as usize];
+        let span = shared.tracer.span(Lane::CpuAdam, || format!("finalize sub-group {}", sg.id));
+        let before = [result.kept, result.rescaled, result.rolled_back, result.redone, result.stepped];
         let outcome = guarded(|| fix(shared, sg, group, &mut result));
+        let after = [result.kept, result.rescaled, result.rolled_back, result.redone, result.stepped];
+        let kinds = ["kept", "rescaled", "rolled back", "redone", "stepped"];
+        let kind = (0..5).find(|&i| after[i] != before[i]).map_or("unchanged", |i| kinds[i]);
+        drop(span.arg("outcome", kind).arg("ticket", ticket));
         shared.complete(*ticket, outcome);
     }
     *shared.last_result.lock().unwrap() = Some((plan.step_ticket, result));
