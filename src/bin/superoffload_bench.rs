@@ -476,7 +476,7 @@ fn real_main() -> Result<(), String> {
     let cpu = cpu_model();
     let cpus_available = std::thread::available_parallelism().map_or(1, |c| c.get());
     let pinning = match pool.cores() {
-        Some(c) => format!("pinned to {}", format_cores(c)),
+        Some(c) => format!("pinned to {}", superoffload::kernels::pool::format_core_list(c)),
         None => "unpinned".to_string(),
     };
     println!("superoffload-bench {}", env!("CARGO_PKG_VERSION"));
@@ -609,17 +609,3 @@ fn real_main() -> Result<(), String> {
     Ok(())
 }
 
-/// `0-3,8,10-11` style.
-fn format_cores(cores: &[usize]) -> String {
-    let mut parts = Vec::new();
-    let mut i = 0;
-    while i < cores.len() {
-        let mut j = i;
-        while j + 1 < cores.len() && cores[j + 1] == cores[j] + 1 {
-            j += 1;
-        }
-        parts.push(if i == j { cores[i].to_string() } else { format!("{}-{}", cores[i], cores[j]) });
-        i = j + 1;
-    }
-    parts.join(",")
-}

@@ -241,8 +241,8 @@ fn pin_current_thread(_core: usize) -> Result<()> {
     Err(Error::unsupported("pinning pool threads to cores is only supported on Linux"))
 }
 
-/// `0-3,8,10-11` style.
-fn format_core_list(cores: &[usize]) -> String {
+/// Formats a sorted core list `0-3,8,10-11` style.
+pub fn format_core_list(cores: &[usize]) -> String {
     let mut parts = Vec::new();
     let mut i = 0;
     while i < cores.len() {
