@@ -123,3 +123,62 @@ fn delayed_copies_give_host_mode_bits() {
         }
     }
 }
+
+/// With a low-precision copy, every time weights are staged the copy is the master rounded
+/// to nearest even (after steps, rescales, redos and a checkpoint load alike).
+#[derive(Default)]
+struct CopyChecker {
+    staged: Mutex<usize>,
+}
+
+impl Transport for CopyChecker {
+    fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
+        Ok(())
+    }
+    fn unpin(&self, _: *mut u8) {}
+    fn gradient_ready(&self, _: u32) -> Result<()> {
+        Ok(())
+    }
+    fn master_write(&self, _: u32) -> Result<()> {
+        Ok(())
+    }
+    fn weights_updated(&self, _: u32, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()> {
+        let (Floats::F32(m), Some(Floats::Bf16(c))) = (master, copy) else { panic!("f32 master with a bf16 copy") };
+        for (x, y) in m.iter().zip(c) {
+            assert_eq!(bf16::from_f32(*x).to_bits(), y.to_bits(), "copy of {x}");
+        }
+        *self.staged.lock().unwrap() += 1;
+        Ok(())
+    }
+    fn publish(&self, _: u32) -> Result<()> {
+        Ok(())
+    }
+    fn ticket_done(&self, _: Ticket) {}
+    fn subgroup_removed(&self, _: u32) {}
+}
+
+#[test]
+fn the_low_precision_copy_follows_the_master() {
+    let checker = Arc::new(CopyChecker::default());
+    let opts = SessionOptions { copy_dtype: Some(DType::Bf16), ..SessionOptions::default() };
+    let s = Session::with_transport(opts, Some(checker.clone() as Arc<dyn Transport>)).unwrap();
+    s.add_group(GroupHparams::default()).unwrap();
+    let mut master: Vec<f32> = (0..5000).map(|i| (i as f32 * 0.37).sin()).collect();
+    let m = unsafe { Borrowed::new("m", master.as_mut_ptr().cast(), master.len(), DType::F32) }.unwrap();
+    s.add_subgroup(SubGroupDesc { group: 0, master: m, grad: None, slices: vec![SliceDesc { name: "w".into(), offset: 0, numel: 5000 }] })
+        .unwrap();
+    for (step, max_norm) in [(1, 0.0), (2, 1e-3), (3, 0.0)] {
+        s.begin_step(None, 1).unwrap();
+        let g: Vec<f32> = (0..5000).map(|i| ((i + step) % 13) as f32 * 1e-2).collect();
+        s.grad_copy(0, Floats::F32(&g)).unwrap();
+        let t = s.step(StepArgs { max_norm, norm: NormSource::Local, overflow: false }).unwrap();
+        s.wait(t, None).unwrap();
+    }
+    let path = std::env::temp_dir().join(format!("so-copy-{}.safetensors", std::process::id()));
+    s.save(&path).unwrap();
+    s.load(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert!(*checker.staged.lock().unwrap() >= 5, "staged after each step (speculative and rescaled) and the load");
+    drop(s);
+    drop(master);
+}

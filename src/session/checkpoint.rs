@@ -189,7 +189,8 @@ impl Session {
 
     /// Loads a checkpoint into this session: every registered slice must be in it (with
     /// its dtype and size) and vice versa; the sub-group partition may differ. On any
-    /// mismatch or corruption nothing changes. Waits for in-flight work; only between steps.
+    /// mismatch or corruption nothing changes. With a transport, the loaded weights are also
+    /// published to the model. Waits for in-flight work; only between steps.
     pub fn load(&self, path: &Path) -> Result<()> {
         let mut t = self.lock();
         if t.phase != Phase::Idle {
@@ -336,6 +337,16 @@ impl Session {
                 }
             }
             data.work = super::worker::SgWork { step_count: *step, ..Default::default() };
+            let d = &mut *data;
+            if let Some(copy) = d.copy.as_mut() {
+                crate::kernels::copy_into(copy.floats_mut(), d.master.floats(), false)?;
+            }
+            // The model's device copy of the weights follows the loaded master weights.
+            if let Some(transport) = &self.transport {
+                transport.master_write(sg.id)?;
+                transport.weights_updated(sg.id, data.master.floats(), data.copy.as_ref().map(|c| c.floats()))?;
+                transport.publish(sg.id)?;
+            }
         }
         t.groups = new_groups;
         *self.shared.scaler.lock().unwrap() = scaler;
