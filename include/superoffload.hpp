@@ -1078,6 +1078,18 @@ inline void check_c_string(const std::string& s, const char* what, const char* w
 } // namespace detail
 
 /**
+ * How a CUDA session moves data (the C++ form of `so_cuda_options`).
+ * Ownership: a plain value. Thread-safety: a plain value.
+ */
+struct CudaOptions {
+    int device = 0;                          ///< Device ordinal.
+    std::size_t piece_bytes = std::size_t{16} << 20; ///< Gradients larger than this go in pieces.
+};
+
+/** Whether CUDA can be used here (driver loads, a device exists). @note Never throws. */
+[[nodiscard]] inline bool cuda_available() noexcept { return so_cuda_available() == SO_STATUS_OK; }
+
+/**
  * An owned offload session (`so_session*`): sub-groups of parameters whose Adam state lives in
  * host memory, stepped speculatively during backward on the session's CPU-Adam thread and
  * made exact at step(). Move-only; destroying it calls `so_session_destroy`, which waits for
@@ -1114,6 +1126,25 @@ public:
      *         `SO_STATUS_OUT_OF_RESOURCES` (threads cannot start).
      */
     [[nodiscard]] static Session create(const SessionOptions& options = {}) {
+        return create_impl(options, nullptr);
+    }
+
+    /**
+     * Creates a CUDA session: gradients arrive as device pointers (grad_device), updated
+     * weights are published into each sub-group's device parameter (add_subgroup_cuda) after
+     * step() decides. Uses the device's primary context and its own copy streams.
+     * @throws Error as create, plus `SO_STATUS_CUDA_UNAVAILABLE` (no driver or device) and
+     *         `SO_STATUS_CUDA_ERROR` (the driver's error name in the message).
+     */
+    [[nodiscard]] static Session create_cuda(const SessionOptions& options = {}, const CudaOptions& cuda = {}) {
+        so_cuda_options raw = so_cuda_options_default();
+        raw.device = cuda.device;
+        raw.piece_bytes = cuda.piece_bytes;
+        return create_impl(options, &raw);
+    }
+
+private:
+    [[nodiscard]] static Session create_impl(const SessionOptions& options, const so_cuda_options* cuda) {
         so_session_options raw = so_session_options_default();
         raw.pool = options.pool.raw();
         raw.cores = options.cores.empty() ? nullptr : options.cores.data();
@@ -1133,9 +1164,11 @@ public:
             raw.loss_scaler = &scaler;
         }
         so_session* out = nullptr;
-        check(so_session_create(&raw, &out));
+        check(cuda ? so_session_create_cuda(&raw, cuda, &out) : so_session_create(&raw, &out));
         return adopt(out, options.grad_dtype, options.accum_dtype);
     }
+
+public:
 
     /**
      * Takes ownership of a handle from `so_session_create` (or nullptr, giving an empty
@@ -1528,6 +1561,66 @@ public:
         return true;
     }
 
+    // ---- CUDA sessions ---------------------------------------------------------------
+
+    /**
+     * As add_subgroup, for a CUDA session: the model's parameter lives at `device_param`
+     * (`numel` elements of `device_dtype` on the GPU, borrowed like the master weights), where
+     * updated weights are published after each step() decides.
+     */
+    template <class T>
+    std::uint32_t add_subgroup_cuda(std::uint32_t group, T* master, std::size_t numel, const std::vector<Slice>& slices,
+                                    so_device_ptr device_param, DType device_dtype) {
+        return add_subgroup_impl(group, master, dtype_of<T>::value, numel, slices, nullptr, device_param, device_dtype);
+    }
+
+    /**
+     * Hands over the gradient of `slice` ready at device address `grad` (`numel` elements of
+     * `dtype`, the session's accumulation dtype) on `stream`; the copy to the host is queued
+     * and this returns at once. The device buffer must stay valid until copy_stream() has
+     * passed the copy (with PyTorch: `grad.record_stream(copy_stream)`).
+     * @return The ticket of the speculative step this queued, or no_ticket.
+     */
+    Ticket grad_device(std::uint32_t slice, so_device_ptr grad, std::size_t numel, DType dtype, so_cuda_stream_t stream) {
+        Ticket ticket = 0;
+        check(so_session_grad_device(handle_.get(), slice, grad, numel, static_cast<std::uint32_t>(dtype), stream,
+                                     &ticket));
+        return ticket;
+    }
+
+    /** Registers the compute stream: publication waits for the work queued on it before step(). */
+    void set_compute_stream(so_cuda_stream_t stream) { check(so_session_set_compute_stream(handle_.get(), stream)); }
+
+    /** Makes `stream` wait on the GPU (no host blocking) until `ticket` is complete. */
+    void enqueue_wait(Ticket ticket, so_cuda_stream_t stream) const {
+        check(so_ticket_enqueue_wait(handle_.get(), ticket, stream));
+    }
+
+    /** The session's first copy stream, on which every gradient copy ends (for record_stream). */
+    [[nodiscard]] so_cuda_stream_t copy_stream() const {
+        so_cuda_stream_t stream = nullptr;
+        check(so_session_copy_stream(handle_.get(), &stream));
+        return stream;
+    }
+
+    /** Host bytes the session page-locked (0 for a host session). */
+    [[nodiscard]] std::size_t pinned_bytes() const {
+        std::size_t bytes = 0;
+        check(so_session_pinned_bytes(handle_.get(), &bytes));
+        return bytes;
+    }
+
+    // ---- timeline ----------------------------------------------------------------------
+
+    /** Starts (clearing an earlier one) or stops recording a timeline of the session's work. */
+    void trace(bool enable) { check(so_session_trace(handle_.get(), enable)); }
+
+    /** Writes the recorded timeline as Chrome trace JSON. @throws Error `SO_STATUS_IO`. */
+    void save_trace(const std::string& path) const {
+        detail::check_c_string(path, "the path", "save_trace");
+        check(so_session_trace_save(handle_.get(), path.c_str()));
+    }
+
     // ---- checkpoints -----------------------------------------------------------------
 
     /**
@@ -1551,7 +1644,8 @@ public:
 
 private:
     std::uint32_t add_subgroup_impl(std::uint32_t group, void* master, DType master_dtype, std::size_t numel,
-                                    const std::vector<Slice>& slices, void* grad) {
+                                    const std::vector<Slice>& slices, void* grad, so_device_ptr device_param = 0,
+                                    DType device_dtype = DType::None) {
         std::vector<so_slice_desc> raw_slices;
         raw_slices.reserve(slices.size());
         for (const Slice& s : slices) {
@@ -1570,6 +1664,8 @@ private:
         desc.grad = grad;
         desc.slices = raw_slices.empty() ? nullptr : raw_slices.data();
         desc.num_slices = raw_slices.size();
+        desc.device_param = device_param;
+        desc.device_param_dtype = static_cast<std::uint32_t>(device_dtype);
         std::uint32_t id = 0;
         check(so_session_add_subgroup(handle_.get(), &desc, &id));
         return id;
