@@ -1304,7 +1304,9 @@ SO_NODISCARD so_status so_session_save(struct so_session *session, const char *p
 /**
  * @brief Loads a checkpoint into the registered sub-groups (which may be partitioned
  * differently from the saved session), between steps: master weights (written into the
- * borrowed buffers), moments, step counts, group hyperparameters, loss-scaler state.
+ * borrowed buffers), moments, step counts, group hyperparameters, loss-scaler state. A CUDA
+ * session also publishes the loaded weights into the sub-groups' device parameters, after
+ * the work queued on the compute stream, and returns once they have landed.
  * @return `SO_STATUS_OK`; `SO_STATUS_BAD_CHECKPOINT` for a truncated, corrupt or
  *         mismatched file (then nothing changed); `SO_STATUS_IO`; `SO_STATUS_INVALID_STATE`.
  * @note Thread-safety: see `so_session`.

@@ -93,6 +93,18 @@ impl CudaSession {
         self.session.step(args)
     }
 
+    /// Loads a checkpoint (see [`Session::load`]) and publishes the loaded weights into the
+    /// model: after the work queued on the compute stream (which may still read the old
+    /// weights), and completely before this returns, so work queued afterwards on any stream
+    /// sees them.
+    pub fn load(&self, path: &std::path::Path) -> Result<()> {
+        if let Some(stream) = *self.compute_stream.lock().unwrap() {
+            self.transport.after_compute(stream.0)?;
+        }
+        self.session.load(path)?;
+        self.transport.wait_published()
+    }
+
     /// Makes `stream` wait, on the GPU and without blocking the host, until `ticket` is
     /// complete (e.g. a sub-group's final ticket before the forward of its layer).
     pub fn enqueue_wait(&self, ticket: Ticket, stream: Stream) -> Result<()> {

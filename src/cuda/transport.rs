@@ -227,6 +227,12 @@ impl CudaTransport {
         Ok(())
     }
 
+    /// Waits until everything published so far has landed in the model's parameters.
+    pub fn wait_published(&self) -> Result<()> {
+        self.ctx.bind()?;
+        driver::stream_synchronize(self.h2d.0)
+    }
+
     /// Makes `stream` wait, on the GPU, until `ticket` is complete.
     pub fn enqueue_wait(&self, ticket: Ticket, stream: CUstream) -> Result<()> {
         self.ctx.bind()?;

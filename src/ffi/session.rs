@@ -987,7 +987,9 @@ pub unsafe extern "C" fn so_session_save(session: *mut so_session, path: *const 
 
 /// @brief Loads a checkpoint into the registered sub-groups (which may be partitioned
 /// differently from the saved session), between steps: master weights (written into the
-/// borrowed buffers), moments, step counts, group hyperparameters, loss-scaler state.
+/// borrowed buffers), moments, step counts, group hyperparameters, loss-scaler state. A CUDA
+/// session also publishes the loaded weights into the sub-groups' device parameters, after
+/// the work queued on the compute stream, and returns once they have landed.
 /// @return `SO_STATUS_OK`; `SO_STATUS_BAD_CHECKPOINT` for a truncated, corrupt or
 ///         mismatched file (then nothing changed); `SO_STATUS_IO`; `SO_STATUS_INVALID_STATE`.
 /// @note Thread-safety: see `so_session`.
@@ -995,8 +997,11 @@ pub unsafe extern "C" fn so_session_save(session: *mut so_session, path: *const 
 #[must_use]
 pub unsafe extern "C" fn so_session_load(session: *mut so_session, path: *const c_char) -> Status {
     ffi_boundary!("so_session_load", {
-        let s = unsafe { session_ref(session)? };
-        s.load(&path_arg(path)?)
+        let path = path_arg(path)?;
+        match unsafe { handle_ref(session)? } {
+            Handle::Host(s) => s.load(&path),
+            Handle::Cuda(c) => c.load(&path),
+        }
     })
 }
 
