@@ -32,7 +32,9 @@ use std::time::{Duration, Instant};
 use superoffload::error::Status;
 use superoffload::ffi::session as c;
 use superoffload::kernels::{DType, Floats, Pool, PoolOptions};
-use superoffload::session::{Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, StepArgs, SubGroupDesc};
+use superoffload::session::{
+    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, StepArgs, SubGroupDesc,
+};
 
 // ---- counting allocator ------------------------------------------------------------------
 
@@ -140,7 +142,8 @@ fn parse_cores(flag: &str, s: &str) -> Result<Vec<usize>, String> {
         let bad = || format!("{flag}: {part:?} is not a core or a range like 2-5");
         match part.split_once('-') {
             Some((a, b)) => {
-                let (a, b): (usize, usize) = (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
+                let (a, b): (usize, usize) =
+                    (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
                 if a > b {
                     return Err(bad());
                 }
@@ -319,9 +322,11 @@ struct Api {
 
 impl Api {
     fn new_rust(m: &Model, pool: &Arc<Pool>, speculation: bool) -> Result<Api, String> {
-        let session = Session::new(SessionOptions { pool: Some(pool.clone()), speculation, ..SessionOptions::default() })
-            .map_err(|e| e.to_string())?;
-        let group = session.add_group(GroupHparams { lr: 1e-5, ..GroupHparams::default() }).map_err(|e| e.to_string())?;
+        let session =
+            Session::new(SessionOptions { pool: Some(pool.clone()), speculation, ..SessionOptions::default() })
+                .map_err(|e| e.to_string())?;
+        let group =
+            session.add_group(GroupHparams { lr: 1e-5, ..GroupHparams::default() }).map_err(|e| e.to_string())?;
         let mut masters: Vec<Vec<f32>> = m.sg_numel.iter().map(|&n| vec![0.01; n]).collect();
         for (sg, master) in masters.iter_mut().enumerate() {
             let slices = m
@@ -332,10 +337,13 @@ impl Api {
                 .map(|(i, s)| SliceDesc { name: format!("p{i}"), offset: s.1, numel: s.2 })
                 .collect();
             // SAFETY: the masters outlive the session (field order) and are not touched.
-            let b = unsafe { Borrowed::new("master", master.as_mut_ptr().cast(), master.len(), DType::F32) }.map_err(|e| e.to_string())?;
+            let b = unsafe { Borrowed::new("master", master.as_mut_ptr().cast(), master.len(), DType::F32) }
+                .map_err(|e| e.to_string())?;
             session.add_subgroup(SubGroupDesc { group, master: b, grad: None, slices }).map_err(|e| e.to_string())?;
         }
-        let ids = (0..m.slices.len()).map(|i| session.slice_id(&format!("p{i}")).map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
+        let ids = (0..m.slices.len())
+            .map(|i| session.slice_id(&format!("p{i}")).map_err(|e| e.to_string()))
+            .collect::<Result<_, _>>()?;
         Ok(Api::with("Session::grad_copy", Some(session), std::ptr::null_mut(), masters, ids))
     }
 
@@ -354,7 +362,8 @@ impl Api {
         let mut group = 0u32;
         c_check("so_session_add_group", unsafe { c::so_session_add_group(session, &hp, &mut group) })?;
         let mut masters: Vec<Vec<f32>> = m.sg_numel.iter().map(|&n| vec![0.01; n]).collect();
-        let names: Vec<std::ffi::CString> = (0..m.slices.len()).map(|i| std::ffi::CString::new(format!("p{i}")).unwrap()).collect();
+        let names: Vec<std::ffi::CString> =
+            (0..m.slices.len()).map(|i| std::ffi::CString::new(format!("p{i}")).unwrap()).collect();
         for (sg, master) in masters.iter_mut().enumerate() {
             let slices: Vec<c::so_slice_desc> = m
                 .slices
@@ -381,7 +390,13 @@ impl Api {
         Ok(api)
     }
 
-    fn with(name: &'static str, rust: Option<Session>, c_session: *mut c::so_session, masters: Vec<Vec<f32>>, ids: Vec<u32>) -> Api {
+    fn with(
+        name: &'static str,
+        rust: Option<Session>,
+        c_session: *mut c::so_session,
+        masters: Vec<Vec<f32>>,
+        ids: Vec<u32>,
+    ) -> Api {
         Api {
             name,
             rust,
@@ -413,7 +428,9 @@ impl Api {
             None => {
                 let mut ticket = 0u64;
                 // SAFETY: `grad` holds `grad.len()` f32 elements.
-                let st = unsafe { c::so_session_grad_copy(self.c_session, slice, grad.as_ptr().cast(), grad.len(), &mut ticket) };
+                let st = unsafe {
+                    c::so_session_grad_copy(self.c_session, slice, grad.as_ptr().cast(), grad.len(), &mut ticket)
+                };
                 c_check("so_session_grad_copy", st).map(|_| ticket != 0)
             }
         }
@@ -423,7 +440,9 @@ impl Api {
     fn finish(&self) -> Result<(u32, u32, u32, u32), String> {
         match &self.rust {
             Some(s) => {
-                let t = s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false }).map_err(|e| e.to_string())?;
+                let t = s
+                    .step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false })
+                    .map_err(|e| e.to_string())?;
                 let r = s.step_result(t, None).map_err(|e| e.to_string())?;
                 Ok((r.speculative, r.kept, r.redone, r.late_gradients))
             }
@@ -434,7 +453,9 @@ impl Api {
                 // SAFETY: so_step_result is plain data; all-zero is a valid value.
                 let mut r: c::so_step_result = unsafe { std::mem::zeroed() };
                 r.struct_size = std::mem::size_of::<c::so_step_result>();
-                c_check("so_session_step_result", unsafe { c::so_session_step_result(self.c_session, ticket, -1, &mut r) })?;
+                c_check("so_session_step_result", unsafe {
+                    c::so_session_step_result(self.c_session, ticket, -1, &mut r)
+                })?;
                 Ok((r.speculative, r.kept, r.redone, r.late_gradients))
             }
         }
@@ -448,7 +469,6 @@ impl Api {
         let (mut ac, mut ao, mut cc, mut co) = (0, 0, 0, 0);
         let (mine0, all0) = (my_allocs(), all_allocs());
         let cs0 = context_switches();
-        let t_step = Instant::now();
         for i in (0..n).rev() {
             let before = my_allocs();
             let preempt0 = if measure { context_switches().1 } else { 0 };
@@ -470,12 +490,16 @@ impl Api {
                 times.push((i, dt.as_nanos() as f64, completed, preempted));
             }
         }
-        let step = t_step.elapsed();
+        // The hand-offs' own time (the loop also runs the bookkeeping around each call).
+        let step = Duration::from_nanos(times.iter().map(|t| t.1 as u64).sum());
         let cs1 = context_switches();
         let (mine, all) = (my_allocs() - mine0, all_allocs() - all0);
         let (speculative, kept, _, late) = self.finish()?;
         if late != 0 || (kept as usize != expected && speculative as usize == expected) {
-            return Err(format!("{}: unexpected step result: speculative {speculative}, kept {kept}, late {late}", self.name));
+            return Err(format!(
+                "{}: unexpected step result: speculative {speculative}, kept {kept}, late {late}",
+                self.name
+            ));
         }
         if measure {
             self.calls.extend(times);
@@ -527,19 +551,20 @@ fn plain_copies(m: &Model, grads: &[Vec<f32>], steps: usize) -> (Vec<f64>, Vec<f
     let mut per_slice: Vec<Vec<f64>> = vec![Vec::with_capacity(steps); grads.len()];
     let mut step_ms = Vec::new();
     for rep in 0..steps + 2 {
-        let t_step = Instant::now();
+        let mut step = Duration::ZERO;
         for i in (0..grads.len()).rev() {
             let (sg, off, n) = m.slices[i];
             let t0 = Instant::now();
             dst[sg][off..off + n].copy_from_slice(&grads[i]);
             let dt = t0.elapsed();
+            step += dt;
             if rep >= 2 {
                 per_slice[i].push(dt.as_nanos() as f64);
             }
         }
         std::hint::black_box(&mut dst);
         if rep >= 2 {
-            step_ms.push(t_step.elapsed().as_secs_f64() * 1e3);
+            step_ms.push(step.as_secs_f64() * 1e3);
         }
     }
     (per_slice.into_iter().map(|v| percentile(&sorted(v), 0.5)).collect(), step_ms)
@@ -581,7 +606,10 @@ fn run() -> Result<bool, String> {
     // Pools and sessions are created while this thread may run on the pool's cores only, so
     // that the sessions' CPU-Adam threads (which inherit that mask) stay off the training
     // core; the pools check their cores against the calling thread's mask, so they come first.
-    let pool = Arc::new(Pool::new(&PoolOptions { cores: Some(pool_cores.clone()), ..PoolOptions::default() }).map_err(|e| e.to_string())?);
+    let pool = Arc::new(
+        Pool::new(&PoolOptions { cores: Some(pool_cores.clone()), ..PoolOptions::default() })
+            .map_err(|e| e.to_string())?,
+    );
     pin_current_thread(&pool_cores)?;
     let mut rust_api = Api::new_rust(&m, &pool, a.speculation)?;
     let mut c_api = Api::new_c(&m, &pool_cores, a.speculation)?; // its own pool, on the same cores
@@ -614,12 +642,21 @@ fn run() -> Result<bool, String> {
 
     println!();
     println!(
-        "{:<22} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10}",
-        "per call (us)", "median", "p99", "max", "ovh mean", "ovh med", "ovh p99", "ovh max", "> 10 us", "(not pre.)"
+        "{:<22} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9} {:>10} {:>18}",
+        "per call (us)",
+        "median",
+        "p99",
+        "max",
+        "ovh mean",
+        "ovh med",
+        "ovh p99",
+        "ovh max",
+        "> 10 us",
+        "not preempted"
     );
     let copy_sorted = sorted(copy_ns.iter().map(|x| x / 1e3).collect());
     println!(
-        "{:<22} {:>8.3} {:>8.3} {:>9.3} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10}",
+        "{:<22} {:>8.3} {:>8.3} {:>9.3} {:>8} {:>8} {:>8} {:>9} {:>10} {:>18}",
         "plain copy",
         percentile(&copy_sorted, 0.5),
         percentile(&copy_sorted, 0.99),
@@ -656,7 +693,8 @@ fn run() -> Result<bool, String> {
         let over_unpreempted = |filter: &dyn Fn(bool) -> bool| {
             let calls: Vec<_> = api.calls.iter().filter(|c| filter(c.2) && !c.3).collect();
             let over = calls.iter().filter(|c| (c.1 - copy_ns[c.0]) / 1e3 > 10.0).count();
-            format!("{over}/{}", calls.len())
+            let max = calls.iter().map(|c| (c.1 - copy_ns[c.0]) / 1e3).fold(0.0f64, f64::max);
+            format!("{over}/{} max {max:.0}", calls.len())
         };
         let all = ovh(&|_| true);
         let completing = ovh(&|x| x);
@@ -673,7 +711,7 @@ fn run() -> Result<bool, String> {
             let mean = o.iter().sum::<f64>() / o.len().max(1) as f64;
             let over = o.iter().filter(|&&x| x > 10.0).count();
             println!(
-                "{:<22} {:>8} {:>8} {:>9} {:>8.3} {:>8.3} {:>8.3} {:>9.1} {:>10} {:>10}",
+                "{:<22} {:>8} {:>8} {:>9} {:>8.3} {:>8.3} {:>8.3} {:>9.1} {:>10} {:>18}",
                 label,
                 m,
                 p,
@@ -687,7 +725,12 @@ fn run() -> Result<bool, String> {
             );
         };
         row(api.name, Some(&total), &all, over_unpreempted(&|_| true));
-        row(&format!("  completing ({}/step)", completing.len() / a.steps.max(1)), None, &completing, over_unpreempted(&|x| x));
+        row(
+            &format!("  completing ({}/step)", completing.len() / a.steps.max(1)),
+            None,
+            &completing,
+            over_unpreempted(&|x| x),
+        );
         row("  other", None, &other, over_unpreempted(&|x| !x));
         worst_p99 = worst_p99.max(percentile(&all, 0.99));
         let mine_total: u64 = api.my_allocs.iter().sum();
@@ -696,7 +739,7 @@ fn run() -> Result<bool, String> {
         let step_med = percentile(&sorted(api.step_ms.clone()), 0.5);
         let step_min = sorted(api.step_ms.clone())[0];
         summaries.push(format!(
-            "{}: hand-offs of a step {:.2} ms median, {:.2} ms min (plain copies: {:.2} ms median); training-thread allocations in the hand-offs: {} per step \
+            "{}: time in the hand-offs of a step {:.2} ms median, {:.2} ms min (plain copies: {:.2} ms median); training-thread allocations in the hand-offs: {} per step \
              (total {} over {} steps: {} in {} completing calls, {} in {} other calls); other threads in the same window: {:.1} per step; \
              context switches of the training thread in the hand-offs: {:.2} voluntary (blocked) and {:.2} involuntary (preempted) per step",
             api.name,
@@ -743,7 +786,9 @@ fn run() -> Result<bool, String> {
         .unwrap();
     }
     println!("(overhead = call time - median plain-copy time of the same slice; timer pair {timer:.0} ns, in both;");
-    println!(" > 10 us: calls whose overhead exceeds 10 us, of all calls and of those during which the thread was not preempted)");
+    println!(
+        " > 10 us: calls whose overhead exceeds 10 us, of all calls and of those during which the thread was not preempted)"
+    );
     println!();
     for s in &summaries {
         println!("{s}");
@@ -753,7 +798,7 @@ fn run() -> Result<bool, String> {
     let (late_allocs, redone, late_dt) = rust_api.late_step(&grads, 0)?;
     let late_sg_numel = m.sg_numel[m.slices[0].0];
     println!(
-        "late gradient (slice 0 again after its sub-group of {} elements completed): {} allocation(s) on the training thread, {:.1} us, sub-group redone at step(): {}",
+        "late gradient (slice 0 again after its sub-group of {} elements completed): {} allocation(s) on the training thread, {:.1} us; sub-groups redone at step(): {} (0 without speculation: nothing to undo)",
         late_sg_numel,
         late_allocs,
         late_dt.as_secs_f64() * 1e6,

@@ -8,11 +8,11 @@
 //! shared pool, in interleaved blocks of consecutive steps (so that machine noise hits all
 //! of them alike; the first steps of each block refill the pipeline and are not counted):
 //!
-//! - `spec`        speculation on, no clipping: every speculative step is kept;
-//! - `spec+clip`   speculation on, clipping on every step (max_norm = half the norm): every
-//!                 sub-group is rescaled at step(), in forward order, while the forward runs;
-//! - `nospec`      speculation off ("step after backward"): all Adam work at step();
-//! - `nospec+clip` the same with clipping.
+//! - `spec`: speculation on, no clipping: every speculative step is kept;
+//! - `spec+clip`: speculation on, clipping on every step (max_norm = half the norm): every
+//!   sub-group is rescaled at step(), in forward order, while the forward runs;
+//! - `nospec`: speculation off ("step after backward"): all Adam work at step();
+//! - `nospec+clip`: the same with clipping.
 //!
 //! Per mode: median step time (forward + backward + step(), one loop iteration), the
 //! training thread's median wait for the optimizer per step, the median forward+backward
@@ -29,8 +29,12 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use superoffload::kernels::{self, AdamBuffers, AdamHyper, DType, Floats, FloatsMut, MomentsMut, Pool, PoolOptions, UpdateOptions};
-use superoffload::session::{Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, StepArgs, SubGroupDesc, Ticket};
+use superoffload::kernels::{
+    self, AdamBuffers, AdamHyper, DType, Floats, FloatsMut, MomentsMut, Pool, PoolOptions, UpdateOptions,
+};
+use superoffload::session::{
+    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, StepArgs, SubGroupDesc, Ticket,
+};
 
 const USAGE: &str = "\
 overlap_bench: step time of a simulated training loop with a superoffload session, with and
@@ -117,7 +121,8 @@ fn parse_cores(flag: &str, s: &str) -> Result<Vec<usize>, String> {
         let bad = || format!("{flag}: {part:?} is not a core or a range like 2-5");
         match part.split_once('-') {
             Some((a, b)) => {
-                let (a, b): (usize, usize) = (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
+                let (a, b): (usize, usize) =
+                    (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
                 if a > b {
                     return Err(bad());
                 }
@@ -312,12 +317,14 @@ impl Mode {
         let group = session
             .add_group(GroupHparams { lr: 1e-4, ..GroupHparams::default() })
             .map_err(|e| format!("add_group: {e}"))?;
-        let mut masters: Vec<Vec<f32>> = (0..layers).map(|k| (0..elems).map(|i| 0.02 * gauss(100 + k as u64, i)).collect()).collect();
+        let mut masters: Vec<Vec<f32>> =
+            (0..layers).map(|k| (0..elems).map(|i| 0.02 * gauss(100 + k as u64, i)).collect()).collect();
         let mut slices = Vec::new();
         for (k, master) in masters.iter_mut().enumerate() {
             // SAFETY: the masters live in this struct next to the session, which is dropped
             // first (field order), and nothing else touches them.
-            let borrowed = unsafe { Borrowed::new("master", master.as_mut_ptr().cast(), elems, DType::F32) }.map_err(|e| e.to_string())?;
+            let borrowed = unsafe { Borrowed::new("master", master.as_mut_ptr().cast(), elems, DType::F32) }
+                .map_err(|e| e.to_string())?;
             let name = format!("layer{k}");
             session
                 .add_subgroup(SubGroupDesc {
@@ -395,7 +402,11 @@ impl Mode {
             handoff += th.elapsed();
         }
         let backward = tb.elapsed();
-        let args = StepArgs { max_norm: if self.kind.clip() { max_norm } else { 0.0 }, norm: NormSource::Local, overflow: false };
+        let args = StepArgs {
+            max_norm: if self.kind.clip() { max_norm } else { 0.0 },
+            norm: NormSource::Local,
+            overflow: false,
+        };
         self.pending = Some(self.session.step(args).map_err(|e| format!("step: {e}"))?);
         for k in 0..a.layers {
             self.finals[k] = self.session.final_ticket(k as u32).map_err(|e| e.to_string())?;
@@ -418,7 +429,8 @@ impl Mode {
 /// pool, on buffers of the same sizes, with nothing else running.
 fn cpu_adam_alone(pool: &Pool, a: &Args, grads: &[Vec<f32>], reps: usize) -> Result<[f64; 4], String> {
     let n = a.elems;
-    let mut p: Vec<Vec<f32>> = (0..a.layers).map(|k| (0..n).map(|i| 0.02 * gauss(300 + k as u64, i)).collect()).collect();
+    let mut p: Vec<Vec<f32>> =
+        (0..a.layers).map(|k| (0..n).map(|i| 0.02 * gauss(300 + k as u64, i)).collect()).collect();
     let mut m: Vec<Vec<f32>> = (0..a.layers).map(|_| vec![0.0; n]).collect();
     let mut v: Vec<Vec<f32>> = (0..a.layers).map(|_| vec![0.0; n]).collect();
     let err = |e: superoffload::error::Error| e.to_string();
@@ -512,7 +524,9 @@ fn run() -> Result<bool, String> {
         None => cpus.iter().copied().filter(|&c| c != train_core).collect(),
     };
     if pool_cores.is_empty() {
-        return Err(format!("no core left for the session pool (the training thread has core {train_core}); pass --pool-cores"));
+        return Err(format!(
+            "no core left for the session pool (the training thread has core {train_core}); pass --pool-cores"
+        ));
     }
     if pool_cores.contains(&train_core) {
         return Err(format!("the training core {train_core} is also a pool core"));
@@ -522,8 +536,12 @@ fn run() -> Result<bool, String> {
     // inherits the mask of the thread that creates the session: with --adam-thread pool
     // (the default) the sessions are created while this thread is restricted to the pool's
     // cores, so those threads stay off the training core.
-    let pool = Arc::new(Pool::new(&PoolOptions { cores: Some(pool_cores.clone()), ..PoolOptions::default() }).map_err(|e| format!("pool: {e}"))?);
-    let grads: Vec<Vec<f32>> = (0..a.layers).map(|k| (0..a.elems).map(|i| 0.01 * gauss(200 + k as u64, i)).collect()).collect();
+    let pool = Arc::new(
+        Pool::new(&PoolOptions { cores: Some(pool_cores.clone()), ..PoolOptions::default() })
+            .map_err(|e| format!("pool: {e}"))?,
+    );
+    let grads: Vec<Vec<f32>> =
+        (0..a.layers).map(|k| (0..a.elems).map(|i| 0.01 * gauss(200 + k as u64, i)).collect()).collect();
     let sumsq: f64 = grads.iter().flat_map(|g| g.iter()).map(|&x| x as f64 * x as f64).sum();
     let max_norm = 0.5 * sumsq.sqrt(); // clip coefficient ~0.5 on every clipped step
     let saved_mask = allowed_cpus();
@@ -532,7 +550,8 @@ fn run() -> Result<bool, String> {
         AdamThread::Training => pin_current_thread(&[train_core])?,
         AdamThread::Unpinned => {}
     }
-    let mut modes: Vec<Mode> = Kind::ALL.iter().map(|&k| Mode::new(k, &pool, a.layers, a.elems)).collect::<Result<_, _>>()?;
+    let mut modes: Vec<Mode> =
+        Kind::ALL.iter().map(|&k| Mode::new(k, &pool, a.layers, a.elems)).collect::<Result<_, _>>()?;
     pin_current_thread(&saved_mask)?;
     pin_current_thread(&[train_core])?;
 
@@ -585,8 +604,20 @@ fn run() -> Result<bool, String> {
     let nominal_fwd = a.fwd.as_secs_f64() * 1e3 * a.layers as f64;
     println!();
     println!(
-        "{:<12} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>8} {:>8} {:>6} {:>6}  {}",
-        "mode", "step", "p90", "wait", "preempt", "adj", "fwd+bwd", "fwd", "bwd", "hand-off", "CPU Adam", "ratio", "adj", "kept/resc/stepped"
+        "{:<12} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>8} {:>8} {:>6} {:>6}  kept/resc/stepped",
+        "mode",
+        "step",
+        "p90",
+        "wait",
+        "preempt",
+        "adj",
+        "fwd+bwd",
+        "fwd",
+        "bwd",
+        "hand-off",
+        "CPU Adam",
+        "ratio",
+        "adj"
     );
     let mut json = String::new();
     write!(
@@ -667,10 +698,19 @@ fn run() -> Result<bool, String> {
         medians.push(step);
         adjusted.push(step_adj);
     }
-    println!("(ms, medians over {} steps per mode. step: forward + backward + step(), one loop iteration; wait: the training", a.steps);
-    println!(" thread waiting for the optimizer; preempt: the training thread off its CPU outside the waits (wall - thread CPU");
-    println!(" time: other processes on its core); adj: step - preempt; fwd+bwd: step - wait; bwd includes the hand-offs");
-    println!(" (time in grad_copy); CPU Adam: that mode's kernels alone for one step, nothing else running; ratio: step /");
+    println!(
+        "(ms, medians over {} steps per mode. step: forward + backward + step(), one loop iteration; wait: the training",
+        a.steps
+    );
+    println!(
+        " thread waiting for the optimizer; preempt: the training thread off its CPU outside the waits (wall - thread CPU"
+    );
+    println!(
+        " time: other processes on its core); adj: step - preempt; fwd+bwd: step - wait; bwd includes the hand-offs"
+    );
+    println!(
+        " (time in grad_copy); CPU Adam: that mode's kernels alone for one step, nothing else running; ratio: step /"
+    );
     println!(" max(fwd+bwd, CPU Adam), 1 = perfect overlap; adj: the same without the preempted time)");
 
     // Expected behaviour of each mode.
@@ -685,7 +725,16 @@ fn run() -> Result<bool, String> {
         } && m.other == 0;
         if !ok {
             behaved = false;
-            println!("warning: mode {} did not behave as intended (kept {}, rescaled {}, stepped {}, other {}, clipped {} of {} steps)", m.kind.name(), m.kept, m.rescaled, m.stepped, m.other, m.clipped, m.steps);
+            println!(
+                "warning: mode {} did not behave as intended (kept {}, rescaled {}, stepped {}, other {}, clipped {} of {} steps)",
+                m.kind.name(),
+                m.kept,
+                m.rescaled,
+                m.stepped,
+                m.other,
+                m.clipped,
+                m.steps
+            );
         }
     }
 
@@ -694,7 +743,15 @@ fn run() -> Result<bool, String> {
     let applies = cpu[0] <= nominal_fwd;
     let met = clip_ratio <= 1.15;
     let met_adj = clip_ratio_adj <= 1.15;
-    let verdict = |m: bool| if !applies { "does not apply: CPU Adam exceeds the forward" } else if m { "met" } else { "NOT met" };
+    let verdict = |m: bool| {
+        if !applies {
+            "does not apply: CPU Adam exceeds the forward"
+        } else if m {
+            "met"
+        } else {
+            "NOT met"
+        }
+    };
     println!();
     println!(
         "clipped / unclipped step, speculation on: {:.3} ({}), {:.3} without preempted time ({}); target <= 1.15 when CPU Adam {:.2} ms <= forward {:.2} ms",

@@ -202,8 +202,10 @@ fn validate_cores(cores: &[usize]) -> Result<()> {
 fn allowed_cores() -> Result<Vec<usize>> {
     // SAFETY: `set` is a plain bitmask that sched_getaffinity fills; zeroed is valid.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: pid 0 is this thread; the size matches `set`.
-    let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    // The process's mask (its main thread's), not the calling thread's: a training thread
+    // that pinned itself must not shrink what a pool may use.
+    // SAFETY: getpid has no preconditions; the size matches `set`.
+    let rc = unsafe { libc::sched_getaffinity(libc::getpid(), std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
     if rc != 0 {
         return Err(Error::new(
             Status::OutOfResources,
@@ -229,6 +231,28 @@ fn pin_current_thread(core: usize) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Lets the calling thread run on any of `cores`.
+#[cfg(target_os = "linux")]
+pub(crate) fn pin_current_thread_to(cores: &[usize]) -> Result<()> {
+    // SAFETY: as in `pin_current_thread`; the cores were validated when the pool was made.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &core in cores {
+            libc::CPU_SET(core, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        return Err(Error::new(Status::OutOfResources, format!("sched_setaffinity: {}", std::io::Error::last_os_error())));
+    }
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn pin_current_thread_to(_cores: &[usize]) -> Result<()> {
+    Err(Error::unsupported("pinning threads to cores is only supported on Linux"))
 }
 
 #[cfg(not(target_os = "linux"))]

@@ -24,7 +24,6 @@ mod worker;
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -38,7 +37,7 @@ use crate::kernels::{self, AdamHyper, AdamMode, DType, Floats, Pool, PoolOptions
 use buffers::HostBuf;
 use tickets::Tickets;
 use trace::Lane;
-use worker::{FinalizePlan, Job, PrepareEntry, PreparePlan, SgWork, WorkerShared};
+use worker::{FinalizePlan, Job, JobQueue, PrepareEntry, PreparePlan, SgWork, WorkerShared};
 
 /// Hyperparameters of a param group; changeable at any time.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -300,7 +299,6 @@ struct Tracking {
     late_gradients: u32,
     decide_ticket: Ticket,
     step_ticket: Ticket,
-    jobs: Option<Sender<Job>>,
 }
 
 /// An offload session.
@@ -312,6 +310,7 @@ pub struct Session {
     options: SessionOptions,
     shared: Arc<WorkerShared>,
     transport: Option<Arc<dyn Transport>>,
+    jobs: Arc<JobQueue>,
     tracking: Mutex<Tracking>,
     worker: Option<JoinHandle<()>>,
 }
@@ -362,17 +361,26 @@ impl Session {
             transport: transport.clone(),
             tracer: trace::Tracer::new(),
         });
-        let (sender, receiver) = channel();
-        let worker_shared = shared.clone();
+        let jobs = Arc::new(JobQueue::default());
+        jobs.reserve(16);
+        let (worker_shared, worker_jobs) = (shared.clone(), jobs.clone());
         let worker = std::thread::Builder::new()
             .name("superoffload-adam".into())
-            .spawn(move || worker::run(worker_shared, receiver))
+            .spawn(move || {
+                // The CPU-Adam thread runs where the pool runs, not on the training thread's
+                // core (which it would inherit); failing to pin costs speed, not correctness.
+                if let Some(cores) = worker_shared.pool.cores() {
+                    let _ = crate::kernels::pool::pin_current_thread_to(cores);
+                }
+                worker::run(worker_shared, worker_jobs)
+            })
             .map_err(|e| Error::new(Status::OutOfResources, format!("cannot start the CPU-Adam thread: {e}")))?;
         let loss_scale = options.loss_scaler.map_or(1.0, |s| s.init_scale);
         Ok(Session {
             options,
             shared,
             transport,
+            jobs,
             tracking: Mutex::new(Tracking {
                 phase: Phase::Idle,
                 serial: 0,
@@ -387,7 +395,6 @@ impl Session {
                 late_gradients: 0,
                 decide_ticket: 0,
                 step_ticket: 0,
-                jobs: Some(sender),
             }),
             worker: Some(worker),
         })
@@ -405,9 +412,8 @@ impl Session {
         self.tracking.lock().unwrap()
     }
 
-    fn send(t: &Tracking, job: Job) {
-        // The worker only stops when the sender is dropped, in `Drop`.
-        t.jobs.as_ref().expect("session is alive").send(job).expect("the CPU-Adam thread is running");
+    fn send(&self, job: Job) {
+        self.jobs.push(job);
     }
 
     // ----- groups and sub-groups -----------------------------------------------------
@@ -507,6 +513,8 @@ impl Session {
         }
         t.host_bytes += host_bytes;
         let slices = first..t.slices.len();
+        // A step queues at most one job per sub-group before its finalization.
+        self.jobs.reserve(2 * (t.subgroups.len() + 1) + 8);
         t.subgroups.push(Some(SgTrack {
             sg,
             slices,
@@ -787,9 +795,9 @@ impl Session {
         let group = t.groups[sg.group as usize];
         if self.options.speculation && sg.can_speculate(group) {
             t.speculative += 1;
-            Self::send(t, Job::Speculate { hp: sg.hyper(group, 0), sg, scale, ticket });
+            self.send(Job::Speculate { hp: sg.hyper(group, 0), sg, scale, ticket });
         } else {
-            Self::send(t, Job::SumOfSquares { sg, scale, ticket });
+            self.send(Job::SumOfSquares { sg, scale, ticket });
         }
         ticket
     }
@@ -848,7 +856,7 @@ impl Session {
                 Phase::Backward { .. } => {
                     let plan = self.prepare_plan(&t);
                     let ticket = self.shared.tickets.issue();
-                    Self::send(&t, Job::Prepare { plan, ticket });
+                    self.send(Job::Prepare { plan, ticket });
                     t.phase = Phase::Prepared { ticket };
                     ticket
                 }
@@ -900,7 +908,7 @@ impl Session {
             speculative: t.speculative,
             late_gradients: t.late_gradients,
         };
-        Self::send(&t, Job::Finalize(Box::new(plan)));
+        self.send(Job::Finalize(Box::new(plan)));
         t.decide_ticket = decide_ticket;
         t.step_ticket = step_ticket;
         t.phase = Phase::Idle;
@@ -1076,7 +1084,7 @@ impl Drop for Session {
     /// transport pinned.
     fn drop(&mut self) {
         let mut t = self.tracking.lock().unwrap_or_else(|e| e.into_inner());
-        drop(t.jobs.take());
+        self.jobs.close();
         if let Some(worker) = self.worker.take() {
             let _ = worker.join();
         }

@@ -5,8 +5,8 @@
 //! forward order, completing each sub-group's final ticket as it goes.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::mpsc::Receiver;
-use std::sync::{Arc, Mutex};
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex};
 
 use super::scaler::LossScaler;
 use super::tickets::{Ticket, Tickets};
@@ -95,8 +95,49 @@ impl WorkerShared {
     }
 }
 
-pub(crate) fn run(shared: Arc<WorkerShared>, jobs: Receiver<Job>) {
-    while let Ok(job) = jobs.recv() {
+/// The CPU-Adam thread's work queue: FIFO, with room reserved ahead (one slot per
+/// sub-group and a few more) so that a gradient hand-off never allocates to queue a job.
+#[derive(Default)]
+pub(crate) struct JobQueue {
+    state: Mutex<(VecDeque<Job>, bool)>,
+    ready: Condvar,
+}
+
+impl JobQueue {
+    pub(crate) fn push(&self, job: Job) {
+        self.state.lock().unwrap().0.push_back(job);
+        self.ready.notify_one();
+    }
+
+    /// Makes room for `jobs` queued jobs without reallocating.
+    pub(crate) fn reserve(&self, jobs: usize) {
+        let mut state = self.state.lock().unwrap();
+        let more = jobs.saturating_sub(state.0.len());
+        state.0.reserve(more);
+    }
+
+    /// No more jobs: the thread finishes those queued, then stops.
+    pub(crate) fn close(&self) {
+        self.state.lock().unwrap().1 = true;
+        self.ready.notify_all();
+    }
+
+    fn pop(&self) -> Option<Job> {
+        let mut state = self.state.lock().unwrap();
+        loop {
+            if let Some(job) = state.0.pop_front() {
+                return Some(job);
+            }
+            if state.1 {
+                return None;
+            }
+            state = self.ready.wait(state).unwrap();
+        }
+    }
+}
+
+pub(crate) fn run(shared: Arc<WorkerShared>, jobs: Arc<JobQueue>) {
+    while let Some(job) = jobs.pop() {
         match job {
             Job::Speculate { sg, hp, scale, ticket } => {
                 let span = shared.tracer.span(Lane::CpuAdam, || format!("speculative step, sub-group {}", sg.id));

@@ -1,0 +1,387 @@
+#!/usr/bin/env python3
+"""End-to-end training benchmark on the GPU machine: a transformers Llama causal LM built from a
+config (no download; default TinyLlama-1.1B's shape, ~1.1 B parameters), bf16 on one GPU,
+activation checkpointing, batch x sequence >= 32K tokens per step. Same model, same data, side
+by side:
+
+  a  ours, speculative: SuperOffloadAdamW, sub-groups stepped on the CPU during backward
+  b  ours, stepping after backward (speculation off)
+  c  torch.optim.AdamW(fused=True) on CPU f32 master copies after backward: gradients copied to
+     pinned CPU buffers, cast to f32, clipped, stepped, weights copied back (what users do today)
+  d  torch.optim.AdamW(fused=True) on the GPU, nothing offloaded (bf16 parameters and moments)
+  e  forward + backward only, no optimizer (the GPU time that the CPU work can hide behind)
+
+each with clipping triggering on every step (max_grad_norm tiny, --clip) and without (0).
+Reported per run: s/step (median of --steps timed steps after --warmup), tokens/s, TFLOPS
+(6 * N * tokens / time), for ours the fraction of the CPU Adam time hidden
+(1 - max(0, t - t_e) / t_cpu_adam, t_cpu_adam measured once with the library's kernel alone on the
+same cores), host bytes per parameter and pinned bytes (so_session_pinned_bytes), the last step's
+result (kept / rescaled / stepped). Targets: a <= 1.10 x d without clipping, a <= 1.15 x d with
+clipping on every step, a >= 1.4 x faster than c. Also writes a timeline of one step of (a) with
+clipping (trace_a_clip.json) and renders it with bench/trace_plot.py (trace_a_clip.png).
+
+  python3 bench_e2e.py [--layers 22 --hidden 2048 ...] [--seq 2048 --batch 16] [--modes a,b,c,d,e]
+  python3 bench_e2e.py --smoke       # tiny model on the CPU: exercises the code paths, no numbers
+
+Outputs go to --out (default $OUT, else bench-out/). Needs SUPEROFFLOAD_PREFIX.
+"""
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def build_model(args, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.inter,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seq, 2048),
+                      attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype=args.dtype)
+    model.config.use_cache = False
+    if not args.no_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+class Timer:
+    def __init__(self, cuda):
+        self.cuda = cuda
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+
+
+def forward_backward(model, batch):
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    return loss.detach()
+
+
+def run_steps(name, step_fn, args, timer):
+    """--warmup untimed steps, then --steps timed ones (each ended by a sync of the current
+    stream, as a loss.item() would); returns per-step seconds and losses."""
+    losses, times = [], []
+    for _ in range(args.warmup):
+        losses.append(step_fn())
+    timer.sync()
+    t_start = time.perf_counter()
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        losses.append(step_fn())
+        timer.sync()
+        times.append(time.perf_counter() - t0)
+    window = time.perf_counter() - t_start
+    losses = [float(x) for x in losses]
+    return times, window, losses
+
+
+def summarise(name, times, window, losses, n_params, tokens, extra=None):
+    med = statistics.median(times)
+    r = {"s_per_step": round(med, 4), "s_per_step_all": [round(t, 4) for t in times],
+         "s_per_step_window_mean": round(window / len(times), 4), "tokens_per_s": round(tokens / med, 1),
+         "tflops": round(6 * n_params * tokens / med / 1e12, 1), "losses": [round(x, 5) for x in losses]}
+    if extra:
+        r.update(extra)
+    log(f"  {name:<26} {med:8.4f} s/step  {tokens / med:10.0f} tok/s  {r['tflops']:7.1f} TFLOPS  "
+        f"(steps {', '.join(f'{t:.3f}' for t in times)}; loss {losses[-1]:.4f})")
+    return r
+
+
+def cpu_adam_alone(ext, n_params, chunk, cores, dtype):
+    """CPU Adam time of one full step over n_params, the library's kernel alone (bf16 gradient,
+    f32 master and moments, bf16 copy out: what a session's pass does), on a pool of the same
+    cores, over one sub-group-sized set of buffers reused n_params / chunk times."""
+    chunk = min(chunk, n_params)
+    pool = ext.Pool(0, cores) if cores else ext.Pool(0, None)
+    p = torch.randn(chunk) * 0.02
+    g = (torch.randn(chunk) * 1e-3).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    m, v = torch.zeros(chunk), torch.zeros(chunk)
+    copy = torch.empty(chunk, dtype=torch.bfloat16) if dtype == torch.bfloat16 else None
+    reps = n_params / chunk
+    times = []
+    for i in range(4):
+        t0 = time.perf_counter()
+        for _ in range(int(reps)):
+            ext.adam_update(p, g, m, v, lr=1e-4, step=i + 1, pool=pool, param_copy=copy)
+        dt = time.perf_counter() - t0
+        times.append(dt * reps / max(int(reps), 1))
+    info = pool.info()
+    del pool
+    return statistics.median(times[1:]), info
+
+
+def mode_ours(model, batch, args, timer, speculation, clips, results, ext_info, n_params, tokens, t_adam):
+    from superoffload_torch import SuperOffloadAdamW
+    t0 = time.perf_counter()
+    opt = SuperOffloadAdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            speculation=speculation, sub_group_numel=args.sub_group_numel, cores=args.cores,
+                            model=model, max_grad_norm=0.0)
+    setup = time.perf_counter() - t0
+    mem = opt.memory()
+    key = "a" if speculation else "b"
+    log(f"  [{key}] session: {len(opt.subgroups())} sub-groups, setup {setup:.1f} s, host "
+        f"{mem['host_bytes_per_param']:.2f} B/param, pinned {mem['pinned_bytes'] / 2**30:.2f} GiB")
+
+    def step():
+        loss = forward_backward(model, batch)
+        opt.step()
+        return loss
+
+    for clip in clips:
+        opt.max_grad_norm = clip
+        name = f"{key}_{'clip' if clip > 0 else 'noclip'}"
+        times, window, losses = run_steps(name, step, args, timer)
+        r = opt.last_step_result()
+        extra = {"setup_s": round(setup, 2), **mem,
+                 "last_step": {k: r[k] for k in ("global_norm", "clip_coef", "speculative", "kept", "rescaled",
+                                                 "redone", "stepped", "skipped")}}
+        results[name] = summarise(name, times, window, losses, n_params, tokens, extra)
+        if speculation and clip > 0 and args.trace:
+            trace_step(opt, step, args)
+    results[f"{key}_pinned_bytes_peak"] = opt.session.pinned_bytes()
+    opt.close()
+    del opt
+    gc.collect()
+
+
+def trace_step(opt, step, args):
+    """Timeline of one extra step of (a) with clipping, through its finalization."""
+    opt.trace(True)
+    step()
+    opt.last_step_result()  # waits until every sub-group is final
+    opt.trace(False)
+    path = os.path.join(args.out, "trace_a_clip.json")
+    opt.save_trace(path)
+    png = os.path.join(args.out, "trace_a_clip.png")
+    plot = os.path.join(HERE, "..", "..", "bench", "trace_plot.py")
+    r = subprocess.run([sys.executable, plot, path, png, "--title",
+                        "SuperOffloadAdamW, one step with clipping (speculative)"], capture_output=True, text=True)
+    log(f"  trace: {path}; " + (r.stdout.strip() if r.returncode == 0 else
+                                 f"trace_plot.py failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-300:]}"))
+
+
+def mode_cpu_torch(model, batch, args, timer, clips, results, n_params, tokens):
+    """(c): fused AdamW on CPU f32 master copies, after backward."""
+    cuda = timer.cuda
+    params = [p for p in model.parameters() if p.requires_grad]
+    t0 = time.perf_counter()
+    pin = dict(pin_memory=True) if cuda else {}
+    masters = [p.detach().to("cpu", torch.float32).clone() for p in params]
+    for m in masters:
+        m.grad = torch.zeros_like(m)
+    grad_host = [torch.empty(p.shape, dtype=p.dtype, **pin) for p in params]
+    param_host = [torch.empty(p.shape, dtype=p.dtype, **pin) for p in params]
+    opt = torch.optim.AdamW(masters, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    setup = time.perf_counter() - t0
+    log(f"  [c] fused CPU AdamW on f32 masters: setup {setup:.1f} s, torch threads {torch.get_num_threads()}")
+    state = {"clip": 0.0}
+
+    @torch.no_grad()
+    def host_step():
+        for p, gh in zip(params, grad_host):
+            gh.copy_(p.grad, non_blocking=True)
+            p.grad = None
+        timer.sync()
+        for m, gh in zip(masters, grad_host):
+            m.grad.copy_(gh)
+        if state["clip"] > 0:
+            torch.nn.utils.clip_grad_norm_(masters, state["clip"], foreach=True)
+        opt.step()
+        for p, m, ph in zip(params, masters, param_host):
+            ph.copy_(m)
+            p.copy_(ph, non_blocking=True)
+
+    def step():
+        with torch.enable_grad():
+            loss = forward_backward(model, batch)
+        host_step()
+        return loss
+
+    for clip in clips:
+        state["clip"] = clip
+        name = f"c_{'clip' if clip > 0 else 'noclip'}"
+        times, window, losses = run_steps(name, step, args, timer)
+        results[name] = summarise(name, times, window, losses, n_params, tokens, {"setup_s": round(setup, 2)})
+    timer.sync()
+    del opt, masters, grad_host, param_host
+    gc.collect()
+
+
+def mode_gpu_torch(model, batch, args, timer, clips, results, n_params, tokens):
+    """(d): fused AdamW on the GPU (bf16 parameters and moments), clip_grad_norm_ with foreach."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            fused=timer.cuda)
+    state = {"clip": 0.0}
+
+    def step():
+        loss = forward_backward(model, batch)
+        if state["clip"] > 0:
+            torch.nn.utils.clip_grad_norm_(params, state["clip"], foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for clip in clips:
+        state["clip"] = clip
+        name = f"d_{'clip' if clip > 0 else 'noclip'}"
+        times, window, losses = run_steps(name, step, args, timer)
+        results[name] = summarise(name, times, window, losses, n_params, tokens)
+    del opt
+    gc.collect()
+
+
+def mode_no_optimizer(model, batch, args, timer, results, n_params, tokens):
+    def step():
+        loss = forward_backward(model, batch)
+        for p in model.parameters():
+            p.grad = None
+        return loss
+    times, window, losses = run_steps("e", step, args, timer)
+    results["e_fwd_bwd_only"] = summarise("e_fwd_bwd_only", times, window, losses, n_params, tokens)
+
+
+def parse_cores(s):
+    if s in (None, "", "none"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+    if s == "auto":  # leave two cores to the Python thread, the autograd thread and the driver
+        return allowed[2:] if len(allowed) >= 8 else None
+    out = []
+    for part in s.split(","):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b or a) + 1))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=5632)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--modes", default="e,d,a,b,c")
+    ap.add_argument("--clip", type=float, default=1e-3, help="max_grad_norm of the clipped runs (tiny: every step)")
+    ap.add_argument("--no-clip-runs", action="store_true", help="only the clipped runs")
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--sub-group-numel", type=int, default=1 << 25)
+    ap.add_argument("--cores", default="auto", help='session cores: "auto" (all but the first two), "none", or 2-15')
+    ap.add_argument("--no-ckpt", action="store_true", help="no activation checkpointing")
+    ap.add_argument("--no-trace", dest="trace", action="store_false")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "bench-out")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (f32, host mode): code paths only")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.smoke:
+        args.layers, args.hidden, args.inter, args.heads, args.kv_heads, args.vocab = 2, 64, 172, 4, 2, 256
+        args.seq, args.batch, args.steps, args.warmup, args.sub_group_numel = 64, 4, 2, 1, 20000
+        args.cores = "none"
+    cuda = not args.smoke
+    if cuda and not torch.cuda.is_available():
+        sys.exit("bench_e2e.py needs a CUDA GPU (use --smoke to exercise it on the CPU)")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    args.dtype = torch.bfloat16 if cuda else torch.float32
+    args.cores = parse_cores(args.cores)
+    timer = Timer(cuda)
+    from superoffload_torch import extension
+    ext = extension()
+    t_begin = time.perf_counter()
+
+    model = build_model(args, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    tokens = args.seq * args.batch
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+    clips = [args.clip] if args.no_clip_runs else [0.0, args.clip]
+    header = {"device": torch.cuda.get_device_name(device) if cuda else "cpu (smoke)", "torch": torch.__version__,
+              "superoffload": ext.version(), "extension": ext.build_info, "params": n_params,
+              "tokens_per_step": tokens, "seq": args.seq, "batch": args.batch, "layers": args.layers,
+              "hidden": args.hidden, "activation_checkpointing": not args.no_ckpt, "session_cores": args.cores,
+              "cpus": os.cpu_count(), "clip": args.clip, "steps": args.steps, "warmup": args.warmup}
+    log(json.dumps({k: v for k, v in header.items() if k != "extension"}))
+    results = {"config": header}
+
+    t_adam, pool_info = cpu_adam_alone(ext, n_params, args.sub_group_numel, args.cores, args.dtype)
+    results["cpu_adam_alone_s"] = round(t_adam, 4)
+    results["cpu_adam_pool"] = pool_info
+    log(f"  CPU Adam alone (library kernel, {pool_info['threads']} threads, {pool_info['isa']}): {t_adam:.4f} s/step")
+
+    modes = args.modes.split(",")
+    for mname in modes:
+        log(f"== mode {mname}")
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        if mname == "e":
+            mode_no_optimizer(model, batch, args, timer, results, n_params, tokens)
+        elif mname == "d":
+            mode_gpu_torch(model, batch, args, timer, clips, results, n_params, tokens)
+        elif mname in ("a", "b"):
+            mode_ours(model, batch, args, timer, mname == "a", clips, results, ext.build_info, n_params, tokens, t_adam)
+        elif mname == "c":
+            mode_cpu_torch(model, batch, args, timer, clips, results, n_params, tokens)
+        else:
+            sys.exit(f"unknown mode {mname}")
+        if cuda:
+            results.setdefault("gpu_peak_gib", {})[mname] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+
+    # Hidden CPU Adam time and targets.
+    s = {k: v["s_per_step"] for k, v in results.items() if isinstance(v, dict) and "s_per_step" in v}
+    e = s.get("e_fwd_bwd_only")
+    summary = {}
+    for k in ("a_noclip", "a_clip", "b_noclip", "b_clip"):
+        if k in s and e:
+            exposed = max(0.0, s[k] - e)
+            summary[f"{k}_exposed_s"] = round(exposed, 4)
+            summary[f"{k}_cpu_adam_hidden_fraction"] = round(max(0.0, 1 - exposed / t_adam), 3)
+    targets = {}
+    if "a_noclip" in s and "d_noclip" in s:
+        targets["a_over_d_noclip"] = (round(s["a_noclip"] / s["d_noclip"], 3), "<= 1.10")
+    if "a_clip" in s and "d_clip" in s:
+        targets["a_over_d_clip"] = (round(s["a_clip"] / s["d_clip"], 3), "<= 1.15")
+    for c in ("noclip", "clip"):
+        if f"a_{c}" in s and f"c_{c}" in s:
+            targets[f"c_over_a_{c}"] = (round(s[f"c_{c}"] / s[f"a_{c}"], 3), ">= 1.4")
+    for k, (v, goal) in targets.items():
+        op, lim = goal.split()
+        met = v <= float(lim) if op == "<=" else v >= float(lim)
+        summary[k] = {"value": v, "target": goal, "met": met}
+    results["summary"] = summary
+    results["total_runtime_s"] = round(time.perf_counter() - t_begin, 1)
+    log("== summary")
+    for k, v in summary.items():
+        log(f"  {k}: {v}")
+    log(f"  total runtime {results['total_runtime_s']} s")
+    with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    log(f"wrote {os.path.join(args.out, 'bench_e2e.json')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""SuperOffloadAdamW under FSDP2 (torch.distributed.fsdp.fully_shard).
+
+Each rank's session steps that rank's local shards (DTensor.to_local(); the post-accumulate-grad
+hooks fire on the sharded parameters after the reduce-scatter); the global gradient norm and the
+overflow verdict come from an all-reduce of local_grad_sumsq over the shard group. Checks, per
+rank, against torch.optim.AdamW on f32 master weights of an unsharded copy of the model trained on
+the whole global batch (each rank takes its slice of the batch; FSDP averages the gradients):
+
+  fsdp_parity   mean relative difference of the global loss <= 1e-3, and the same global norm;
+  fsdp_resume   the rank-local state_dict() round trip resumes bit for bit.
+
+  python3 test_fsdp.py                               # world size 1 (gloo on the CPU, nccl on a GPU)
+  torchrun --nproc_per_node N test_fsdp.py           # N ranks (one GPU each with nccl)
+
+Needs SUPEROFFLOAD_PREFIX. Exits 1 if a check fails on any rank.
+"""
+import argparse
+import io
+import json
+import os
+import socket
+import sys
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from common import MasterAdamW, loss_fn, lr_lambda, make_data, make_model, param_groups, rel_diffs  # noqa: E402
+
+LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sharded_model(seed, device, dtype, mesh):
+    from torch.distributed.fsdp import fully_shard
+    m = make_model(seed, device, dtype)
+    for blk in m.blocks:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def make_opt(model, clip):
+    from superoffload_torch import SuperOffloadAdamW
+    return SuperOffloadAdamW(param_groups(list(model.named_parameters()), WD), lr=LR, betas=BETAS, eps=EPS,
+                             max_grad_norm=clip, model=model)
+
+
+def run(model, opt, sched, data, device, rank, world):
+    """Trains on this rank's slice of each global batch; returns the global mean losses."""
+    losses, norms = [], []
+    for x, y in data:
+        b = x.shape[0] // world
+        xs, ys = x[rank * b:(rank + 1) * b].to(device), y[rank * b:(rank + 1) * b].to(device)
+        loss = loss_fn(model, xs, ys)
+        loss.backward()
+        opt.step()
+        sched.step()
+        t = loss.detach().float().reshape(1).to(device)
+        dist.all_reduce(t)
+        losses.append(float(t) / world)
+        norms.append(opt.last_step_result()["global_norm"])
+    return losses, norms
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--batch", type=int, default=16, help="global batch (divisible by the world size)")
+    ap.add_argument("--clip", type=float, default=1.3)
+    ap.add_argument("--tol", type=float, default=1e-3)
+    ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "fsdp.json") if os.environ.get("OUT") else None)
+    args = ap.parse_args()
+    if "RANK" not in os.environ:  # plain python3: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(local)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                            **({"device_id": device} if cuda else {}))
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device.type, (world,))
+    torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // world)))
+    if args.batch % world:
+        sys.exit(f"--batch {args.batch} is not divisible by the world size {world}")
+    data = make_data(args.steps, args.batch, 32, 64)
+    report = {"rank": rank, "world_size": world, "backend": dist.get_backend(), "checks": {}}
+
+    def check(name, ok, detail):
+        report["checks"][name] = {"pass": bool(ok), **detail}
+        print(f"[rank {rank}] [{'PASS' if ok else 'FAIL'}] {name}: " + ", ".join(f"{k}={v}" for k, v in detail.items()),
+              flush=True)
+        return ok
+
+    ok = True
+    try:
+        model = sharded_model(0, device, dtype, mesh)
+        opt = make_opt(model, args.clip)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        if rank == 0:
+            print(f"world size {world}, backend {dist.get_backend()}, mode {'CUDA bf16' if cuda else 'host f32'}; "
+                  f"distributed norm: {opt.distributed}; rank 0 steps {len(opt.subgroups())} sub-groups of "
+                  f"{sum(s[2] for s in opt.subgroups())} local elements", flush=True)
+        ref_model = make_model(0, device, dtype)
+        ref = MasterAdamW(ref_model, LR, BETAS, EPS, WD, args.clip)
+        ref_sched = torch.optim.lr_scheduler.LambdaLR(ref.opt, lr_lambda)
+        la, na = run(model, opt, sched, data, device, rank, world)
+        lb, nb = [], []
+        for x, y in data:
+            x, y = x.to(device), y.to(device)
+            loss = loss_fn(ref_model, x, y)
+            loss.backward()
+            ref.step()
+            ref_sched.step()
+            lb.append(loss.item())
+            nb.append(ref.last_norm)
+        d, dn = rel_diffs(la, lb), rel_diffs(na, nb)
+        clipped = sum(1 for n in na if n > args.clip)
+        ok &= check("fsdp_parity", sum(d) / len(d) <= args.tol and sum(dn) / len(dn) <= args.tol and la[-1] < la[0],
+                    {"steps": len(d), "mean_rel_loss_diff": f"{sum(d) / len(d):.3e}", "max": f"{max(d):.3e}",
+                     "mean_rel_norm_diff": f"{sum(dn) / len(dn):.3e}", "clipped_steps": clipped,
+                     "first_loss": round(la[0], 4), "last_loss": round(la[-1], 4)})
+        report["losses"], report["ref_losses"], report["norms"] = la, lb, na
+
+        # Rank-local resume: half, checkpoint, half vs a fresh sharded model + optimizer.
+        half = len(data) // 2
+        m1 = sharded_model(0, device, dtype, mesh)
+        o1 = make_opt(m1, args.clip)
+        s1 = torch.optim.lr_scheduler.LambdaLR(o1, lr_lambda)
+        run(m1, o1, s1, data[:half], device, rank, world)
+        buf = io.BytesIO()
+        torch.save({"opt": o1.state_dict(), "sched": s1.state_dict()}, buf)
+        l1, _ = run(m1, o1, s1, data[half:], device, rank, world)
+        w1 = [p.to_local().detach().clone() for p in m1.parameters()]
+        buf.seek(0)
+        sd = torch.load(buf, weights_only=False)
+        m2 = sharded_model(5, device, dtype, mesh)
+        o2 = make_opt(m2, args.clip)
+        s2 = torch.optim.lr_scheduler.LambdaLR(o2, lr_lambda)
+        o2.load_state_dict(sd["opt"])  # restores the master weights, and through them the shards
+        s2.load_state_dict(sd["sched"])
+        l2, _ = run(m2, o2, s2, data[half:], device, rank, world)
+        w2 = [p.to_local().detach().clone() for p in m2.parameters()]
+        same_w = all(torch.equal(a, b) for a, b in zip(w1, w2))
+        ok &= check("fsdp_resume", l1 == l2 and same_w, {"losses_equal": l1 == l2, "local_shards_equal": same_w})
+        for o in (opt, o1, o2):
+            o.close()
+    except Exception as e:
+        import traceback
+        traceback.print_exc()
+        ok &= check("fsdp", False, {"exception": repr(e)[:300]})
+    flag = torch.tensor([0 if ok else 1], device=device)
+    dist.all_reduce(flag)
+    all_ok = int(flag) == 0
+    report["pass"] = all_ok
+    if args.json and rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if rank == 0:
+        print("test_fsdp:", "all checks passed on every rank" if all_ok else "FAILED")
+    dist.barrier()
+    dist.destroy_process_group()
+    # Leave without interpreter finalisation: gloo's run-loop threads may still drop their last
+    # Python-owned tensors then, which aborts the process ("terminate called without an active
+    # exception" from ProcessGroupGloo::AsyncWork's destructor taking the GIL during Py_Finalize).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if all_ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The trainers and the remaining GPU measurements, on the GPU machine, against an install
+# prefix built elsewhere: the libtorch C++ trainer, the JAX FFI custom call, the PyTorch
+# extension (parity, FSDP2, end-to-end benchmark), the gpu_ ctest output in full, the
+# overlap benchmark with a backward longer than the forward, and the host-mode session
+# benchmarks on all cores.
+# Usage: scripts/gpu_examples.sh <prefix> [output dir] [parts: all | comma list of
+#        libtorch,jax,torch,e2e,gputests,overlap,host]
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+prefix="$(cd "$1" && pwd)"
+out="${2:-${OUT:-gpu-out}}"
+parts=",${3:-all},"
+mkdir -p "$out"
+want() { [[ "$parts" == ",all," || "$parts" == *",$1,"* ]]; }
+export PYTHONUNBUFFERED=1 LD_LIBRARY_PATH="$prefix/lib:${LD_LIBRARY_PATH:-}" SUPEROFFLOAD_PREFIX="$prefix"
+threads=$(nproc)
+step() { printf '\n==== %s ====\n' "$1"; }
+
+if want libtorch; then
+  step "libtorch trainer"
+  timeout 300 bash examples/libtorch_trainer/run.sh "$prefix" > "$out/libtorch.txt" 2>&1; echo "exit $?" >> "$out/libtorch.txt"
+  tail -25 "$out/libtorch.txt"
+fi
+if want jax; then
+  step "JAX FFI"
+  timeout 240 bash examples/jax_ffi/run.sh "$prefix" > "$out/jax.txt" 2>&1; echo "exit $?" >> "$out/jax.txt"
+  tail -20 "$out/jax.txt"
+fi
+if want torch; then
+  step "PyTorch extension: parity and FSDP2"
+  timeout 300 bash examples/torch_optimizer/run.sh "$prefix" > "$out/torch_ext.txt" 2>&1; echo "exit $?" >> "$out/torch_ext.txt"
+  tail -25 "$out/torch_ext.txt"
+fi
+if want e2e; then
+  step "PyTorch extension: end-to-end benchmark"
+  timeout 420 bash examples/torch_optimizer/run.sh "$prefix" --bench-only > "$out/e2e.txt" 2>&1; echo "exit $?" >> "$out/e2e.txt"
+  tail -40 "$out/e2e.txt"
+fi
+if want gputests; then
+  step "gpu_ tests, verbose"
+  if [ ! -d build-gpu ]; then
+    cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DSO_PREBUILT_DIR="$prefix" > /dev/null && cmake --build build-gpu -j "$threads" > /dev/null
+  fi
+  ctest --test-dir build-gpu -R 'gpu_' -V 2>&1 | grep -vE '^(UpdateCTestConfiguration|Parse|Added|Test project|Constructing|Checking|test [0-9]+$)' > "$out/gputests.txt"
+  grep -E 'Passed|Failed|Skipped|tests passed' "$out/gputests.txt"
+fi
+if want overlap; then
+  step "overlap benchmark, backward longer than forward"
+  cores=$(seq -s, 2 $((threads - 1)))
+  timeout 240 python3 bench/cuda_bench.py --lib "$prefix/lib/libsuperoffload.so" --cores "$cores" --only overlap \
+    --fwd-mm 1 --bwd-mm 6 --json "$out/cuda_long_backward.json" > "$out/cuda_long_backward.txt" 2>&1
+  tail -60 "$out/cuda_long_backward.txt"
+fi
+if want host; then
+  step "host-mode session benchmarks ($threads cores)"
+  for b in overlap_bench handoff_bench; do
+    if [ -x "$prefix/bin/$b" ]; then timeout 180 "$prefix/bin/$b" 2>&1 | tee "$out/$b.txt" | tail -25; fi
+  done
+fi
