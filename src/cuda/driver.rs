@@ -105,11 +105,6 @@ pub(crate) fn stream_create() -> Result<CUstream> {
     Ok(stream)
 }
 
-pub(crate) fn stream_destroy(stream: CUstream) {
-    // SAFETY: a stream this module created.
-    unsafe { sys::cuStreamDestroy_v2(stream) };
-}
-
 pub(crate) fn stream_synchronize(stream: CUstream) -> Result<()> {
     // SAFETY: a valid stream handle.
     check(unsafe { sys::cuStreamSynchronize(stream) }, "cuStreamSynchronize")

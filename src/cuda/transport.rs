@@ -75,6 +75,7 @@ struct State {
 }
 
 pub struct CudaTransport {
+    device: i32,
     ctx: Context,
     kernels: Kernels,
     /// Gradient copies; the first also carries the end of every copy sequence.
@@ -95,13 +96,14 @@ impl CudaTransport {
         }
         let ctx = Context::primary(options.device)?;
         let kernels = Kernels::load()?;
-        let d2h = [Raw(driver::stream_create()?), Raw(driver::stream_create()?)];
-        let h2d = Raw(driver::stream_create()?);
+        let [a, b, c] = take_streams(options.device)?;
+        let (d2h, h2d) = ([a, b], c);
         let flag = driver::mem_alloc(8)?;
         let zero = 0u64;
         driver::memcpy_htod_async(flag, (&zero as *const u64).cast(), 8, h2d.0)?;
         driver::stream_synchronize(h2d.0)?;
         Ok(CudaTransport {
+            device: options.device,
             ctx,
             kernels,
             d2h,
@@ -252,6 +254,23 @@ impl CudaTransport {
     }
 }
 
+/// Copy streams outlive the sessions that used them: callers `record_stream` them into
+/// PyTorch's caching allocator, which records events on them whenever it later frees such
+/// memory. So they are never destroyed; a later session on the same device reuses them.
+static SPARE_STREAMS: Mutex<Vec<(i32, [Raw<CUstream>; 3])>> = Mutex::new(Vec::new());
+
+fn take_streams(device: i32) -> Result<[Raw<CUstream>; 3]> {
+    let mut spare = SPARE_STREAMS.lock().unwrap();
+    if let Some(i) = spare.iter().position(|(d, _)| *d == device) {
+        return Ok(spare.swap_remove(i).1);
+    }
+    Ok([Raw(driver::stream_create()?), Raw(driver::stream_create()?), Raw(driver::stream_create()?)])
+}
+
+fn give_back_streams(device: i32, streams: [Raw<CUstream>; 3]) {
+    SPARE_STREAMS.lock().unwrap().push((device, streams));
+}
+
 fn not_attached(sg: u32) -> Error {
     Error::new(Status::InvalidState, format!("sub-group {sg} has no device parameter attached"))
 }
@@ -364,9 +383,7 @@ impl Drop for CudaTransport {
         for e in state.free_events {
             driver::event_destroy(e.0);
         }
-        for s in self.d2h.iter().chain([&self.h2d]) {
-            driver::stream_destroy(s.0);
-        }
+        give_back_streams(self.device, [self.d2h[0], self.d2h[1], self.h2d]);
         driver::mem_free(self.flag);
     }
 }
