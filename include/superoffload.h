@@ -1025,7 +1025,10 @@ so_status so_session_create_cuda(const struct so_session_options *options,
 /**
  * @brief Destroys a session: waits for every queued step to finish, stops the CPU-Adam
  * thread, frees the session's memory and releases its pool reference. NULL is a no-op.
- * Borrowed buffers are not used after this returns.
+ * Borrowed buffers are not used after this returns. A CUDA session's copy streams are not
+ * destroyed (an allocator may still record events on them, after `record_stream`): a later
+ * CUDA session on the same device reuses them. Its device word for GPU-side ticket waits is
+ * freed, so no stream may still be waiting on one of its tickets.
  *
  * @note Thread-safety: must not race with other calls on the session.
  */
