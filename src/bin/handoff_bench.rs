@@ -21,6 +21,10 @@
 //! CPU-Adam thread and the pool running speculative steps). One final step hands one slice
 //! over twice (a late gradient) to show the allocation the library documents for that case.
 
+#[path = "common/mod.rs"]
+mod common;
+use common::*;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::fmt::Write as _;
@@ -127,37 +131,6 @@ struct Args {
     json: Option<String>,
 }
 
-fn parse_count(flag: &str, s: &str) -> Result<usize, String> {
-    let cleaned: String = s.chars().filter(|&c| c != '_').collect();
-    let x: f64 = cleaned.parse().map_err(|_| format!("{flag}: {s:?} is not a number"))?;
-    if !x.is_finite() || x < 0.0 || x.fract() != 0.0 || x > 1e15 {
-        return Err(format!("{flag}: {s:?} is not a whole non-negative number"));
-    }
-    Ok(x as usize)
-}
-
-fn parse_cores(flag: &str, s: &str) -> Result<Vec<usize>, String> {
-    let mut cores = Vec::new();
-    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let bad = || format!("{flag}: {part:?} is not a core or a range like 2-5");
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b): (usize, usize) =
-                    (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
-                if a > b {
-                    return Err(bad());
-                }
-                cores.extend(a..=b);
-            }
-            None => cores.push(part.parse().map_err(|_| bad())?),
-        }
-    }
-    if cores.is_empty() {
-        return Err(format!("{flag}: the list is empty"));
-    }
-    Ok(cores)
-}
-
 fn parse_args() -> Result<Option<Args>, String> {
     let mut a = Args {
         slices: 10_000,
@@ -208,32 +181,6 @@ fn parse_args() -> Result<Option<Args>, String> {
 }
 
 // ---- helpers -----------------------------------------------------------------------------
-
-fn allowed_cpus() -> Vec<usize> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; the size matches.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return Vec::new();
-        }
-        (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect()
-    }
-}
-
-fn pin_current_thread(cores: &[usize]) -> Result<(), String> {
-    // SAFETY: as in `allowed_cpus`.
-    let rc = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        for &core in cores {
-            libc::CPU_SET(core, &mut set);
-        }
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
-    };
-    if rc != 0 {
-        return Err(format!("cannot pin the calling thread to cores {cores:?}: {}", std::io::Error::last_os_error()));
-    }
-    Ok(())
-}
 
 struct Rng(u64);
 
@@ -578,10 +525,6 @@ fn timer_ns() -> f64 {
         v.push(dt.as_nanos() as f64);
     }
     percentile(&sorted(v), 0.5)
-}
-
-fn json_num(x: f64) -> String {
-    if x.is_finite() { format!("{x:.4}") } else { "null".into() }
 }
 
 fn run() -> Result<bool, String> {

@@ -24,6 +24,10 @@
 //! The target: a clipped step at most 1.15 x an unclipped one when the CPU Adam time of a
 //! step is at most the forward time.
 
+#[path = "common/mod.rs"]
+mod common;
+use common::*;
+
 use std::fmt::Write as _;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -90,51 +94,12 @@ enum AdamThread {
     Training,
 }
 
-fn parse_count(flag: &str, s: &str) -> Result<usize, String> {
-    let s = s.to_ascii_lowercase().replace('_', "");
-    let (digits, mult) = match s.strip_suffix('k') {
-        Some(d) => (d.to_string(), 1024.0),
-        None => match s.strip_suffix('m') {
-            Some(d) => (d.to_string(), 1024.0 * 1024.0),
-            None => (s.clone(), 1.0),
-        },
-    };
-    let x: f64 = digits.parse().map_err(|_| format!("{flag}: {s:?} is not a number"))?;
-    let x = x * mult;
-    if !x.is_finite() || x < 0.0 || x.fract() != 0.0 || x > 1e15 {
-        return Err(format!("{flag}: {s:?} is not a whole non-negative number"));
-    }
-    Ok(x as usize)
-}
-
 fn parse_ms(flag: &str, s: &str) -> Result<Duration, String> {
     let x: f64 = s.parse().map_err(|_| format!("{flag}: {s:?} is not a number"))?;
     if !x.is_finite() || x < 0.0 {
         return Err(format!("{flag}: {s:?} must be finite and >= 0"));
     }
     Ok(Duration::from_secs_f64(x / 1e3))
-}
-
-fn parse_cores(flag: &str, s: &str) -> Result<Vec<usize>, String> {
-    let mut cores = Vec::new();
-    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let bad = || format!("{flag}: {part:?} is not a core or a range like 2-5");
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b): (usize, usize) =
-                    (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
-                if a > b {
-                    return Err(bad());
-                }
-                cores.extend(a..=b);
-            }
-            None => cores.push(part.parse().map_err(|_| bad())?),
-        }
-    }
-    if cores.is_empty() {
-        return Err(format!("{flag}: the list is empty"));
-    }
-    Ok(cores)
 }
 
 fn parse_args() -> Result<Option<Args>, String> {
@@ -193,33 +158,6 @@ fn parse_args() -> Result<Option<Args>, String> {
 }
 
 // ---- threads and cores -------------------------------------------------------------------
-
-fn allowed_cpus() -> Vec<usize> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; the size matches.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return Vec::new();
-        }
-        (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect()
-    }
-}
-
-/// Restricts the calling thread to `cores`.
-fn pin_current_thread(cores: &[usize]) -> Result<(), String> {
-    // SAFETY: as in `allowed_cpus`.
-    let rc = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        for &core in cores {
-            libc::CPU_SET(core, &mut set);
-        }
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
-    };
-    if rc != 0 {
-        return Err(format!("cannot pin the calling thread to cores {cores:?}: {}", std::io::Error::last_os_error()));
-    }
-    Ok(())
-}
 
 /// CPU time the calling thread has used.
 fn thread_cpu() -> Duration {
@@ -506,10 +444,6 @@ fn percentile(xs: &[f64], q: f64) -> f64 {
     let pos = q * (v.len() - 1) as f64;
     let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
     v[lo] + (v[hi] - v[lo]) * (pos - lo as f64)
-}
-
-fn json_num(x: f64) -> String {
-    if x.is_finite() { format!("{x:.4}") } else { "null".into() }
 }
 
 fn run() -> Result<bool, String> {

@@ -27,6 +27,10 @@
 //! Reported per operation: median and minimum over `--iters` repetitions after `--warmup`,
 //! Gparam/s, and the effective bandwidth at the bytes per element the operation must move.
 
+#[path = "common/mod.rs"]
+mod common;
+use common::*;
+
 use std::fmt::Write as _;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -68,39 +72,6 @@ struct Args {
     json: Option<String>,
 }
 
-fn parse_count(flag: &str, s: &str) -> Result<usize, String> {
-    let cleaned: String = s.chars().filter(|&c| c != '_').collect();
-    if !cleaned.is_empty() && cleaned.bytes().all(|b| b.is_ascii_digit()) {
-        return cleaned.parse::<usize>().map_err(|e| format!("{flag}: {s:?}: {e}"));
-    }
-    let x: f64 = cleaned.parse().map_err(|_| format!("{flag}: {s:?} is not a number"))?;
-    if !x.is_finite() || x < 0.0 || x.fract() != 0.0 || x > usize::MAX as f64 {
-        return Err(format!("{flag}: {s:?} is not a whole non-negative number"));
-    }
-    Ok(x as usize)
-}
-
-fn parse_cores(s: &str) -> Result<Vec<usize>, String> {
-    let mut cores = Vec::new();
-    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let bad = || format!("--cores: {part:?} is not a core or a range like 0-15");
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b): (usize, usize) = (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
-                if a > b {
-                    return Err(bad());
-                }
-                cores.extend(a..=b);
-            }
-            None => cores.push(part.parse().map_err(|_| bad())?),
-        }
-    }
-    if cores.is_empty() {
-        return Err("--cores: the list is empty".into());
-    }
-    Ok(cores)
-}
-
 fn parse_args() -> Result<Option<Args>, String> {
     let mut args = Args { n: 100_000_000, threads: None, cores: None, isa: None, iters: 10, warmup: 3, json: None };
     let mut it = std::env::args().skip(1);
@@ -116,7 +87,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         match flag.as_str() {
             "--n" => args.n = parse_count("--n", &value()?)?,
             "--threads" => args.threads = Some(parse_count("--threads", &value()?)?),
-            "--cores" => args.cores = Some(parse_cores(&value()?)?),
+            "--cores" => args.cores = Some(parse_cores("--cores", &value()?)?),
             "--isa" => {
                 args.isa = match value()?.as_str() {
                     "auto" => None,
@@ -439,10 +410,6 @@ fn json_str(s: &str) -> String {
     }
     out.push('"');
     out
-}
-
-fn json_num(x: f64) -> String {
-    if x.is_finite() { format!("{x}") } else { "null".to_string() }
 }
 
 struct Row {

@@ -198,8 +198,9 @@ fn validate_cores(cores: &[usize]) -> Result<()> {
     Ok(())
 }
 
+/// The CPUs this process may run on (its main thread's affinity mask).
 #[cfg(target_os = "linux")]
-fn allowed_cores() -> Result<Vec<usize>> {
+pub fn allowed_cores() -> Result<Vec<usize>> {
     // SAFETY: `set` is a plain bitmask that sched_getaffinity fills; zeroed is valid.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // The process's mask (its main thread's), not the calling thread's: a training thread
@@ -235,7 +236,7 @@ fn pin_current_thread(core: usize) -> Result<()> {
 
 /// Lets the calling thread run on any of `cores`.
 #[cfg(target_os = "linux")]
-pub(crate) fn pin_current_thread_to(cores: &[usize]) -> Result<()> {
+pub fn pin_current_thread_to(cores: &[usize]) -> Result<()> {
     // SAFETY: as in `pin_current_thread`; the cores were validated when the pool was made.
     let rc = unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
@@ -251,12 +252,12 @@ pub(crate) fn pin_current_thread_to(cores: &[usize]) -> Result<()> {
 }
 
 #[cfg(not(target_os = "linux"))]
-pub(crate) fn pin_current_thread_to(_cores: &[usize]) -> Result<()> {
+pub fn pin_current_thread_to(_cores: &[usize]) -> Result<()> {
     Err(Error::unsupported("pinning threads to cores is only supported on Linux"))
 }
 
 #[cfg(not(target_os = "linux"))]
-fn allowed_cores() -> Result<Vec<usize>> {
+pub fn allowed_cores() -> Result<Vec<usize>> {
     Err(Error::unsupported("pinning pool threads to cores is only supported on Linux"))
 }
 
