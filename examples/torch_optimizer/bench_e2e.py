@@ -10,6 +10,8 @@ by side:
      pinned CPU buffers, cast to f32, clipped, stepped, weights copied back (what users do today)
   d  torch.optim.AdamW(fused=True) on the GPU, nothing offloaded (bf16 parameters and moments)
   e  forward + backward only, no optimizer (the GPU time that the CPU work can hide behind)
+  h  ours, speculative, with the first --gpu-fraction of the parameters (forward order: the
+     embedding and first layers) GPU-resident (SuperOffload's ratio < 1); one run per fraction
 
 each with clipping triggering on every step (max_grad_norm tiny, --clip) and without (0).
 Reported per run: s/step (median of --steps timed steps after --warmup), tokens/s, TFLOPS
@@ -20,7 +22,7 @@ result (kept / rescaled / stepped). Targets: a <= 1.10 x d without clipping, a <
 clipping on every step, a >= 1.4 x faster than c. Also writes a timeline of one step of (a) with
 clipping (trace_a_clip.json) and renders it with bench/trace_plot.py (trace_a_clip.png).
 
-  python3 bench_e2e.py [--layers 22 --hidden 2048 ...] [--seq 2048 --batch 16] [--modes a,b,c,d,e]
+  python3 bench_e2e.py [--layers 22 --hidden 2048 ...] [--seq 2048 --batch 16] [--modes e,d,a,h,b,c]
   python3 bench_e2e.py --smoke       # tiny model on the CPU: exercises the code paths, no numbers
 
 Outputs go to --out (default $OUT, else bench-out/). Needs SUPEROFFLOAD_PREFIX.
@@ -130,17 +132,18 @@ def cpu_adam_alone(ext, n_params, chunk, cores, dtype):
     return statistics.median(times[1:]), info
 
 
-def mode_ours(model, batch, args, timer, speculation, clips, results, ext_info, n_params, tokens, t_adam):
+def mode_ours(model, batch, args, timer, speculation, clips, results, n_params, tokens, gpu_fraction=0.0):
     from superoffload_torch import SuperOffloadAdamW
     t0 = time.perf_counter()
     opt = SuperOffloadAdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                             speculation=speculation, sub_group_numel=args.sub_group_numel, cores=args.cores,
-                            model=model, max_grad_norm=0.0)
+                            model=model, max_grad_norm=0.0, gpu_fraction=gpu_fraction)
     setup = time.perf_counter() - t0
     mem = opt.memory()
-    key = "a" if speculation else "b"
+    key = f"h{gpu_fraction:g}" if gpu_fraction else "a" if speculation else "b"
     log(f"  [{key}] session: {len(opt.subgroups())} sub-groups, setup {setup:.1f} s, host "
-        f"{mem['host_bytes_per_param']:.2f} B/param, pinned {mem['pinned_bytes'] / 2**30:.2f} GiB")
+        f"{mem['host_bytes_per_param']:.2f} B/offloaded param, pinned {mem['pinned_bytes'] / 2**30:.2f} GiB, "
+        f"GPU-resident {mem['gpu_resident_params'] / 1e6:.1f} M params ({len(opt.gpu_resident())} tensors)")
 
     def step():
         loss = forward_backward(model, batch)
@@ -154,28 +157,29 @@ def mode_ours(model, batch, args, timer, speculation, clips, results, ext_info, 
         r = opt.last_step_result()
         extra = {"setup_s": round(setup, 2), **mem,
                  "last_step": {k: r[k] for k in ("global_norm", "clip_coef", "speculative", "kept", "rescaled",
-                                                 "redone", "stepped", "skipped")}}
+                                                 "redone", "stepped", "skipped", "gpu_resident_stepped")}}
         results[name] = summarise(name, times, window, losses, n_params, tokens, extra)
         if speculation and clip > 0 and args.trace:
-            trace_step(opt, step, args)
+            trace_step(opt, step, args, key)
     results[f"{key}_pinned_bytes_peak"] = opt.session.pinned_bytes()
     opt.close()
     del opt
     gc.collect()
 
 
-def trace_step(opt, step, args):
-    """Timeline of one extra step of (a) with clipping, through its finalization."""
+def trace_step(opt, step, args, key):
+    """Timeline of one extra step with clipping, through its finalization."""
     opt.trace(True)
     step()
     opt.last_step_result()  # waits until every sub-group is final
     opt.trace(False)
-    path = os.path.join(args.out, "trace_a_clip.json")
+    path = os.path.join(args.out, f"trace_{key}_clip.json")
     opt.save_trace(path)
-    png = os.path.join(args.out, "trace_a_clip.png")
+    png = os.path.join(args.out, f"trace_{key}_clip.png")
     plot = os.path.join(HERE, "..", "..", "bench", "trace_plot.py")
-    r = subprocess.run([sys.executable, plot, path, png, "--title",
-                        "SuperOffloadAdamW, one step with clipping (speculative)"], capture_output=True, text=True)
+    title = "SuperOffloadAdamW, one step with clipping (speculative" + (
+        f", first {key[1:]} of the parameters GPU-resident)" if key.startswith("h") else ")")
+    r = subprocess.run([sys.executable, plot, path, png, "--title", title], capture_output=True, text=True)
     log(f"  trace: {path}; " + (r.stdout.strip() if r.returncode == 0 else
                                  f"trace_plot.py failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-300:]}"))
 
@@ -286,11 +290,12 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--modes", default="e,d,a,b,c")
+    ap.add_argument("--modes", default="e,d,a,h,b,c")
     ap.add_argument("--clip", type=float, default=1e-3, help="max_grad_norm of the clipped runs (tiny: every step)")
     ap.add_argument("--no-clip-runs", action="store_true", help="only the clipped runs")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--sub-group-numel", type=int, default=1 << 25)
+    ap.add_argument("--gpu-fraction", default="0.3", help="mode h: comma list of GPU-resident fractions")
     ap.add_argument("--cores", default="auto", help='session cores: "auto" (all but the first two), "none", or 2-15')
     ap.add_argument("--no-ckpt", action="store_true", help="no activation checkpointing")
     ap.add_argument("--no-trace", dest="trace", action="store_false")
@@ -343,7 +348,13 @@ def main():
         elif mname == "d":
             mode_gpu_torch(model, batch, args, timer, clips, results, n_params, tokens)
         elif mname in ("a", "b"):
-            mode_ours(model, batch, args, timer, mname == "a", clips, results, ext.build_info, n_params, tokens, t_adam)
+            mode_ours(model, batch, args, timer, mname == "a", clips, results, n_params, tokens)
+        elif mname == "h":
+            if not cuda:
+                log("  skipped: GPU-resident parameters need CUDA (not in --smoke)")
+                continue
+            for frac in (float(f) for f in args.gpu_fraction.split(",")):
+                mode_ours(model, batch, args, timer, True, clips, results, n_params, tokens, gpu_fraction=frac)
         elif mname == "c":
             mode_cpu_torch(model, batch, args, timer, clips, results, n_params, tokens)
         else:
@@ -355,16 +366,22 @@ def main():
     s = {k: v["s_per_step"] for k, v in results.items() if isinstance(v, dict) and "s_per_step" in v}
     e = s.get("e_fwd_bwd_only")
     summary = {}
-    for k in ("a_noclip", "a_clip", "b_noclip", "b_clip"):
+    ours_runs = [k for k in s if k[0] in "abh" and k.endswith("clip")]
+    for k in ours_runs:
         if k in s and e:
             exposed = max(0.0, s[k] - e)
             summary[f"{k}_exposed_s"] = round(exposed, 4)
-            summary[f"{k}_cpu_adam_hidden_fraction"] = round(max(0.0, 1 - exposed / t_adam), 3)
+            t_cpu = t_adam * results[k].get("params", n_params) / n_params  # h: the offloaded share only
+            summary[f"{k}_cpu_adam_hidden_fraction"] = round(max(0.0, 1 - exposed / t_cpu), 3)
     targets = {}
     if "a_noclip" in s and "d_noclip" in s:
         targets["a_over_d_noclip"] = (round(s["a_noclip"] / s["d_noclip"], 3), "<= 1.10")
     if "a_clip" in s and "d_clip" in s:
         targets["a_over_d_clip"] = (round(s["a_clip"] / s["d_clip"], 3), "<= 1.15")
+    for k in ours_runs:
+        if k.startswith("h") and f"d_{k.split('_')[1]}" in s:
+            goal = "<= 1.15" if k.endswith("_clip") else "<= 1.10"
+            targets[f"{k}_over_d"] = (round(s[k] / s[f"d_{k.split('_')[1]}"], 3), goal)
     for c in ("noclip", "clip"):
         if f"a_{c}" in s and f"c_{c}" in s:
             targets[f"c_over_a_{c}"] = (round(s[f"c_{c}"] / s[f"a_{c}"], 3), ">= 1.4")

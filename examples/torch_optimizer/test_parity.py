@@ -10,6 +10,9 @@ param groups, a LambdaLR schedule changing the LR every step, gradient clipping)
   resume        state_dict() (through torch.save) half-way, loaded into a fresh model and
                 optimizer: the second half resumes bit for bit.
   accumulation  accumulation_steps=2 (gradients accumulate in p.grad) vs the reference.
+  gpu_resident  gpu_fraction=0.3 (the first parameters stepped on the GPU, the rest offloaded):
+                parity vs the reference with clipping, and a resume bit for bit (CUDA mode);
+                in host mode, the clear refusal.
   errors        library errors arrive as SuperOffloadError with the library's message.
 
 Mode: CUDA (bf16 parameters on the GPU, f32 masters on the host) when torch sees a GPU, else
@@ -177,6 +180,67 @@ def test_accumulation(args, report, device, dtype, data):
                  {"steps": len(d), "micro_steps": 2, "mean_rel_diff": f"{sum(d) / len(d):.3e}"})
 
 
+def test_gpu_resident(args, report, device, dtype, data):
+    if device.type != "cuda":
+        try:
+            ours(make_model(0, device, dtype), gpu_fraction=0.3)
+            refusal = None
+        except ValueError as e:
+            refusal = str(e)
+        return check(report, "gpu_resident_refused_in_host_mode", refusal is not None and "CUDA" in refusal,
+                     {"message": repr((refusal or "no error")[:100])})
+    m_ours, m_ref = make_model(0, device, dtype), make_model(0, device, dtype)
+    opt = ours(m_ours, max_norm=args.clip, gpu_fraction=0.3)
+    names = opt.gpu_resident()
+    ref = MasterAdamW(m_ref, LR, BETAS, EPS, WD, args.clip)
+    s_ours = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    s_ref = torch.optim.lr_scheduler.LambdaLR(ref.opt, lr_lambda)
+    half = len(data) // 2
+    la, results = train(m_ours, opt, s_ours, data[:half], device)
+    buf = io.BytesIO()
+    torch.save({"model": m_ours.state_dict(), "opt": opt.state_dict(), "sched": s_ours.state_dict()}, buf)
+    tail, tail_results = train(m_ours, opt, s_ours, data[half:], device)
+    la, results = la + tail, results + tail_results
+    wa = snapshot(m_ours)
+    lb = []
+    for x, y in data:
+        x, y = x.to(device), y.to(device)
+        loss = loss_fn(m_ref, x, y)
+        loss.backward()
+        ref.step()
+        s_ref.step()
+        lb.append(loss.item())
+    d = rel_diffs(la, lb)
+    mean_rel = sum(d) / len(d)
+    clipped = sum(1 for r in results if r["clip_coef"] < 1.0)
+    gpu_stepped = all(r["gpu_resident_stepped"] == len(names) for r in results)
+    opt.close()
+
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=False)
+    m2 = make_model(7, device, dtype)
+    opt2 = ours(m2, max_norm=args.clip, gpu_fraction=0.3)
+    s2 = torch.optim.lr_scheduler.LambdaLR(opt2, lr_lambda)
+    m2.load_state_dict(sd["model"])
+    opt2.load_state_dict(sd["opt"])
+    s2.load_state_dict(sd["sched"])
+    lr_, _ = train(m2, opt2, s2, data[half:], device)
+    same_w = all(torch.equal(p, q) for p, q in zip(wa, snapshot(m2)))
+    opt2.close()
+    try:
+        ours(make_model(0, device, dtype), gpu_fraction=0.3).load_state_dict(
+            ours(make_model(0, device, dtype)).state_dict())
+        mismatch = None
+    except ValueError as e:
+        mismatch = str(e)
+    return check(report, "gpu_resident", mean_rel <= args.tol and clipped > 0 and gpu_stepped and lr_ == tail
+                 and same_w and mismatch is not None,
+                 {"gpu_resident": len(names), "first": names[0] if names else None, "steps": len(la),
+                  "mean_rel_diff": f"{mean_rel:.3e}", "clipped_steps": clipped, "gpu_part_stepped": gpu_stepped,
+                  "resume_losses_equal": lr_ == tail, "resume_weights_equal": same_w,
+                  "ratio_mismatch_refused": mismatch is not None})
+
+
 def test_errors(args, report, device, dtype, data):
     from superoffload_torch import extension
     ext = extension()
@@ -224,7 +288,7 @@ def main():
     ap.add_argument("--tol", type=float, default=1e-3, help="mean relative loss difference allowed vs torch")
     ap.add_argument("--prefix", help="superoffload install prefix (default $SUPEROFFLOAD_PREFIX)")
     ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "parity.json") if os.environ.get("OUT") else None)
-    ap.add_argument("--only", help="comma list of parity,speculation,resume,accumulation,errors")
+    ap.add_argument("--only", help="comma list of parity,speculation,resume,accumulation,gpu_resident,errors")
     args = ap.parse_args()
     if args.prefix:
         os.environ["SUPEROFFLOAD_PREFIX"] = args.prefix
@@ -243,7 +307,7 @@ def main():
     data = make_data(args.steps, args.batch, 32, 64)
     report = {"mode": "cuda" if cuda else "host", "torch": torch.__version__, "checks": {}}
     tests = {"parity": test_parity, "speculation": test_speculation, "resume": test_resume,
-             "accumulation": test_accumulation, "errors": test_errors}
+             "accumulation": test_accumulation, "gpu_resident": test_gpu_resident, "errors": test_errors}
     chosen = args.only.split(",") if args.only else list(tests)
     ok = True
     for name in chosen:

@@ -242,14 +242,16 @@ impl CudaTransport {
         driver::stream_wait_value(stream, self.flag, ticket)
     }
 
-    fn sync_and_free(&self, state: &mut State, events: Vec<Raw<CUevent>>) -> Result<()> {
+    /// Waits for `events` and returns them to the free list. Called without the state lock:
+    /// a host thread waiting for a copy must not block the training thread's hand-offs.
+    fn wait_and_free(&self, events: Vec<Raw<CUevent>>) -> Result<()> {
         let mut outcome = Ok(());
-        for e in events {
+        for e in &events {
             if outcome.is_ok() {
                 outcome = driver::event_synchronize(e.0);
             }
-            state.free_events.push(e);
         }
+        self.state.lock().unwrap().free_events.extend(events);
         outcome
     }
 }
@@ -296,16 +298,17 @@ impl Transport for CudaTransport {
 
     fn gradient_ready(&self, sg: u32) -> Result<()> {
         self.ctx.bind()?;
-        let mut state = self.state.lock().unwrap();
-        let copies = state.subgroups.get_mut(&sg).map(|d| std::mem::take(&mut d.copies)).unwrap_or_default();
-        self.sync_and_free(&mut state, copies)
+        let copies = {
+            let mut state = self.state.lock().unwrap();
+            state.subgroups.get_mut(&sg).map(|d| std::mem::take(&mut d.copies)).unwrap_or_default()
+        };
+        self.wait_and_free(copies)
     }
 
     fn master_write(&self, sg: u32) -> Result<()> {
         self.ctx.bind()?;
-        let mut state = self.state.lock().unwrap();
-        let staged = state.subgroups.get_mut(&sg).and_then(|d| d.staged.take());
-        self.sync_and_free(&mut state, staged.into_iter().collect())
+        let staged = self.state.lock().unwrap().subgroups.get_mut(&sg).and_then(|d| d.staged.take());
+        self.wait_and_free(staged.into_iter().collect())
     }
 
     fn weights_updated(&self, sg: u32, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()> {
@@ -324,8 +327,12 @@ impl Transport for CudaTransport {
         driver::memcpy_htod_async(staging, ptr, numel * staging_dtype.size(), self.h2d.0)?;
         let event = self.event(&mut state)?;
         driver::event_record(event.0, self.h2d.0)?;
-        let previous = state.subgroups.get_mut(&sg).expect("checked").staged.replace(event);
-        self.sync_and_free(&mut state, previous.into_iter().collect())
+        // The staging copies of a sub-group run in order on one stream: the newest event
+        // covers the earlier ones, which can be reused at once.
+        if let Some(previous) = state.subgroups.get_mut(&sg).expect("checked").staged.replace(event) {
+            state.free_events.push(previous);
+        }
+        Ok(())
     }
 
     fn publish(&self, sg: u32) -> Result<()> {
@@ -351,11 +358,11 @@ impl Transport for CudaTransport {
 
     fn subgroup_removed(&self, sg: u32) {
         let _ = self.ctx.bind();
-        let mut state = self.state.lock().unwrap();
-        if let Some(d) = state.subgroups.remove(&sg) {
+        let removed = self.state.lock().unwrap().subgroups.remove(&sg);
+        if let Some(d) = removed {
             let mut events = d.copies;
             events.extend(d.staged);
-            let _ = self.sync_and_free(&mut state, events);
+            let _ = self.wait_and_free(events);
             let _ = driver::stream_synchronize(self.h2d.0);
             driver::mem_free(d.staging);
         }

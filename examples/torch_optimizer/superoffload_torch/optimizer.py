@@ -23,6 +23,14 @@ Modes (picked from where the parameters are):
   (one sub-group per parameter, FSDP owns the storage); the global norm and the overflow verdict
   come from an all-reduce of `local_grad_sumsq` over the shard group.
 
+GPU-resident parameters (CUDA mode, `gpu_fraction > 0`; SuperOffload's `ratio < 1`): the first
+parameters in forward order, up to that fraction of the elements, keep f32 master weights and
+moments on the GPU and are stepped there by torch's fused AdamW after the checks. Their
+gradients arrive last in backward and their weights are needed first in the next forward, so
+taking them off the CPU shortens the critical path most where clipping makes every sub-group
+wait for the global norm. The global norm covers both parts (the session's sums of squares plus
+the GPU gradients'); the clip coefficient and the skip verdict are the same for both.
+
 Differences from torch.optim.AdamW: a trainable parameter that gets no gradient in a step is
 stepped with a zero gradient (torch skips it); `amsgrad`, `maximize`, `capturable` and
 `differentiable` are not supported; gradient clipping is built in (`max_grad_norm`, the same
@@ -66,7 +74,7 @@ def _round_up(x, m):
 
 
 class _ParamInfo:
-    __slots__ = ("param", "name", "group", "numel", "dtensor", "sg", "slice", "offset", "count")
+    __slots__ = ("param", "name", "group", "numel", "dtensor", "sg", "slice", "offset", "count", "gpu_master")
 
     def __init__(self, param, name, group):
         self.param, self.name, self.group = param, name, group
@@ -75,6 +83,7 @@ class _ParamInfo:
         self.sg = self.slice = None
         self.offset = 0
         self.count = 0
+        self.gpu_master = None  # f32 master on the GPU: a GPU-resident parameter
 
 
 class _SubGroup:
@@ -98,6 +107,10 @@ class SuperOffloadAdamW(Optimizer):
         sub_group_numel: pack consecutive parameters of a group into sub-groups of up to this
             many elements (0: one sub-group per parameter; FSDP2 always uses one per parameter).
         cores: CPU cores for the session's own pinned thread pool (None: the library's default pool).
+        gpu_fraction: CUDA mode: keep the first parameters in forward order, up to this fraction
+            of the trainable elements, on the GPU (f32 masters and moments there, stepped by
+            torch's fused AdamW with the session's clip coefficient; see the module docstring).
+            0 (default): everything offloaded. Needs bias correction and no loss scaler.
         model: the module holding the parameters: gives the forward order and names, and lets
             each module's forward wait only for its own sub-groups' weights (`wait="module"`).
         wait: "module" (per-module forward pre-hooks; needs `model`), "step" (everything waited
@@ -119,7 +132,7 @@ class SuperOffloadAdamW(Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, max_grad_norm=0.0,
                  speculation=True, sub_group_numel=1 << 25, cores=None, model=None, wait="auto", copy_dtype="auto",
                  accumulation_steps=1, distributed="auto", process_group=None, loss_scaler=None, prefix=None,
-                 piece_bytes=16 << 20, host_memory_limit=0, bias_correction=True, align_bytes=256):
+                 piece_bytes=16 << 20, host_memory_limit=0, bias_correction=True, align_bytes=256, gpu_fraction=0.0):
         if not 0.0 <= lr:
             raise ValueError(f"invalid learning rate {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -128,6 +141,8 @@ class SuperOffloadAdamW(Optimizer):
             raise ValueError(f"max_grad_norm must be finite and >= 0, not {max_grad_norm}")
         if accumulation_steps < 1:
             raise ValueError("accumulation_steps must be >= 1")
+        if not 0.0 <= gpu_fraction < 1.0:
+            raise ValueError(f"gpu_fraction must be in [0, 1), not {gpu_fraction}")
         params, names = _split_names(params)
         self._constructing = True
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -189,6 +204,7 @@ class SuperOffloadAdamW(Optimizer):
             raise ValueError("SuperOffloadAdamW: some parameters are DTensors (FSDP2) and some are not; apply "
                              "fully_shard to the root module too so every parameter is sharded")
         self._setup_distributed(distributed, process_group)
+        infos = self._split_gpu_resident(infos, float(gpu_fraction), loss_scaler, bias_correction)
 
         dt = _DTYPES[self.param_dtype]
         if copy_dtype == "auto":
@@ -210,7 +226,7 @@ class SuperOffloadAdamW(Optimizer):
 
         self._subgroups = self._partition(infos, 0 if self.fsdp else int(sub_group_numel))
         self._register(align_bytes)
-        for info in infos:
+        for info in self._infos:
             self._hooks.append(info.param.register_post_accumulate_grad_hook(self._make_hook(info)))
 
         if wait == "auto":
@@ -262,6 +278,41 @@ class SuperOffloadAdamW(Optimizer):
         self._pg = process_group
         backend = dist.get_backend(process_group)
         self._comm_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def _split_gpu_resident(self, infos, fraction, loss_scaler, bias_correction):
+        """Picks the GPU-resident parameters (a prefix in forward order) and sets up their f32
+        masters and torch optimizer; returns the offloaded ones."""
+        self._gpu_infos, self._gpu_opt, self._gpu_groups = [], None, []
+        if fraction == 0.0:
+            return infos
+        if not self.cuda or self.fsdp:
+            raise ValueError("SuperOffloadAdamW: gpu_fraction needs CUDA parameters without FSDP2")
+        if loss_scaler is not None or not bias_correction:
+            raise ValueError("SuperOffloadAdamW: gpu_fraction does not support loss_scaler or bias_correction=False "
+                             "(torch's AdamW steps the GPU-resident part)")
+        budget, acc = fraction * sum(i.numel for i in infos), 0
+        for info in infos:
+            if acc + info.numel > budget:
+                break
+            acc += info.numel
+            self._gpu_infos.append(info)
+        if len(self._gpu_infos) == len(infos):
+            raise ValueError(f"SuperOffloadAdamW: gpu_fraction={fraction} leaves no parameter to offload")
+        by_group = {}
+        with torch.no_grad():
+            for info in self._gpu_infos:
+                info.gpu_master = info.param.detach().float().clone()
+                by_group.setdefault(info.group, []).append(info.gpu_master)
+        self._gpu_groups = sorted(by_group)
+        if by_group:
+            self._gpu_opt = torch.optim.AdamW(
+                [dict(params=by_group[gi], **self._torch_hparams(self.param_groups[gi])) for gi in self._gpu_groups],
+                fused=True)
+        return infos[len(self._gpu_infos):]
+
+    @staticmethod
+    def _torch_hparams(g):
+        return dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
 
     def _partition(self, infos, limit):
         """Sub-groups of up to `limit` elements: each packs the next parameters of one param
@@ -397,6 +448,10 @@ class SuperOffloadAdamW(Optimizer):
             info.count += 1
             if info.count < self.accumulation_steps:
                 return  # keep accumulating in p.grad
+            if info.gpu_master is not None:  # GPU-resident: its gradient stays in p.grad until step()
+                if not self._in_step:
+                    self._begin()
+                return
             self._hand_over(info, p)
         return post_accumulate_grad
 
@@ -451,7 +506,7 @@ class SuperOffloadAdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for info in self._infos:  # gradients still held in p.grad (short accumulation, no hook)
-            if info.param.grad is not None:
+            if info.param.grad is not None and info.gpu_master is None:
                 self._hand_over(info, info.param)
         if not self._in_step:
             return loss  # no gradient this step: like torch, nothing changes
@@ -459,7 +514,9 @@ class SuperOffloadAdamW(Optimizer):
         if self.cuda:
             self.session.set_compute_stream(**self._stream_args())
         max_norm = self.max_grad_norm if max_grad_norm is None else float(max_grad_norm)
-        if self.distributed:
+        if self._gpu_infos:
+            self._step_with_gpu_resident(max_norm)
+        elif self.distributed:
             import torch.distributed as dist
             sumsq = self.session.local_grad_sumsq()
             t = torch.tensor([sumsq], dtype=torch.float64, device=self._comm_device)
@@ -484,6 +541,32 @@ class SuperOffloadAdamW(Optimizer):
         else:
             self.session.wait(self._ticket)
         return loss
+
+    def _step_with_gpu_resident(self, max_norm):
+        """One global norm over the session's sums of squares and the GPU-resident gradients;
+        the session and the GPU part then apply the same clip coefficient, or both skip."""
+        grads = []
+        for info in self._gpu_infos:
+            g = info.param.grad
+            # A parameter without a gradient steps with zeros, as the offloaded ones do.
+            info.gpu_master.grad = g.float() if g is not None else torch.zeros_like(info.gpu_master)
+            info.param.grad = None
+            grads.append(info.gpu_master.grad)
+        gpu_sumsq = torch.stack(torch._foreach_norm(grads)).double().square().sum()
+        total = self.session.local_grad_sumsq() + gpu_sumsq.item()
+        norm = math.sqrt(total) if math.isfinite(total) else float("nan")
+        self._ticket = self.session.step(max_norm, norm, False)
+        if math.isfinite(norm):  # else the session skips the step: so does the GPU part
+            coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0  # the session's formula
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+            for pg, gi in zip(self._gpu_opt.param_groups, self._gpu_groups):
+                pg.update(self._torch_hparams(self.param_groups[gi]))
+            self._gpu_opt.step()
+            for info in self._gpu_infos:
+                info.param.data.copy_(info.gpu_master.view_as(info.param))
+        for info in self._gpu_infos:
+            info.gpu_master.grad = None
 
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none=set_to_none)
@@ -511,6 +594,8 @@ class SuperOffloadAdamW(Optimizer):
         self._check_idle("reload_from_params")
         if self._ticket is not None:
             self.session.wait(self._ticket)  # the step ticket: every sub-group is final
+        for info in self._gpu_infos:
+            info.gpu_master.copy_(info.param.detach().reshape(info.gpu_master.shape))
         for sg in self._subgroups:
             for info in sg.params:
                 src = _local(info.param).reshape(-1)
@@ -528,6 +613,7 @@ class SuperOffloadAdamW(Optimizer):
         if self._result is None:
             r = self.session.step_result(self._ticket, -1.0 if wait else 0.0)
             r["step"] = self._nsteps
+            r["gpu_resident_stepped"] = 0 if r["skipped"] else len(self._gpu_infos)
             self._result = r
         return dict(self._result)
 
@@ -559,9 +645,12 @@ class SuperOffloadAdamW(Optimizer):
             entry["params"] = list(range(index, index + len(g["params"])))
             index += len(g["params"])
             groups.append(entry)
-        return {"state": {}, "param_groups": groups,
-                "superoffload": {"format": 1, "checkpoint": blob, "steps": self._nsteps,
-                                 "slices": [i.name for i in self._infos]}}
+        so = {"format": 1, "checkpoint": blob, "steps": self._nsteps, "slices": [i.name for i in self._infos]}
+        if self._gpu_infos:
+            so["gpu_resident"] = {"names": [i.name for i in self._gpu_infos],
+                                  "masters": [i.gpu_master.detach().cpu() for i in self._gpu_infos],
+                                  "optimizer": self._gpu_opt.state_dict()}
+        return {"state": {}, "param_groups": groups, "superoffload": so}
 
     def load_state_dict(self, state_dict):
         """Restores master weights (and, through them, the model's parameters), moments, step
@@ -574,6 +663,11 @@ class SuperOffloadAdamW(Optimizer):
         if len(groups) != len(self.param_groups) or any(len(a["params"]) != len(b["params"])
                                                         for a, b in zip(groups, self.param_groups)):
             raise ValueError("the state dict's param groups do not match this optimizer's")
+        gpu = so.get("gpu_resident")
+        names = [i.name for i in self._gpu_infos]
+        if (gpu["names"] if gpu else []) != names:
+            raise ValueError(f"the state dict keeps {len(gpu['names']) if gpu else 0} parameters on the GPU and this "
+                             f"optimizer {len(names)} (gpu_fraction must match the saving optimizer's)")
         if self.cuda:
             # Nothing queued may still read the parameters the load publishes into, and the load
             # publishes on the session's stream without a ticket: synchronise on both sides.
@@ -583,6 +677,12 @@ class SuperOffloadAdamW(Optimizer):
             with open(path, "wb") as f:
                 f.write(so["checkpoint"])
             self.session.load(path)
+        if gpu:
+            with torch.no_grad():
+                for info, master in zip(self._gpu_infos, gpu["masters"]):
+                    info.gpu_master.copy_(master)
+                    info.param.data.copy_(info.gpu_master.view_as(info.param))
+            self._gpu_opt.load_state_dict(gpu["optimizer"])
         if self.cuda:
             torch.cuda.synchronize(self.device)
         for g, saved in zip(self.param_groups, groups):
@@ -606,17 +706,24 @@ class SuperOffloadAdamW(Optimizer):
 
     def memory(self):
         """Host bytes: the session's allocations (moments, gradient buffers, copies), the master
-        weights, page-locked bytes, and bytes per trainable parameter."""
-        numel = sum(i.numel for i in self._infos)
+        weights, page-locked bytes, and bytes per offloaded parameter; GPU-resident parameters
+        and their f32 master and moment bytes on the GPU."""
+        gpu = sum(i.numel for i in self._gpu_infos)
+        numel = sum(i.numel for i in self._infos) - gpu
         arena = getattr(self, "_master_arena", None)
         master = arena.numel() * 4 if arena is not None else sum(sg.master.numel() * 4 for sg in self._subgroups)
         session = self.session.host_bytes()
         return {"params": numel, "session_host_bytes": session, "master_bytes": master,
-                "host_bytes_per_param": (session + master) / max(numel, 1), "pinned_bytes": self.session.pinned_bytes()}
+                "host_bytes_per_param": (session + master) / max(numel, 1), "pinned_bytes": self.session.pinned_bytes(),
+                "gpu_resident_params": gpu, "gpu_resident_bytes": gpu * 12}
 
     def subgroups(self):
-        """[(sub-group id, param group, numel, [slice names])] in forward order."""
+        """[(sub-group id, param group, numel, [slice names])] in forward order (offloaded ones)."""
         return [(sg.id, sg.group, sg.numel, [i.name for i in sg.params]) for sg in self._subgroups]
+
+    def gpu_resident(self):
+        """Names of the GPU-resident parameters (see gpu_fraction)."""
+        return [i.name for i in self._gpu_infos]
 
     def close(self):
         """Removes the hooks and destroys the session (waiting for its work). The parameters keep
