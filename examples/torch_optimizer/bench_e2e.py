@@ -20,7 +20,8 @@ Reported per run: s/step (median of --steps timed steps after --warmup), tokens/
 same cores), host bytes per parameter and pinned bytes (so_session_pinned_bytes), the last step's
 result (kept / rescaled / stepped). Targets: a <= 1.10 x d without clipping, a <= 1.15 x d with
 clipping on every step, a >= 1.4 x faster than c. Also writes a timeline of one step of (a) with
-clipping (trace_a_clip.json) and renders it with bench/trace_plot.py (trace_a_clip.png).
+clipping (trace_a_clip.json; trace_h<f>_clip.json for each h run) and renders it with
+bench/trace_plot.py (.png).
 
   python3 bench_e2e.py [--layers 22 --hidden 2048 ...] [--seq 2048 --batch 16] [--modes e,d,a,h,b,c]
   python3 bench_e2e.py --smoke       # tiny model on the CPU: exercises the code paths, no numbers
@@ -295,7 +296,7 @@ def main():
     ap.add_argument("--no-clip-runs", action="store_true", help="only the clipped runs")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--sub-group-numel", type=int, default=1 << 25)
-    ap.add_argument("--gpu-fraction", default="0.3", help="mode h: comma list of GPU-resident fractions")
+    ap.add_argument("--gpu-fraction", default="0.33", help="mode h: comma list of GPU-resident fractions")
     ap.add_argument("--cores", default="auto", help='session cores: "auto" (all but the first two), "none", or 2-15')
     ap.add_argument("--no-ckpt", action="store_true", help="no activation checkpointing")
     ap.add_argument("--no-trace", dest="trace", action="store_false")
