@@ -369,7 +369,7 @@ def main():
     summary = {}
     ours_runs = [k for k in s if k[0] in "abh" and k.endswith("clip")]
     for k in ours_runs:
-        if k in s and e:
+        if e:
             exposed = max(0.0, s[k] - e)
             summary[f"{k}_exposed_s"] = round(exposed, 4)
             t_cpu = t_adam * results[k].get("params", n_params) / n_params  # h: the offloaded share only

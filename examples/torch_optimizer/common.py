@@ -134,3 +134,17 @@ class MasterAdamW:
 
 def rel_diffs(a, b):
     return [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)]
+
+
+def train_reference(model, ref, sched, batches, device):
+    """One MasterAdamW step per batch; returns (losses, global norms before clipping)."""
+    losses, norms = [], []
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        ref.step()
+        sched.step()
+        losses.append(loss.item())
+        norms.append(ref.last_norm)
+    return losses, norms

@@ -27,7 +27,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common import MasterAdamW, loss_fn, lr_lambda, make_data, make_model, param_groups, rel_diffs  # noqa: E402
+from common import (MasterAdamW, loss_fn, lr_lambda, make_data, make_model, param_groups, rel_diffs,  # noqa: E402
+                    train_reference)
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 
@@ -118,15 +119,7 @@ def main():
         ref = MasterAdamW(ref_model, LR, BETAS, EPS, WD, args.clip)
         ref_sched = torch.optim.lr_scheduler.LambdaLR(ref.opt, lr_lambda)
         la, na = run(model, opt, sched, data, device, rank, world)
-        lb, nb = [], []
-        for x, y in data:
-            x, y = x.to(device), y.to(device)
-            loss = loss_fn(ref_model, x, y)
-            loss.backward()
-            ref.step()
-            ref_sched.step()
-            lb.append(loss.item())
-            nb.append(ref.last_norm)
+        lb, nb = train_reference(ref_model, ref, ref_sched, data, device)
         d, dn = rel_diffs(la, lb), rel_diffs(na, nb)
         clipped = sum(1 for n in na if n > args.clip)
         ok &= check("fsdp_parity", sum(d) / len(d) <= args.tol and sum(dn) / len(dn) <= args.tol and la[-1] < la[0],

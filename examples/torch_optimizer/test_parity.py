@@ -30,7 +30,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 
 import torch  # noqa: E402
 
-from common import MasterAdamW, loss_fn, lr_lambda, make_data, make_model, param_groups, rel_diffs  # noqa: E402
+from common import (MasterAdamW, loss_fn, lr_lambda, make_data, make_model, param_groups, rel_diffs,  # noqa: E402
+                    train_reference)
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 
@@ -76,14 +77,7 @@ def test_parity(args, report, device, dtype, data):
     s_ours = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     s_ref = torch.optim.lr_scheduler.LambdaLR(ref.opt, lr_lambda)
     la, results = train(m_ours, opt, s_ours, data, device)
-    lb, _ = [], None
-    for x, y in data:
-        x, y = x.to(device), y.to(device)
-        loss = loss_fn(m_ref, x, y)
-        loss.backward()
-        ref.step()
-        s_ref.step()
-        lb.append(loss.item())
+    lb, _ = train_reference(m_ref, ref, s_ref, data, device)
     d = rel_diffs(la, lb)
     mean_rel = sum(d) / len(d)
     clipped = sum(1 for r in results if r["clip_coef"] < 1.0)
@@ -202,14 +196,7 @@ def test_gpu_resident(args, report, device, dtype, data):
     tail, tail_results = train(m_ours, opt, s_ours, data[half:], device)
     la, results = la + tail, results + tail_results
     wa = snapshot(m_ours)
-    lb = []
-    for x, y in data:
-        x, y = x.to(device), y.to(device)
-        loss = loss_fn(m_ref, x, y)
-        loss.backward()
-        ref.step()
-        s_ref.step()
-        lb.append(loss.item())
+    lb, _ = train_reference(m_ref, ref, s_ref, data, device)
     d = rel_diffs(la, lb)
     mean_rel = sum(d) / len(d)
     clipped = sum(1 for r in results if r["clip_coef"] < 1.0)
