@@ -7,8 +7,8 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod cuda;
 pub mod error;
+pub mod ffi;
 pub mod kernels;
 pub mod session;
-pub mod cuda;
-pub mod ffi;

@@ -37,7 +37,8 @@ fn rollback_undoes_update_within_rounding() {
 
                 let k = Consts::new(&hp);
                 for i in 0..start.len() {
-                    let (p, g, m, v) = (exact(start.p.get(i)), exact(start.g.get(i)), exact(start.m.get(i)), exact(start.v.get(i)));
+                    let (p, g, m, v) =
+                        (exact(start.p.get(i)), exact(start.g.get(i)), exact(start.m.get(i)), exact(start.v.get(i)));
                     let fwd = ref_update(&k, scale as f64, p, g, m, v);
                     let back = ref_rollback(&k, scale as f64, fwd.p, g, fwd.m, fwd.v);
                     let ctx = format!("{hp:?} grad {grad:?}");
@@ -86,17 +87,35 @@ fn rescale_equals_the_direct_step_within_rounding() {
             for (step, warm) in [(1, false), (7, true)] {
                 for (old, new) in [(1.0f32, 0.5f32), (1.0, 0.01), (0.25, 1.0)] {
                     let hp = AdamHyper { mode, bias_correction, weight_decay, step, ..random_hyper(&mut rng, mode) };
-                    let start = State::random(&mut rng, 2049, (DType::F32, grad, DType::F32, Some(DType::Bf16)), warm, 1.0);
+                    let start =
+                        State::random(&mut rng, 2049, (DType::F32, grad, DType::F32, Some(DType::Bf16)), warm, 1.0);
                     let mut rescaled = start.clone();
-                    kernels::update(&pool, &hp, rescaled.buffers(), &UpdateOptions { grad_scale: old, ..Default::default() }).unwrap();
+                    kernels::update(
+                        &pool,
+                        &hp,
+                        rescaled.buffers(),
+                        &UpdateOptions { grad_scale: old, ..Default::default() },
+                    )
+                    .unwrap();
                     kernels::rescale(&pool, &hp, rescaled.buffers(), old, new).unwrap();
                     let mut direct = start.clone();
-                    kernels::update(&pool, &hp, direct.buffers(), &UpdateOptions { grad_scale: new, ..Default::default() }).unwrap();
+                    kernels::update(
+                        &pool,
+                        &hp,
+                        direct.buffers(),
+                        &UpdateOptions { grad_scale: new, ..Default::default() },
+                    )
+                    .unwrap();
 
                     let k = Consts::new(&hp);
                     let mut unbounded = 0;
                     for i in 0..start.len() {
-                        let (p, g, m, v) = (exact(start.p.get(i)), exact(start.g.get(i)), exact(start.m.get(i)), exact(start.v.get(i)));
+                        let (p, g, m, v) = (
+                            exact(start.p.get(i)),
+                            exact(start.g.get(i)),
+                            exact(start.m.get(i)),
+                            exact(start.v.get(i)),
+                        );
                         let first = ref_update(&k, old as f64, p, g, m, v);
                         let via = ref_rescale(&k, old as f64, new as f64, first.p, g, first.m, first.v);
                         let want = ref_update(&k, new as f64, p, g, m, v);

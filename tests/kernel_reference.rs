@@ -7,7 +7,12 @@ use common::*;
 use superoffload::kernels::{self, AdamHyper, AdamMode, DType, UpdateOptions};
 
 /// Runs one update and checks every element of every output against the reference.
-fn check_update(rng: &mut Rng, isa: superoffload::kernels::Isa, n: usize, dtypes: (DType, DType, DType, Option<DType>)) {
+fn check_update(
+    rng: &mut Rng,
+    isa: superoffload::kernels::Isa,
+    n: usize,
+    dtypes: (DType, DType, DType, Option<DType>),
+) {
     let pool = pool(isa, 3);
     for mode in [AdamMode::AdamW, AdamMode::L2] {
         let hp = random_hyper(rng, mode);
@@ -86,12 +91,20 @@ fn several_steps_stay_on_the_reference() {
         kernels::update(&pool, &hp, state.buffers(), &UpdateOptions::default()).unwrap();
         let k = Consts::new(&hp);
         for i in 0..state.len() {
-            let r = ref_update(&k, 1.0, exact(before.p.get(i)), exact(before.g.get(i)), exact(before.m.get(i)), exact(before.v.get(i)));
+            let r = ref_update(
+                &k,
+                1.0,
+                exact(before.p.get(i)),
+                exact(before.g.get(i)),
+                exact(before.m.get(i)),
+                exact(before.v.get(i)),
+            );
             assert_close(&format!("p step {step}"), i, state.p.get(i), r.p, 2.0);
             assert_close(&format!("v step {step}"), i, state.v.get(i), r.v, 2.0);
         }
         // A fresh gradient for the next step.
-        state.g = Store::from_f64(DType::Bf16, (0..state.len()).map(|_| rng.normalish(1.0)).collect::<Vec<_>>().into_iter());
+        state.g =
+            Store::from_f64(DType::Bf16, (0..state.len()).map(|_| rng.normalish(1.0)).collect::<Vec<_>>().into_iter());
     }
 }
 
@@ -113,7 +126,14 @@ fn reference_bounds_reject_wrong_formulas() {
         let k = Consts::new(&wrong);
         let violations = (0..after.len())
             .filter(|&i| {
-                let r = ref_update(&k, 1.0, exact(before.p.get(i)), exact(before.g.get(i)), exact(before.m.get(i)), exact(before.v.get(i)));
+                let r = ref_update(
+                    &k,
+                    1.0,
+                    exact(before.p.get(i)),
+                    exact(before.g.get(i)),
+                    exact(before.m.get(i)),
+                    exact(before.v.get(i)),
+                );
                 (after.p.get(i) - r.p.v).abs() > 2.0 * r.p.e
             })
             .count();

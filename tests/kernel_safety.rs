@@ -112,8 +112,9 @@ fn a_caller_completes_steps_during_another_callers_long_step() {
 fn two_callers_sharing_a_pool_get_their_own_results() {
     let shared = Arc::new(pool(Isa::best(), 2));
     let mut rng = Rng::new(33);
-    let starts: Vec<State> =
-        (0..2).map(|_| State::random(&mut rng, 1 << 18, (DType::F32, DType::Bf16, DType::F32, None), true, 1.0)).collect();
+    let starts: Vec<State> = (0..2)
+        .map(|_| State::random(&mut rng, 1 << 18, (DType::F32, DType::Bf16, DType::F32, None), true, 1.0))
+        .collect();
     let runners: Vec<_> = starts
         .iter()
         .cloned()

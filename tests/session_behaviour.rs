@@ -10,12 +10,13 @@ use common::*;
 use superoffload::error::Status;
 use superoffload::kernels::{DType, Floats, Isa, bf16};
 use superoffload::session::{
-    Borrowed, GroupHparams, LossScalerOptions, NormSource, Session, SessionOptions, SliceDesc, StepArgs,
-    SubGroupDesc, TicketState,
+    Borrowed, GroupHparams, LossScalerOptions, NormSource, Session, SessionOptions, SliceDesc, StepArgs, SubGroupDesc,
+    TicketState,
 };
 
 /// A small model: named slices with fixed sizes, grouped into sub-groups by `partition`.
-const SLICES: &[(&str, usize)] = &[("emb", 3000), ("l0.w", 2048), ("l0.b", 64), ("l1.w", 2048), ("l1.b", 64), ("head", 1001)];
+const SLICES: &[(&str, usize)] =
+    &[("emb", 3000), ("l0.w", 2048), ("l0.b", 64), ("l1.w", 2048), ("l1.b", 64), ("head", 1001)];
 
 struct Model {
     session: Session,
@@ -29,7 +30,11 @@ fn options(scaler: bool) -> SessionOptions {
     SessionOptions {
         pool: Some(Arc::new(pool(Isa::best(), 2))),
         grad_dtype: DType::Bf16,
-        loss_scaler: scaler.then_some(LossScalerOptions { init_scale: 256.0, growth_interval: 3, ..Default::default() }),
+        loss_scaler: scaler.then_some(LossScalerOptions {
+            init_scale: 256.0,
+            growth_interval: 3,
+            ..Default::default()
+        }),
         ..SessionOptions::default()
     }
 }
@@ -40,7 +45,8 @@ fn model(partition: &[&[usize]], opts: SessionOptions, seed: u64) -> Model {
     session.add_group(GroupHparams { weight_decay: 0.05, ..GroupHparams::default() }).unwrap();
     session.add_group(GroupHparams { lr: 3e-4, ..GroupHparams::default() }).unwrap();
     let mut rng = Rng::new(seed);
-    let initial: Vec<Vec<f32>> = SLICES.iter().map(|(_, n)| (0..*n).map(|_| rng.normalish(0.3) as f32).collect()).collect();
+    let initial: Vec<Vec<f32>> =
+        SLICES.iter().map(|(_, n)| (0..*n).map(|_| rng.normalish(0.3) as f32).collect()).collect();
     let mut masters = Vec::new();
     let mut place = vec![(0, 0); SLICES.len()];
     for (sg, members) in partition.iter().enumerate() {
@@ -58,7 +64,8 @@ fn model(partition: &[&[usize]], opts: SessionOptions, seed: u64) -> Model {
             .collect();
         // SAFETY: `masters` lives as long as the session (both are fields of Model, and
         // the Vecs are never reallocated).
-        let master = unsafe { Borrowed::new("master", masters[sg].as_mut_ptr().cast(), masters[sg].len(), DType::F32) }.unwrap();
+        let master =
+            unsafe { Borrowed::new("master", masters[sg].as_mut_ptr().cast(), masters[sg].len(), DType::F32) }.unwrap();
         let group = u32::from(members.contains(&5));
         session.add_subgroup(SubGroupDesc { group, master, grad: None, slices }).unwrap();
     }
@@ -196,7 +203,10 @@ fn misuse_gets_a_status_and_changes_nothing() {
     let g = vec![bf16::ZERO; 64];
     let err = |r: superoffload::error::Result<Option<u64>>| r.unwrap_err().status;
     assert_eq!(err(s.grad_copy(2, Floats::Bf16(&g))), Status::InvalidState, "gradient before begin_step");
-    assert_eq!(s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false }).unwrap_err().status, Status::InvalidState);
+    assert_eq!(
+        s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false }).unwrap_err().status,
+        Status::InvalidState
+    );
     s.begin_step(None, 1).unwrap();
     assert_eq!(s.begin_step(None, 1).unwrap_err().status, Status::InvalidState, "begin twice");
     assert_eq!(s.next_micro_step().unwrap_err().status, Status::InvalidState, "beyond the micro-steps");
@@ -211,15 +221,29 @@ fn misuse_gets_a_status_and_changes_nothing() {
     let sl = |name: &str, offset, numel| SliceDesc { name: name.into(), offset, numel };
     assert_eq!(s.add_subgroup(desc(vec![sl("x", 0, 10)])).unwrap_err().status, Status::InvalidState, "during backward");
     s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false }).unwrap();
-    assert_eq!(s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false }).unwrap_err().status, Status::InvalidState, "step twice");
+    assert_eq!(
+        s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false }).unwrap_err().status,
+        Status::InvalidState,
+        "step twice"
+    );
     assert_eq!(s.add_subgroup(desc(vec![sl("x", 0, 60), sl("y", 50, 10)])).unwrap_err().status, Status::Aliasing);
     assert_eq!(s.add_subgroup(desc(vec![sl("x", 95, 10)])).unwrap_err().status, Status::InvalidArgument);
     assert_eq!(s.add_subgroup(desc(vec![sl("emb", 0, 10)])).unwrap_err().status, Status::InvalidArgument, "name taken");
-    assert_eq!(s.add_subgroup(SubGroupDesc { group: 7, ..desc(vec![sl("x", 0, 1)]) }).unwrap_err().status, Status::NotFound);
+    assert_eq!(
+        s.add_subgroup(SubGroupDesc { group: 7, ..desc(vec![sl("x", 0, 1)]) }).unwrap_err().status,
+        Status::NotFound
+    );
     let taken = unsafe { Borrowed::new("m", m.masters[0].as_ptr().cast_mut().cast(), 10, DType::F32) }.unwrap();
     let overlapping = SubGroupDesc { group: 0, master: taken, grad: None, slices: vec![sl("x", 0, 10)] };
-    assert_eq!(s.add_subgroup(overlapping).unwrap_err().status, Status::Aliasing, "master shared with another sub-group");
-    assert_eq!(s.set_group_hparams(0, GroupHparams { beta1: 1.0, ..GroupHparams::default() }).unwrap_err().status, Status::InvalidArgument);
+    assert_eq!(
+        s.add_subgroup(overlapping).unwrap_err().status,
+        Status::Aliasing,
+        "master shared with another sub-group"
+    );
+    assert_eq!(
+        s.set_group_hparams(0, GroupHparams { beta1: 1.0, ..GroupHparams::default() }).unwrap_err().status,
+        Status::InvalidArgument
+    );
 
     let amsgrad = Session::new(SessionOptions { amsgrad: true, ..SessionOptions::default() }).err().unwrap();
     assert_eq!(amsgrad.status, Status::Unsupported);
@@ -234,7 +258,8 @@ fn misuse_gets_a_status_and_changes_nothing() {
 #[test]
 fn sub_groups_that_cannot_speculate_step_at_step_time() {
     // bf16 master weights and beta1 = 0 both rule out rollback, hence speculation.
-    let s = Session::new(SessionOptions { pool: Some(Arc::new(pool(Isa::best(), 1))), ..SessionOptions::default() }).unwrap();
+    let s = Session::new(SessionOptions { pool: Some(Arc::new(pool(Isa::best(), 1))), ..SessionOptions::default() })
+        .unwrap();
     s.add_group(GroupHparams::default()).unwrap();
     s.add_group(GroupHparams { beta1: 0.0, ..GroupHparams::default() }).unwrap();
     let mut a = vec![bf16::from_f32(0.5); 300];
@@ -242,8 +267,13 @@ fn sub_groups_that_cannot_speculate_step_at_step_time() {
     let mut c = vec![0.75f32; 300];
     let reg = |buf: *mut f32, dtype, group, name: &str| {
         let master = unsafe { Borrowed::new(name, buf.cast(), 300, dtype) }.unwrap();
-        s.add_subgroup(SubGroupDesc { group, master, grad: None, slices: vec![SliceDesc { name: name.into(), offset: 0, numel: 300 }] })
-            .unwrap()
+        s.add_subgroup(SubGroupDesc {
+            group,
+            master,
+            grad: None,
+            slices: vec![SliceDesc { name: name.into(), offset: 0, numel: 300 }],
+        })
+        .unwrap()
     };
     reg(a.as_mut_ptr().cast(), DType::Bf16, 0, "a");
     reg(b.as_mut_ptr(), DType::F32, 1, "b");
@@ -271,7 +301,8 @@ fn speculation_on_equals_off_without_clipping() {
 
 #[test]
 fn tickets_report_progress_errors_and_timeouts() {
-    let s = Session::new(SessionOptions { pool: Some(Arc::new(pool(Isa::Portable, 1))), ..SessionOptions::default() }).unwrap();
+    let s = Session::new(SessionOptions { pool: Some(Arc::new(pool(Isa::Portable, 1))), ..SessionOptions::default() })
+        .unwrap();
     s.add_group(GroupHparams::default()).unwrap();
     let n = 1 << 24;
     let mut big = vec![0.5f32; n];
@@ -279,8 +310,13 @@ fn tickets_report_progress_errors_and_timeouts() {
     for (name, buf) in [("big", &mut big), ("small", &mut small)] {
         let len = buf.len();
         let master = unsafe { Borrowed::new(name, buf.as_mut_ptr().cast(), len, DType::F32) }.unwrap();
-        s.add_subgroup(SubGroupDesc { group: 0, master, grad: None, slices: vec![SliceDesc { name: name.into(), offset: 0, numel: len }] })
-            .unwrap();
+        s.add_subgroup(SubGroupDesc {
+            group: 0,
+            master,
+            grad: None,
+            slices: vec![SliceDesc { name: name.into(), offset: 0, numel: len }],
+        })
+        .unwrap();
     }
     s.begin_step(None, 1).unwrap();
     let g = vec![0.01f32; n];
@@ -316,13 +352,18 @@ fn tickets_report_progress_errors_and_timeouts() {
 #[test]
 fn in_place_gradients_equal_copied_ones() {
     let mk = |in_place: bool| {
-        let s = Session::new(SessionOptions { pool: Some(Arc::new(pool(Isa::best(), 1))), ..SessionOptions::default() }).unwrap();
+        let s =
+            Session::new(SessionOptions { pool: Some(Arc::new(pool(Isa::best(), 1))), ..SessionOptions::default() })
+                .unwrap();
         s.add_group(GroupHparams::default()).unwrap();
         let master = Box::leak(vec![0.5f32; 1000].into_boxed_slice());
         let grad = Box::leak(vec![0.0f32; 1000].into_boxed_slice());
         let m = unsafe { Borrowed::new("m", master.as_mut_ptr().cast(), 1000, DType::F32) }.unwrap();
         let g = in_place.then(|| unsafe { Borrowed::new("g", grad.as_mut_ptr().cast(), 1000, DType::F32) }.unwrap());
-        let slices = vec![SliceDesc { name: "a".into(), offset: 0, numel: 600 }, SliceDesc { name: "b".into(), offset: 600, numel: 400 }];
+        let slices = vec![
+            SliceDesc { name: "a".into(), offset: 0, numel: 600 },
+            SliceDesc { name: "b".into(), offset: 600, numel: 400 },
+        ];
         s.add_subgroup(SubGroupDesc { group: 0, master: m, grad: g, slices }).unwrap();
         (s, master, grad)
     };
@@ -358,12 +399,19 @@ fn in_place_gradients_equal_copied_ones() {
 fn destroying_a_session_with_work_in_flight_completes_it() {
     let mut master = vec![0.5f32; 1 << 22];
     {
-        let s = Session::new(SessionOptions { pool: Some(Arc::new(pool(Isa::best(), 2))), ..SessionOptions::default() }).unwrap();
+        let s =
+            Session::new(SessionOptions { pool: Some(Arc::new(pool(Isa::best(), 2))), ..SessionOptions::default() })
+                .unwrap();
         s.add_group(GroupHparams::default()).unwrap();
         let len = master.len();
         let m = unsafe { Borrowed::new("m", master.as_mut_ptr().cast(), len, DType::F32) }.unwrap();
-        s.add_subgroup(SubGroupDesc { group: 0, master: m, grad: None, slices: vec![SliceDesc { name: "w".into(), offset: 0, numel: len }] })
-            .unwrap();
+        s.add_subgroup(SubGroupDesc {
+            group: 0,
+            master: m,
+            grad: None,
+            slices: vec![SliceDesc { name: "w".into(), offset: 0, numel: len }],
+        })
+        .unwrap();
         s.begin_step(None, 1).unwrap();
         s.grad_copy(0, Floats::F32(&vec![0.01; len])).unwrap();
         s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false }).unwrap();
@@ -371,7 +419,6 @@ fn destroying_a_session_with_work_in_flight_completes_it() {
     }
     assert!(master.iter().all(|&x| x < 0.5), "the queued step completed before the session went away");
 }
-
 
 #[test]
 fn the_timeline_records_hand_offs_steps_and_finalization() {
@@ -384,7 +431,14 @@ fn the_timeline_records_hand_offs_steps_and_finalization() {
     let text = std::fs::read_to_string(&path).unwrap();
     std::fs::remove_file(&path).unwrap();
     assert!(text.starts_with("{\"displayTimeUnit\""), "{}", &text[..80.min(text.len())]);
-    for expected in ["gradient emb", "speculative step, sub-group 0", "decide step 1", "\"outcome\":\"rescaled\"", "\"outcome\":\"kept\"", "wait for ticket"] {
+    for expected in [
+        "gradient emb",
+        "speculative step, sub-group 0",
+        "decide step 1",
+        "\"outcome\":\"rescaled\"",
+        "\"outcome\":\"kept\"",
+        "wait for ticket",
+    ] {
         assert!(text.contains(expected), "the trace lacks {expected:?}");
     }
     // Every event line is one JSON object; the whole is balanced.

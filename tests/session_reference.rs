@@ -15,8 +15,8 @@ mod common;
 use common::*;
 use superoffload::kernels::{self, AdamHyper, DType, Floats, FloatsMut, Isa, UpdateOptions, f16};
 use superoffload::session::{
-    Borrowed, GroupHparams, LossScaler, LossScalerOptions, NormSource, Session, SessionOptions, SliceDesc,
-    StepArgs, SubGroupDesc, clip_coefficient, grad_factor,
+    Borrowed, GroupHparams, LossScaler, LossScalerOptions, NormSource, Session, SessionOptions, SliceDesc, StepArgs,
+    SubGroupDesc, clip_coefficient, grad_factor,
 };
 
 /// (group, slice sizes) per sub-group, in forward order.
@@ -123,7 +123,8 @@ fn session_matches_the_reference_trainer() {
     for g in 0..2 {
         assert_eq!(session.add_group(schedule(g, 1)).unwrap(), g);
     }
-    let mut masters: Vec<Vec<f32>> = lay.numels.iter().map(|&n| (0..n).map(|_| rng.normalish(0.5) as f32).collect()).collect();
+    let mut masters: Vec<Vec<f32>> =
+        lay.numels.iter().map(|&n| (0..n).map(|_| rng.normalish(0.5) as f32).collect()).collect();
     for (sg, (group, _)) in MODEL.iter().enumerate() {
         let slices = lay
             .slices
@@ -133,8 +134,12 @@ fn session_matches_the_reference_trainer() {
             .map(|(i, (_, r))| SliceDesc { name: format!("slice{i}"), offset: r.start, numel: r.len() })
             .collect();
         // SAFETY: the masters outlive the session and are only read between steps.
-        let master = unsafe { Borrowed::new("master", masters[sg].as_mut_ptr().cast(), masters[sg].len(), DType::F32) }.unwrap();
-        assert_eq!(session.add_subgroup(SubGroupDesc { group: *group, master, grad: None, slices }).unwrap(), sg as u32);
+        let master =
+            unsafe { Borrowed::new("master", masters[sg].as_mut_ptr().cast(), masters[sg].len(), DType::F32) }.unwrap();
+        assert_eq!(
+            session.add_subgroup(SubGroupDesc { group: *group, master, grad: None, slices }).unwrap(),
+            sg as u32
+        );
     }
 
     let mut seen = std::collections::HashMap::new();
@@ -167,19 +172,20 @@ fn session_matches_the_reference_trainer() {
                 }
                 let g = f16_gradient(&mut rng, range.len(), ev.magnitude, loss_scale);
                 session.grad_copy(i as u32, Floats::F16(&g)).unwrap();
-                kernels::copy_into(FloatsMut::F32(&mut ref_grads[*sg][range.clone()]), Floats::F16(&g), got_any[i]).unwrap();
+                kernels::copy_into(FloatsMut::F32(&mut ref_grads[*sg][range.clone()]), Floats::F16(&g), got_any[i])
+                    .unwrap();
                 got_any[i] = true;
             }
         }
-        let complete: Vec<bool> =
-            (0..MODEL.len()).map(|sg| ev.missing.is_none_or(|m| lay.slices[m].0 != sg)).collect();
+        let complete: Vec<bool> = (0..MODEL.len()).map(|sg| ev.missing.is_none_or(|m| lay.slices[m].0 != sg)).collect();
         let spec_grads = ref_grads.clone();
         let mut late_sg = None;
         if let Some(i) = ev.late {
             let (sg, range) = &lay.slices[i];
             let g = f16_gradient(&mut rng, range.len(), ev.magnitude, loss_scale);
             session.grad_copy(i as u32, Floats::F16(&g)).unwrap();
-            kernels::copy_into(FloatsMut::F32(&mut ref_grads[*sg][range.clone()]), Floats::F16(&g), got_any[i]).unwrap();
+            kernels::copy_into(FloatsMut::F32(&mut ref_grads[*sg][range.clone()]), Floats::F16(&g), got_any[i])
+                .unwrap();
             if complete[*sg] {
                 late_sg = Some(*sg);
             }
@@ -193,7 +199,8 @@ fn session_matches_the_reference_trainer() {
 
         // The reference decision, from the complete gradients.
         let unscale = (1.0 / loss_scale as f64) as f32;
-        let local: f64 = ref_grads.iter().map(|g| kernels::grad_sumsq(&ref_pool, Floats::F32(g), unscale).unwrap()).sum();
+        let local: f64 =
+            ref_grads.iter().map(|g| kernels::grad_sumsq(&ref_pool, Floats::F32(g), unscale).unwrap()).sum();
         let norm = if ev.given_norm {
             let sumsq = session.local_grad_sumsq(None).unwrap();
             assert_eq!(sumsq.to_bits(), local.to_bits(), "step {step}: local sum of squares");
@@ -219,7 +226,8 @@ fn session_matches_the_reference_trainer() {
         let mut counts = [0u32; 4];
         for (sg, (group, _)) in MODEL.iter().enumerate() {
             let (p0, m0, v0, count) = &before[sg];
-            let spec_finite = kernels::grad_sumsq(&ref_pool, Floats::F32(&spec_grads[sg]), unscale).unwrap().is_finite();
+            let spec_finite =
+                kernels::grad_sumsq(&ref_pool, Floats::F32(&spec_grads[sg]), unscale).unwrap().is_finite();
             let applied = complete[sg] && spec_finite;
             let hp_changed = ev.changed_group == Some(*group);
             let outcome = match (skip, applied) {
@@ -248,7 +256,11 @@ fn session_matches_the_reference_trainer() {
                     kernels::update(&ref_pool, &now_hp, bufs, &opts).unwrap();
                 }
                 let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                assert!(same(p1, &p) && same(&m1, &m) && same(&v1, &v), "step {step} sg {sg}: not bit-exact ({ev_desc})", ev_desc = describe(&ev));
+                assert!(
+                    same(p1, &p) && same(&m1, &m) && same(&v1, &v),
+                    "step {step} sg {sg}: not bit-exact ({ev_desc})",
+                    ev_desc = describe(&ev)
+                );
                 continue;
             }
             counts[match outcome {
@@ -294,7 +306,11 @@ fn session_matches_the_reference_trainer() {
                 assert_close(&format!("v {ctx}"), i, v1[i] as f64, T { v: want.2.v, e: bound.2 }, 2.0);
             }
         }
-        assert_eq!([result.rolled_back, result.rescaled, result.redone], [counts[0], counts[1], counts[2]], "step {step}: {result:?}");
+        assert_eq!(
+            [result.rolled_back, result.rescaled, result.redone],
+            [counts[0], counts[1], counts[2]],
+            "step {step}: {result:?}"
+        );
         for key in [
             ("clipped", !skip && clip < 1.0),
             ("skipped", skip),

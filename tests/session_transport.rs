@@ -70,12 +70,15 @@ impl Transport for DelayedCopies {
 const SIZES: [usize; 3] = [100_000, 70_001, 5_000];
 
 fn build(transport: Option<Arc<DelayedCopies>>) -> (Session, Vec<Vec<f32>>) {
-    let pool = Arc::new(Pool::new(&PoolOptions { num_threads: 2, isa: Some(Isa::best()), ..Default::default() }).unwrap());
-    let opts = SessionOptions { pool: Some(pool), grad_dtype: DType::Bf16, accum_dtype: DType::Bf16, ..Default::default() };
+    let pool =
+        Arc::new(Pool::new(&PoolOptions { num_threads: 2, isa: Some(Isa::best()), ..Default::default() }).unwrap());
+    let opts =
+        SessionOptions { pool: Some(pool), grad_dtype: DType::Bf16, accum_dtype: DType::Bf16, ..Default::default() };
     let t: Option<Arc<dyn Transport>> = transport.map(|t| t as Arc<dyn Transport>);
     let s = Session::with_transport(opts, t).unwrap();
     s.add_group(GroupHparams { weight_decay: 0.05, ..GroupHparams::default() }).unwrap();
-    let mut masters: Vec<Vec<f32>> = SIZES.iter().map(|&n| (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-3).collect()).collect();
+    let mut masters: Vec<Vec<f32>> =
+        SIZES.iter().map(|&n| (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-3).collect()).collect();
     for (k, m) in masters.iter_mut().enumerate() {
         let master = unsafe { Borrowed::new("m", m.as_mut_ptr().cast(), m.len(), DType::F32) }.unwrap();
         let slices = vec![SliceDesc { name: format!("sg{k}"), offset: 0, numel: m.len() }];
@@ -94,7 +97,9 @@ fn delayed_copies_give_host_mode_bits() {
             s.begin_step(Some(1.0), 1).unwrap();
         }
         for k in (0..SIZES.len()).rev() {
-            let g: Vec<bf16> = (0..SIZES[k]).map(|i| bf16::from_f32(((i as u64 * 7 + step * 13) % 29) as f32 * 1e-3 - 0.014)).collect();
+            let g: Vec<bf16> = (0..SIZES[k])
+                .map(|i| bf16::from_f32(((i as u64 * 7 + step * 13) % 29) as f32 * 1e-3 - 0.014))
+                .collect();
             host.grad_copy(k as u32, Floats::Bf16(&g)).unwrap();
             dev.hand_off(k as u32, g.len(), "test", |h| {
                 transport.deliver(h.sg, h.dst, g.clone());
@@ -165,8 +170,13 @@ fn the_low_precision_copy_follows_the_master() {
     s.add_group(GroupHparams::default()).unwrap();
     let mut master: Vec<f32> = (0..5000).map(|i| (i as f32 * 0.37).sin()).collect();
     let m = unsafe { Borrowed::new("m", master.as_mut_ptr().cast(), master.len(), DType::F32) }.unwrap();
-    s.add_subgroup(SubGroupDesc { group: 0, master: m, grad: None, slices: vec![SliceDesc { name: "w".into(), offset: 0, numel: 5000 }] })
-        .unwrap();
+    s.add_subgroup(SubGroupDesc {
+        group: 0,
+        master: m,
+        grad: None,
+        slices: vec![SliceDesc { name: "w".into(), offset: 0, numel: 5000 }],
+    })
+    .unwrap();
     for (step, max_norm) in [(1, 0.0), (2, 1e-3), (3, 0.0)] {
         s.begin_step(None, 1).unwrap();
         let g: Vec<f32> = (0..5000).map(|i| ((i + step) % 13) as f32 * 1e-2).collect();

@@ -192,14 +192,13 @@ fn alloc_and_fill(pool: &Pool, n: usize, fill_threads: usize) -> Result<(Data, D
     let t1 = Instant::now();
     let chunk = n.div_ceil(fill_threads.max(1)).max(1);
     std::thread::scope(|scope| {
-        let parts = d
-            .p
-            .chunks_mut(chunk)
-            .zip(d.g.chunks_mut(chunk))
-            .zip(d.m.chunks_mut(chunk))
-            .zip(d.v.chunks_mut(chunk))
-            .zip(d.g16.chunks_mut(chunk))
-            .zip(d.c16.chunks_mut(chunk));
+        let parts =
+            d.p.chunks_mut(chunk)
+                .zip(d.g.chunks_mut(chunk))
+                .zip(d.m.chunks_mut(chunk))
+                .zip(d.v.chunks_mut(chunk))
+                .zip(d.g16.chunks_mut(chunk))
+                .zip(d.c16.chunks_mut(chunk));
         for (k, (((((p, g), m), v), g16), c16)) in parts.enumerate() {
             scope.spawn(move || {
                 let base = k * chunk;
@@ -223,19 +222,18 @@ fn alloc_and_fill(pool: &Pool, n: usize, fill_threads: usize) -> Result<(Data, D
 fn count_non_finite(d: &Data, threads: usize) -> usize {
     let chunk = d.p.len().div_ceil(threads.max(1)).max(1);
     std::thread::scope(|scope| {
-        let handles: Vec<_> = d
-            .p
-            .chunks(chunk)
-            .zip(d.m.chunks(chunk))
-            .zip(d.v.chunks(chunk))
-            .zip(d.c16.chunks(chunk))
-            .map(|(((p, m), v), c)| {
-                scope.spawn(move || {
-                    let f = |s: &[f32]| s.iter().filter(|x| !x.is_finite()).count();
-                    f(p) + f(m) + f(v) + c.iter().filter(|x| !x.is_finite()).count()
+        let handles: Vec<_> =
+            d.p.chunks(chunk)
+                .zip(d.m.chunks(chunk))
+                .zip(d.v.chunks(chunk))
+                .zip(d.c16.chunks(chunk))
+                .map(|(((p, m), v), c)| {
+                    scope.spawn(move || {
+                        let f = |s: &[f32]| s.iter().filter(|x| !x.is_finite()).count();
+                        f(p) + f(m) + f(v) + c.iter().filter(|x| !x.is_finite()).count()
+                    })
                 })
-            })
-            .collect();
+                .collect();
         handles.into_iter().map(|h| h.join().expect("scan thread")).sum()
     })
 }
@@ -355,7 +353,10 @@ fn run(pool: &Pool, d: &mut Data, warmup: usize, iters: usize) -> Result<Vec<Vec
     for (rep, step) in (0..warmup + iters).zip(1u64..) {
         let hp = hyper(step);
         let mut rec = Vec::with_capacity(Op::ALL.len());
-        rec.push((Op::UpdateF32, timed(|| kernels::update(pool, &hp, f32_bufs(d), &UpdateOptions::default()).map(drop))?));
+        rec.push((
+            Op::UpdateF32,
+            timed(|| kernels::update(pool, &hp, f32_bufs(d), &UpdateOptions::default()).map(drop))?,
+        ));
         rec.push((Op::FloorF32, timed(|| kernels::memory_floor(pool, f32_bufs(d), FLOOR_SCALE))?));
         rec.push((Op::Rollback, timed(|| kernels::rollback(pool, &hp, f32_bufs(d), 1.0))?));
         rec.push((Op::UpdateBf16, timed(|| kernels::update(pool, &hp, bf16_bufs(d, true), &bf16_opts).map(drop))?));
@@ -449,11 +450,7 @@ fn real_main() -> Result<(), String> {
     println!("superoffload-bench {}", env!("CARGO_PKG_VERSION"));
     println!("cpu:     {cpu} ({cpus_available} CPUs available to this process)");
     println!("pool:    isa {}, {} threads, {pinning}", pool.isa().name(), pool.num_threads());
-    println!(
-        "size:    N = {n} ({:.3e}) elements; {:.2} GB in 4 f32 + 2 bf16 buffers",
-        n as f64,
-        (n * 20) as f64 / 1e9
-    );
+    println!("size:    N = {n} ({:.3e}) elements; {:.2} GB in 4 f32 + 2 bf16 buffers", n as f64, (n * 20) as f64 / 1e9);
     println!("timing:  median and min of {} repetitions after {} warm-up, ops interleaved", args.iters, args.warmup);
 
     let (mut data, touch, fill) = alloc_and_fill(&pool, n, pool.num_threads())?;
@@ -524,12 +521,12 @@ fn real_main() -> Result<(), String> {
 
     if let Some(path) = &args.json {
         let mut j = String::new();
-        let _ = write!(j, "{{\n  \"tool\": \"superoffload-bench\",\n  \"version\": {},\n", json_str(env!("CARGO_PKG_VERSION")));
-        let _ = writeln!(
+        let _ = write!(
             j,
-            "  \"machine\": {{\"cpu\": {}, \"cpus_available\": {cpus_available}}},",
-            json_str(&cpu)
+            "{{\n  \"tool\": \"superoffload-bench\",\n  \"version\": {},\n",
+            json_str(env!("CARGO_PKG_VERSION"))
         );
+        let _ = writeln!(j, "  \"machine\": {{\"cpu\": {}, \"cpus_available\": {cpus_available}}},", json_str(&cpu));
         let cores_json = match pool.cores() {
             Some(c) => format!("[{}]", c.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ")),
             None => "null".to_string(),
@@ -575,4 +572,3 @@ fn real_main() -> Result<(), String> {
     }
     Ok(())
 }
-

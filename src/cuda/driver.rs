@@ -87,7 +87,6 @@ impl Context {
         // SAFETY: a retained context.
         check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
     }
-
 }
 
 impl Drop for Context {
@@ -234,7 +233,10 @@ impl Kernels {
         let ptx = std::ffi::CString::new(super::ptx::CONVERT).expect("PTX has no NUL");
         let mut module = std::ptr::null_mut();
         // SAFETY: a NUL-terminated PTX image; a context is current.
-        check(unsafe { sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()) }, "cuModuleLoadData (conversion kernels)")?;
+        check(
+            unsafe { sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()) },
+            "cuModuleLoadData (conversion kernels)",
+        )?;
         let function = |name: &CStr| -> Result<sys::CUfunction> {
             let mut f = std::ptr::null_mut();
             // SAFETY: out-pointer; the module is loaded.
@@ -245,7 +247,14 @@ impl Kernels {
     }
 
     /// Converts `n` f32 at `src` into 16-bit values at `dst` on `stream`.
-    pub(crate) fn convert(&self, f: sys::CUfunction, src: CUdeviceptr, dst: CUdeviceptr, n: usize, stream: CUstream) -> Result<()> {
+    pub(crate) fn convert(
+        &self,
+        f: sys::CUfunction,
+        src: CUdeviceptr,
+        dst: CUdeviceptr,
+        n: usize,
+        stream: CUstream,
+    ) -> Result<()> {
         const THREADS: u32 = 256;
         let blocks = (n.div_ceil(THREADS as usize)).clamp(1, 8192) as u32;
         let (mut src, mut dst, mut n) = (src, dst, n as u64);
@@ -254,7 +263,19 @@ impl Kernels {
         // SAFETY: the kernel takes (u64, u64, u64); params point to live locals for the call.
         check(
             unsafe {
-                sys::cuLaunchKernel(f, blocks, 1, 1, THREADS, 1, 1, 0, stream, params.as_mut_ptr(), std::ptr::null_mut())
+                sys::cuLaunchKernel(
+                    f,
+                    blocks,
+                    1,
+                    1,
+                    THREADS,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
             },
             "cuLaunchKernel (conversion)",
         )

@@ -82,7 +82,8 @@ impl CudaSession {
         stream: Stream,
     ) -> Result<Option<Ticket>> {
         let transport = &self.transport;
-        self.session.hand_off(slice, numel, "gradient_from_device", |h| transport.gradient_from_device(h, grad, dtype, stream))
+        self.session
+            .hand_off(slice, numel, "gradient_from_device", |h| transport.gradient_from_device(h, grad, dtype, stream))
     }
 
     /// Ends the step (see [`Session::step`]); publication waits for the compute stream.

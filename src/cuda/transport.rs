@@ -135,7 +135,14 @@ impl CudaTransport {
 
     /// Connects sub-group `sg` to the model's parameter on the device and allocates its
     /// staging buffer (in `staging_dtype`: f32, or the session's low-precision copy dtype).
-    pub fn attach(&self, sg: u32, param: CUdeviceptr, param_dtype: DType, numel: usize, staging_dtype: DType) -> Result<()> {
+    pub fn attach(
+        &self,
+        sg: u32,
+        param: CUdeviceptr,
+        param_dtype: DType,
+        numel: usize,
+        staging_dtype: DType,
+    ) -> Result<()> {
         if param == 0 {
             return Err(Error::new(Status::NullArgument, "the device parameter is NULL"));
         }
@@ -282,7 +289,11 @@ impl Transport for CudaTransport {
         self.ctx.bind()?;
         let ours = driver::host_register(ptr, bytes)?;
         let mut state = self.state.lock().unwrap();
-        if ours { state.ours.insert(ptr as usize, bytes) } else { state.theirs.insert(ptr as usize, bytes) };
+        if ours {
+            state.ours.insert(ptr as usize, bytes)
+        } else {
+            state.theirs.insert(ptr as usize, bytes)
+        };
         Ok(())
     }
 
@@ -342,9 +353,13 @@ impl Transport for CudaTransport {
         let stream = self.h2d.0;
         match (d.staging_dtype, d.param_dtype) {
             (s, p) if s == p => driver::memcpy_dtod_async(d.param, d.staging, d.numel * s.size(), stream),
-            (DType::F32, DType::Bf16) => self.kernels.convert(self.kernels.to_bf16, d.staging, d.param, d.numel, stream),
+            (DType::F32, DType::Bf16) => {
+                self.kernels.convert(self.kernels.to_bf16, d.staging, d.param, d.numel, stream)
+            }
             (DType::F32, DType::F16) => self.kernels.convert(self.kernels.to_f16, d.staging, d.param, d.numel, stream),
-            (s, p) => Err(Error::unsupported(format!("cannot publish {} staging into {} parameters", s.name(), p.name()))),
+            (s, p) => {
+                Err(Error::unsupported(format!("cannot publish {} staging into {} parameters", s.name(), p.name())))
+            }
         }
     }
 

@@ -4,13 +4,11 @@ use std::ffi::c_void;
 
 use half::{bf16, f16};
 
-use super::pool::{so_pool, pool_arg};
+use super::pool::{pool_arg, so_pool};
 use super::types::{dtype_from_raw, so_adam_buffers, so_adam_hparams, so_update_options};
 use super::{ffi_boundary, non_null, read_struct};
 use crate::error::{Error, Result, Status};
-use crate::kernels::{
-    self, AdamBuffers, AdamHyper, CopyOutMut, DType, GradRef, MomentsMut, ParamMut, UpdateOptions,
-};
+use crate::kernels::{self, AdamBuffers, AdamHyper, CopyOutMut, DType, GradRef, MomentsMut, ParamMut, UpdateOptions};
 
 /// Returns hyperparameters with `torch.optim.AdamW`'s defaults for the first step:
 /// AdamW, lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01, bias correction on,
@@ -55,9 +53,7 @@ fn empty_buffers() -> so_adam_buffers {
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn so_update_options_default() -> so_update_options {
-    ffi_boundary!("so_update_options_default", fallback = default_update_options(), {
-        default_update_options()
-    })
+    ffi_boundary!("so_update_options_default", fallback = default_update_options(), { default_update_options() })
 }
 
 fn default_update_options() -> so_update_options {
@@ -108,11 +104,8 @@ pub unsafe extern "C" fn so_adam_update(
         // SAFETY: pointers are NULL or point to the documented structs.
         let hp = unsafe { read_struct(hparams, "hparams")? }.to_hyper()?;
         let raw = unsafe { read_struct(buffers, "buffers")? };
-        let opts = if options.is_null() {
-            default_update_options()
-        } else {
-            unsafe { read_struct(options, "options")? }
-        };
+        let opts =
+            if options.is_null() { default_update_options() } else { unsafe { read_struct(options, "options")? } };
         let opts = UpdateOptions {
             grad_scale: opts.grad_scale,
             check_finite: opts.check_finite,
@@ -240,8 +233,8 @@ pub unsafe extern "C" fn so_grad_sumsq(
 ) -> Status {
     ffi_boundary!("so_grad_sumsq", {
         non_null(out_sumsq, "out_sumsq")?;
-        let dtype = dtype_from_raw(grad_dtype, "grad_dtype")?
-            .ok_or_else(|| Error::invalid("grad_dtype is SO_DTYPE_NONE"))?;
+        let dtype =
+            dtype_from_raw(grad_dtype, "grad_dtype")?.ok_or_else(|| Error::invalid("grad_dtype is SO_DTYPE_NONE"))?;
         let pool = unsafe { pool_arg(pool)? };
         let sumsq = if numel == 0 {
             kernels::grad_sumsq(&pool, GradRef::F32(&[]), scale)?
@@ -350,10 +343,9 @@ fn check_dtypes(raw: &so_adam_buffers) -> Result<CheckedDtypes> {
     }
     match (copy, raw.param_copy.is_null()) {
         (None, false) => Err(Error::invalid("buffers->param_copy is set but param_copy_dtype is SO_DTYPE_NONE")),
-        (Some(_), true) if raw.numel > 0 => Err(Error::new(
-            Status::NullArgument,
-            "buffers->param_copy is NULL but param_copy_dtype asks for a copy",
-        )),
+        (Some(_), true) if raw.numel > 0 => {
+            Err(Error::new(Status::NullArgument, "buffers->param_copy is NULL but param_copy_dtype asks for a copy"))
+        }
         _ => Ok(CheckedDtypes { param, grad, moments, copy }),
     }
 }
@@ -389,9 +381,7 @@ unsafe fn borrow_buffers<'a>(raw: &so_adam_buffers) -> Result<Option<AdamBuffers
             },
             grad: grad.grad(),
             moments: match dtypes.moments {
-                DType::Bf16 => {
-                    MomentsMut::Bf16 { exp_avg: exp_avg.slice_mut(), exp_avg_sq: exp_avg_sq.slice_mut() }
-                }
+                DType::Bf16 => MomentsMut::Bf16 { exp_avg: exp_avg.slice_mut(), exp_avg_sq: exp_avg_sq.slice_mut() },
                 _ => MomentsMut::F32 { exp_avg: exp_avg.slice_mut(), exp_avg_sq: exp_avg_sq.slice_mut() },
             },
             copy_out: copy.map(|c| match c.dtype {

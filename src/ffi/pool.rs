@@ -69,16 +69,26 @@ fn default_options() -> so_pool_options {
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 #[must_use]
-pub unsafe extern "C" fn so_pool_create(options: *const so_pool_options, out_pool: *mut *mut so_pool) -> crate::error::Status {
+pub unsafe extern "C" fn so_pool_create(
+    options: *const so_pool_options,
+    out_pool: *mut *mut so_pool,
+) -> crate::error::Status {
     ffi_boundary!("so_pool_create", {
         non_null(out_pool, "out_pool")?;
         let raw = if options.is_null() { default_options() } else { unsafe { read_struct(options, "options")? } };
         let cores = match (raw.cores.is_null(), raw.num_cores) {
             (true, 0) => None,
-            (true, _) => return Err(Error::new(crate::error::Status::NullArgument, "options->cores is NULL but num_cores is not 0")),
+            (true, _) => {
+                return Err(Error::new(
+                    crate::error::Status::NullArgument,
+                    "options->cores is NULL but num_cores is not 0",
+                ));
+            }
             (false, 0) => return Err(Error::invalid("options->cores is set but num_cores is 0")),
             // SAFETY: the header requires `cores` to hold `num_cores` entries.
-            (false, n) => Some(unsafe { std::slice::from_raw_parts(raw.cores, n) }.iter().map(|&c| c as usize).collect()),
+            (false, n) => {
+                Some(unsafe { std::slice::from_raw_parts(raw.cores, n) }.iter().map(|&c| c as usize).collect())
+            }
         };
         let options = PoolOptions { num_threads: raw.num_threads, cores, isa: isa_from_raw(raw.isa)? };
         let pool = Arc::new(Pool::new(&options)?);

@@ -6,9 +6,9 @@ use std::time::Duration;
 use super::pool::{pool_arg, so_pool};
 use super::types::{dtype_from_raw, dtype_to_raw, so_adam_mode, so_dtype};
 use super::{WithStructSize, check_struct_size, ffi_boundary, non_null, read_struct};
+use crate::cuda::{CudaOptions, CudaSession};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{AdamMode, DType, Floats};
-use crate::cuda::{CudaOptions, CudaSession};
 use crate::session::{
     Borrowed, GroupHparams, LossScalerOptions, NormSource, Session, SessionOptions, SliceDesc, StepArgs, StepResult,
     SubGroupDesc, TicketState,
@@ -434,7 +434,10 @@ pub extern "C" fn so_step_args_default() -> so_step_args {
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 #[must_use]
-pub unsafe extern "C" fn so_session_create(options: *const so_session_options, out_session: *mut *mut so_session) -> Status {
+pub unsafe extern "C" fn so_session_create(
+    options: *const so_session_options,
+    out_session: *mut *mut so_session,
+) -> Status {
     ffi_boundary!("so_session_create", {
         non_null(out_session, "out_session")?;
         // SAFETY: as documented; see `session_options`.
@@ -490,7 +493,9 @@ unsafe fn session_options(options: *const so_session_options) -> Result<SessionO
             (true, 0) => None,
             (true, _) => return Err(Error::new(Status::NullArgument, "options->cores is NULL but num_cores is not 0")),
             (false, 0) => return Err(Error::invalid("options->cores is set but num_cores is 0")),
-            (false, n) => Some(unsafe { std::slice::from_raw_parts(raw.cores, n) }.iter().map(|&c| c as usize).collect()),
+            (false, n) => {
+                Some(unsafe { std::slice::from_raw_parts(raw.cores, n) }.iter().map(|&c| c as usize).collect())
+            }
         };
         let mode = match raw.mode {
             x if x == so_adam_mode::Adamw as u32 => AdamMode::AdamW,
@@ -573,7 +578,11 @@ pub unsafe extern "C" fn so_session_add_group(
 /// @note Thread-safety: see `so_session`.
 #[unsafe(no_mangle)]
 #[must_use]
-pub unsafe extern "C" fn so_session_set_group(session: *mut so_session, group: u32, hparams: *const so_group_hparams) -> Status {
+pub unsafe extern "C" fn so_session_set_group(
+    session: *mut so_session,
+    group: u32,
+    hparams: *const so_group_hparams,
+) -> Status {
     ffi_boundary!("so_session_set_group", {
         let s = unsafe { session_ref(session)? };
         let hp = unsafe { read_struct(hparams, "hparams")? };
@@ -674,9 +683,7 @@ pub unsafe extern "C" fn so_session_add_subgroup(
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn so_session_remove_subgroup(session: *mut so_session, subgroup: u32) -> Status {
-    ffi_boundary!("so_session_remove_subgroup", {
-        unsafe { session_ref(session)? }.remove_subgroup(subgroup)
-    })
+    ffi_boundary!("so_session_remove_subgroup", { unsafe { session_ref(session)? }.remove_subgroup(subgroup) })
 }
 
 /// @brief Looks up the id of a slice by name (ids are stable for the session's lifetime;
@@ -685,7 +692,11 @@ pub unsafe extern "C" fn so_session_remove_subgroup(session: *mut so_session, su
 /// @note Thread-safety: see `so_session`.
 #[unsafe(no_mangle)]
 #[must_use]
-pub unsafe extern "C" fn so_session_slice_id(session: *const so_session, name: *const c_char, out_slice: *mut u32) -> Status {
+pub unsafe extern "C" fn so_session_slice_id(
+    session: *const so_session,
+    name: *const c_char,
+    out_slice: *mut u32,
+) -> Status {
     ffi_boundary!("so_session_slice_id", {
         let s = unsafe { session_ref(session)? };
         non_null(name, "name")?;
@@ -786,7 +797,11 @@ pub unsafe extern "C" fn so_session_grad_copy(
 /// @note Thread-safety: see `so_session`.
 #[unsafe(no_mangle)]
 #[must_use]
-pub unsafe extern "C" fn so_session_grad_written(session: *mut so_session, slice: u32, out_ticket: *mut so_ticket) -> Status {
+pub unsafe extern "C" fn so_session_grad_written(
+    session: *mut so_session,
+    slice: u32,
+    out_ticket: *mut so_ticket,
+) -> Status {
     ffi_boundary!("so_session_grad_written", {
         let ticket = unsafe { session_ref(session)? }.grad_written(slice)?;
         unsafe { write_opt(out_ticket, ticket.unwrap_or(0)) };
@@ -803,7 +818,11 @@ pub unsafe extern "C" fn so_session_grad_written(session: *mut so_session, slice
 /// @note Thread-safety: see `so_session`.
 #[unsafe(no_mangle)]
 #[must_use]
-pub unsafe extern "C" fn so_session_local_grad_sumsq(session: *mut so_session, timeout_ns: i64, out_sumsq: *mut f64) -> Status {
+pub unsafe extern "C" fn so_session_local_grad_sumsq(
+    session: *mut so_session,
+    timeout_ns: i64,
+    out_sumsq: *mut f64,
+) -> Status {
     ffi_boundary!("so_session_local_grad_sumsq", {
         let s = unsafe { session_ref(session)? };
         non_null(out_sumsq, "out_sumsq")?;
@@ -829,7 +848,11 @@ pub unsafe extern "C" fn so_session_local_grad_sumsq(session: *mut so_session, t
 /// @note Thread-safety: see `so_session`.
 #[unsafe(no_mangle)]
 #[must_use]
-pub unsafe extern "C" fn so_session_step(session: *mut so_session, args: *const so_step_args, out_ticket: *mut so_ticket) -> Status {
+pub unsafe extern "C" fn so_session_step(
+    session: *mut so_session,
+    args: *const so_step_args,
+    out_ticket: *mut so_ticket,
+) -> Status {
     ffi_boundary!("so_session_step", {
         let h = unsafe { handle_ref(session)? };
         non_null(out_ticket, "out_ticket")?;
@@ -893,7 +916,11 @@ pub unsafe extern "C" fn so_session_step_result(
 /// @note Thread-safety: see `so_session`.
 #[unsafe(no_mangle)]
 #[must_use]
-pub unsafe extern "C" fn so_session_final_ticket(session: *const so_session, subgroup: u32, out_ticket: *mut so_ticket) -> Status {
+pub unsafe extern "C" fn so_session_final_ticket(
+    session: *const so_session,
+    subgroup: u32,
+    out_ticket: *mut so_ticket,
+) -> Status {
     ffi_boundary!("so_session_final_ticket", {
         let t = unsafe { session_ref(session)? }.final_ticket(subgroup)?;
         unsafe { write_out(out_ticket, "out_ticket", t) }
@@ -905,7 +932,11 @@ pub unsafe extern "C" fn so_session_final_ticket(session: *const so_session, sub
 /// @note Thread-safety: see `so_session`.
 #[unsafe(no_mangle)]
 #[must_use]
-pub unsafe extern "C" fn so_session_step_count(session: *const so_session, subgroup: u32, out_count: *mut u64) -> Status {
+pub unsafe extern "C" fn so_session_step_count(
+    session: *const so_session,
+    subgroup: u32,
+    out_count: *mut u64,
+) -> Status {
     ffi_boundary!("so_session_step_count", {
         let n = unsafe { session_ref(session)? }.step_count(subgroup)?;
         unsafe { write_out(out_count, "out_count", n) }
@@ -1048,7 +1079,11 @@ unsafe impl WithStructSize for so_cuda_options {
 
 fn cuda_defaults() -> so_cuda_options {
     let d = CudaOptions::default();
-    so_cuda_options { struct_size: std::mem::size_of::<so_cuda_options>(), device: d.device, piece_bytes: d.piece_bytes }
+    so_cuda_options {
+        struct_size: std::mem::size_of::<so_cuda_options>(),
+        device: d.device,
+        piece_bytes: d.piece_bytes,
+    }
 }
 
 /// Returns CUDA options: device 0, 16 MiB pieces; `struct_size` set.
@@ -1139,7 +1174,11 @@ pub unsafe extern "C" fn so_session_set_compute_stream(session: *mut so_session,
 /// @note Thread-safety: see `so_session`.
 #[unsafe(no_mangle)]
 #[must_use]
-pub unsafe extern "C" fn so_ticket_enqueue_wait(session: *const so_session, ticket: so_ticket, stream: so_cuda_stream_t) -> Status {
+pub unsafe extern "C" fn so_ticket_enqueue_wait(
+    session: *const so_session,
+    ticket: so_ticket,
+    stream: so_cuda_stream_t,
+) -> Status {
     ffi_boundary!("so_ticket_enqueue_wait", {
         let c = unsafe { cuda_ref(session, "so_ticket_enqueue_wait")? };
         if ticket == 0 {
@@ -1155,7 +1194,10 @@ pub unsafe extern "C" fn so_ticket_enqueue_wait(session: *const so_session, tick
 /// @note Thread-safety: see `so_session`.
 #[unsafe(no_mangle)]
 #[must_use]
-pub unsafe extern "C" fn so_session_copy_stream(session: *const so_session, out_stream: *mut so_cuda_stream_t) -> Status {
+pub unsafe extern "C" fn so_session_copy_stream(
+    session: *const so_session,
+    out_stream: *mut so_cuda_stream_t,
+) -> Status {
     ffi_boundary!("so_session_copy_stream", {
         let c = unsafe { cuda_ref(session, "so_session_copy_stream")? };
         unsafe { write_out(out_stream, "out_stream", c.copy_stream().cast()) }

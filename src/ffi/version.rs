@@ -39,12 +39,11 @@ pub extern "C" fn so_abi_version() -> u32 {
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn so_version_string() -> *const c_char {
-    const VERSION: &std::ffi::CStr = match std::ffi::CStr::from_bytes_with_nul(
-        concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes(),
-    ) {
-        Ok(v) => v,
-        Err(_) => panic!("version has an interior NUL"),
-    };
+    const VERSION: &std::ffi::CStr =
+        match std::ffi::CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
+            Ok(v) => v,
+            Err(_) => panic!("version has an interior NUL"),
+        };
     ffi_boundary!("so_version_string", fallback = VERSION.as_ptr(), { VERSION.as_ptr() })
 }
 

@@ -70,13 +70,7 @@ pub(crate) fn step_chunk<S: Simd, O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>
             tg[..len].copy_from_slice(&g[i..end]);
             tm[..len].copy_from_slice(&m[i..end]);
             tv[..len].copy_from_slice(&v[i..end]);
-            let r = op.apply(
-                s,
-                s.load(&tp[..lanes]),
-                s.load(&tg[..lanes]),
-                s.load(&tm[..lanes]),
-                s.load(&tv[..lanes]),
-            );
+            let r = op.apply(s, s.load(&tp[..lanes]), s.load(&tg[..lanes]), s.load(&tm[..lanes]), s.load(&tv[..lanes]));
             s.store(&mut tp[..lanes], r.p);
             s.store(&mut tm[..lanes], r.m);
             s.store(&mut tv[..lanes], r.v);

@@ -427,7 +427,6 @@ fn require_master_weights(what: &str, bufs: &AdamBuffers<'_>) -> Result<()> {
     Ok(())
 }
 
-
 fn isa_vanished() -> Error {
     Error::new(Status::Unsupported, "the pool's instruction set is not available on this CPU")
 }

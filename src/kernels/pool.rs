@@ -95,9 +95,7 @@ impl Pool {
             (None, n) => n,
         };
         if num_threads > MAX_THREADS {
-            return Err(Error::invalid(format!(
-                "num_threads is {num_threads}; at most {MAX_THREADS} are supported"
-            )));
+            return Err(Error::invalid(format!("num_threads is {num_threads}; at most {MAX_THREADS} are supported")));
         }
 
         let handles = Arc::new(Mutex::new(Vec::with_capacity(num_threads)));
@@ -114,7 +112,13 @@ impl Pool {
             .map_err(|e| Error::new(Status::OutOfResources, format!("cannot start pool threads: {e}")))?;
         let handles = std::mem::take(&mut *handles.lock().unwrap());
 
-        let pool = Pool { threads: Some(threads), num_threads, cores: options.cores.clone(), isa, handles: Mutex::new(handles) };
+        let pool = Pool {
+            threads: Some(threads),
+            num_threads,
+            cores: options.cores.clone(),
+            isa,
+            handles: Mutex::new(handles),
+        };
         // Every thread runs this once: afterwards all are pinned.
         let cores = pool.cores.clone();
         let pinned = pool.rayon().broadcast(|ctx| match &cores {
@@ -163,7 +167,11 @@ impl Pool {
 
 impl std::fmt::Debug for Pool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pool").field("isa", &self.isa).field("threads", &self.num_threads).field("cores", &self.cores).finish()
+        f.debug_struct("Pool")
+            .field("isa", &self.isa)
+            .field("threads", &self.num_threads)
+            .field("cores", &self.cores)
+            .finish()
     }
 }
 
@@ -246,7 +254,10 @@ pub fn pin_current_thread_to(cores: &[usize]) -> Result<()> {
         libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
     };
     if rc != 0 {
-        return Err(Error::new(Status::OutOfResources, format!("sched_setaffinity: {}", std::io::Error::last_os_error())));
+        return Err(Error::new(
+            Status::OutOfResources,
+            format!("sched_setaffinity: {}", std::io::Error::last_os_error()),
+        ));
     }
     Ok(())
 }

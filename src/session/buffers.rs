@@ -65,9 +65,8 @@ pub(crate) struct HostBuf {
 
 fn zeroed<T: Clone>(len: usize, zero: T, what: &str) -> Result<Vec<T>> {
     let mut v = Vec::new();
-    v.try_reserve_exact(len).map_err(|_| {
-        Error::new(Status::OutOfResources, format!("cannot allocate {len} elements for {what}"))
-    })?;
+    v.try_reserve_exact(len)
+        .map_err(|_| Error::new(Status::OutOfResources, format!("cannot allocate {len} elements for {what}")))?;
     v.resize(len, zero);
     Ok(v)
 }

@@ -14,7 +14,7 @@ use std::path::Path;
 use safetensors::tensor::{Dtype, SafeTensors, View};
 
 use super::scaler::{LossScaler, LossScalerOptions};
-use super::{GroupHparams, Phase, SgData, Session};
+use super::{GroupHparams, Phase, Session, SgData};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{AdamMode, DType};
 
@@ -67,7 +67,10 @@ impl View for &TensorBytes<'_> {
 
 /// The checksum of a checkpoint: every tensor (name and bytes) and every metadata entry
 /// but the checksum itself, in name order.
-fn checkpoint_checksum<'a>(tensors: impl Iterator<Item = (&'a str, &'a [u8])>, meta: &'a HashMap<String, String>) -> u64 {
+fn checkpoint_checksum<'a>(
+    tensors: impl Iterator<Item = (&'a str, &'a [u8])>,
+    meta: &'a HashMap<String, String>,
+) -> u64 {
     let mut entries: Vec<(&str, &str)> =
         meta.iter().filter(|(k, _)| k.as_str() != "checksum").map(|(k, v)| (k.as_str(), v.as_str())).collect();
     entries.sort();
@@ -116,7 +119,9 @@ impl Session {
         put(&mut meta, "moment_dtype", self.options.moment_dtype.name());
         put(&mut meta, "groups", t.groups.len());
         for (i, g) in t.groups.iter().enumerate() {
-            for (field, value) in [("lr", g.lr), ("beta1", g.beta1), ("beta2", g.beta2), ("eps", g.eps), ("weight_decay", g.weight_decay)] {
+            for (field, value) in
+                [("lr", g.lr), ("beta1", g.beta1), ("beta2", g.beta2), ("eps", g.eps), ("weight_decay", g.weight_decay)]
+            {
                 // Rust prints the shortest decimal that parses back to the same f64.
                 put(&mut meta, format!("group.{i}.{field}"), value);
             }
@@ -169,13 +174,14 @@ impl Session {
             path.file_name().map_or("checkpoint".into(), |n| n.to_string_lossy()),
             std::process::id()
         ));
-        let written = safetensors::tensor::serialize_to_file(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(meta), &tmp)
-            .map_err(|e| Error::new(Status::Io, format!("cannot write {}: {e}", tmp.display())))
-            .and_then(|()| {
-                let file = std::fs::File::open(&tmp).map_err(|e| io(&tmp, "cannot reopen", e))?;
-                file.sync_all().map_err(|e| io(&tmp, "cannot fsync", e))?;
-                std::fs::rename(&tmp, path).map_err(|e| io(path, "cannot rename the checkpoint to", e))
-            });
+        let written =
+            safetensors::tensor::serialize_to_file(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(meta), &tmp)
+                .map_err(|e| Error::new(Status::Io, format!("cannot write {}: {e}", tmp.display())))
+                .and_then(|()| {
+                    let file = std::fs::File::open(&tmp).map_err(|e| io(&tmp, "cannot reopen", e))?;
+                    file.sync_all().map_err(|e| io(&tmp, "cannot fsync", e))?;
+                    std::fs::rename(&tmp, path).map_err(|e| io(path, "cannot rename the checkpoint to", e))
+                });
         if written.is_err() {
             let _ = std::fs::remove_file(&tmp);
         }
@@ -198,17 +204,22 @@ impl Session {
         }
         self.shared.tickets.drain();
         let bytes = std::fs::read(path).map_err(|e| io(path, "cannot read", e))?;
-        let (_, header) =
-            SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("{}: not a readable safetensors file: {e}", path.display())))?;
+        let (_, header) = SafeTensors::read_metadata(&bytes)
+            .map_err(|e| bad(format!("{}: not a readable safetensors file: {e}", path.display())))?;
         let file = SafeTensors::deserialize(&bytes)
             .map_err(|e| bad(format!("{}: truncated or corrupt safetensors data: {e}", path.display())))?;
         let meta = header.metadata().clone().unwrap_or_default();
-        let get = |key: &str| meta.get(key).map(String::as_str).ok_or_else(|| bad(format!("checkpoint metadata lacks {key:?}")));
+        let get = |key: &str| {
+            meta.get(key).map(String::as_str).ok_or_else(|| bad(format!("checkpoint metadata lacks {key:?}")))
+        };
         let parse = |key: &str| -> Result<f64> {
             get(key)?.parse::<f64>().map_err(|_| bad(format!("checkpoint metadata {key:?} is not a number")))
         };
         if get("format")? != FORMAT || get("format_version")? != FORMAT_VERSION {
-            return Err(bad(format!("{} is not a superoffload checkpoint of format version {FORMAT_VERSION}", path.display())));
+            return Err(bad(format!(
+                "{} is not a superoffload checkpoint of format version {FORMAT_VERSION}",
+                path.display()
+            )));
         }
         for (key, ours) in [
             ("mode", mode_name(self.options.mode).to_string()),
@@ -236,7 +247,13 @@ impl Session {
         let mut new_groups = Vec::with_capacity(groups);
         for i in 0..groups {
             let f = |field: &str| parse(&format!("group.{i}.{field}"));
-            let g = GroupHparams { lr: f("lr")?, beta1: f("beta1")?, beta2: f("beta2")?, eps: f("eps")?, weight_decay: f("weight_decay")? };
+            let g = GroupHparams {
+                lr: f("lr")?,
+                beta1: f("beta1")?,
+                beta2: f("beta2")?,
+                eps: f("eps")?,
+                weight_decay: f("weight_decay")?,
+            };
             super::validate_group(&g).map_err(|e| bad(format!("group {i}: {}", e.message)))?;
             new_groups.push(g);
         }
@@ -278,7 +295,10 @@ impl Session {
             for i in track.slices.clone() {
                 let slice = &t.slices[i];
                 if !meta.contains_key(&format!("slice.{}.group", slice.name)) {
-                    return Err(bad(format!("the checkpoint lacks slice {:?}, which this session registers", slice.name)));
+                    return Err(bad(format!(
+                        "the checkpoint lacks slice {:?}, which this session registers",
+                        slice.name
+                    )));
                 }
                 let group = parse(&format!("slice.{}.group", slice.name))?;
                 if group != track.sg.group as f64 {
@@ -287,7 +307,8 @@ impl Session {
                         slice.name, track.sg.group
                     )));
                 }
-                let count = get(&format!("slice.{}.step", slice.name))?.parse::<u64>().map_err(|_| bad("bad step count"))?;
+                let count =
+                    get(&format!("slice.{}.step", slice.name))?.parse::<u64>().map_err(|_| bad("bad step count"))?;
                 if *step.get_or_insert(count) != count {
                     return Err(bad(format!(
                         "sub-group {}'s slices have different step counts in the checkpoint; slices stepped \
@@ -295,7 +316,9 @@ impl Session {
                         track.sg.id
                     )));
                 }
-                for (prefix, buf) in [("master", &data.master), ("exp_avg", &data.exp_avg), ("exp_avg_sq", &data.exp_avg_sq)] {
+                for (prefix, buf) in
+                    [("master", &data.master), ("exp_avg", &data.exp_avg), ("exp_avg_sq", &data.exp_avg_sq)]
+                {
                     let name = format!("{prefix}/{}", slice.name);
                     let view = file.tensor(&name).map_err(|_| bad(format!("the checkpoint lacks tensor {name:?}")))?;
                     if view.dtype() != st_dtype(buf.dtype()) || view.shape() != [slice.range.len()] {

@@ -320,8 +320,15 @@ fn state_error(message: impl Into<String>) -> Error {
 }
 
 fn validate_group(g: &GroupHparams) -> Result<()> {
-    AdamHyper { lr: g.lr, beta1: g.beta1, beta2: g.beta2, eps: g.eps, weight_decay: g.weight_decay, ..Default::default() }
-        .validate()
+    AdamHyper {
+        lr: g.lr,
+        beta1: g.beta1,
+        beta2: g.beta2,
+        eps: g.eps,
+        weight_decay: g.weight_decay,
+        ..Default::default()
+    }
+    .validate()
 }
 
 impl Session {
@@ -350,7 +357,9 @@ impl Session {
         let pool = match (&options.pool, &options.cores) {
             (Some(_), Some(_)) => return Err(Error::invalid("give a pool or a core list, not both")),
             (Some(pool), None) => pool.clone(),
-            (None, Some(cores)) => Arc::new(Pool::new(&PoolOptions { cores: Some(cores.clone()), ..Default::default() })?),
+            (None, Some(cores)) => {
+                Arc::new(Pool::new(&PoolOptions { cores: Some(cores.clone()), ..Default::default() })?)
+            }
             (None, None) => Pool::default_pool()?,
         };
         let shared = Arc::new(WorkerShared {
@@ -602,7 +611,11 @@ impl Session {
 
     /// The slice id of a name.
     pub fn slice_id(&self, name: &str) -> Result<u32> {
-        self.lock().names.get(name).copied().ok_or_else(|| Error::new(Status::NotFound, format!("no slice is named {name:?}")))
+        self.lock()
+            .names
+            .get(name)
+            .copied()
+            .ok_or_else(|| Error::new(Status::NotFound, format!("no slice is named {name:?}")))
     }
 
     /// Host bytes the session allocated (moments, gradient buffers, late gradients).
@@ -760,7 +773,8 @@ impl Session {
     }
 
     fn slice_target(&self, t: &Tracking, slice: u32, numel: usize) -> Result<(usize, Range<usize>)> {
-        let info = t.slices.get(slice as usize).filter(|s| !s.name.is_empty()).ok_or_else(|| unknown("slice", slice))?;
+        let info =
+            t.slices.get(slice as usize).filter(|s| !s.name.is_empty()).ok_or_else(|| unknown("slice", slice))?;
         if numel != usize::MAX && numel != info.range.len() {
             return Err(Error::invalid(format!(
                 "slice {:?} has {} elements; the gradient has {numel}",
@@ -771,7 +785,14 @@ impl Session {
         Ok((info.sg as usize, info.range.clone()))
     }
 
-    fn mark_gradient(&self, t: &mut Tracking, slice: u32, sg_index: usize, micro: u32, micro_steps: u32) -> Option<Ticket> {
+    fn mark_gradient(
+        &self,
+        t: &mut Tracking,
+        slice: u32,
+        sg_index: usize,
+        micro: u32,
+        micro_steps: u32,
+    ) -> Option<Ticket> {
         let seen = std::mem::replace(&mut t.slice_seen[slice as usize], micro + 1);
         if micro + 1 != micro_steps || seen == micro + 1 {
             return None;
@@ -925,7 +946,9 @@ impl Session {
             Some((t, result)) if t == ticket => Ok(result),
             _ => Err(Error::new(
                 Status::NotFound,
-                format!("ticket {ticket} is not the ticket of the latest step; results are kept for the latest step only"),
+                format!(
+                    "ticket {ticket} is not the ticket of the latest step; results are kept for the latest step only"
+                ),
             )),
         }
     }
@@ -934,7 +957,11 @@ impl Session {
     /// first `step()`).
     pub fn final_ticket(&self, sg: u32) -> Result<Ticket> {
         let t = self.lock();
-        t.subgroups.get(sg as usize).and_then(Option::as_ref).map(|s| s.final_ticket).ok_or_else(|| unknown("sub-group", sg))
+        t.subgroups
+            .get(sg as usize)
+            .and_then(Option::as_ref)
+            .map(|s| s.final_ticket)
+            .ok_or_else(|| unknown("sub-group", sg))
     }
 
     /// Steps the sub-group has taken (skipped steps do not count). Read it after the
@@ -949,7 +976,11 @@ impl Session {
     pub fn moments(&self, sg: u32) -> Result<(Vec<f32>, Vec<f32>)> {
         let track_sg = {
             let t = self.lock();
-            t.subgroups.get(sg as usize).and_then(Option::as_ref).map(|s| s.sg.clone()).ok_or_else(|| unknown("sub-group", sg))?
+            t.subgroups
+                .get(sg as usize)
+                .and_then(Option::as_ref)
+                .map(|s| s.sg.clone())
+                .ok_or_else(|| unknown("sub-group", sg))?
         };
         self.shared.tickets.drain();
         let data = track_sg.data.lock().unwrap();
@@ -1013,9 +1044,9 @@ pub fn grad_factor(clip: f64, loss_scale: f32) -> f32 {
 fn backward_phase(t: &Tracking, what: &str) -> Result<(u32, u32)> {
     match t.phase {
         Phase::Backward { micro, micro_steps } => Ok((micro, micro_steps)),
-        Phase::Prepared { .. } => Err(state_error(format!(
-            "{what} after the backward ended with local_grad_sumsq; call step() next"
-        ))),
+        Phase::Prepared { .. } => {
+            Err(state_error(format!("{what} after the backward ended with local_grad_sumsq; call step() next")))
+        }
         Phase::Idle => Err(state_error(format!("{what} before any step has begun (call begin_step first)"))),
     }
 }
@@ -1055,10 +1086,7 @@ fn check_slices(slices: &[SliceDesc], numel: usize, names: &HashMap<String, u32>
         }
         if let Some(next) = order.get(i + 1) {
             if s.offset + s.numel > next.offset {
-                return Err(Error::new(
-                    Status::Aliasing,
-                    format!("slices {:?} and {:?} overlap", s.name, next.name),
-                ));
+                return Err(Error::new(Status::Aliasing, format!("slices {:?} and {:?} overlap", s.name, next.name)));
             }
         }
     }

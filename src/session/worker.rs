@@ -4,8 +4,8 @@
 //! finalize job decides (norm, clip factor, skip) and makes every sub-group exact, in
 //! forward order, completing each sub-group's final ticket as it goes.
 
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::collections::VecDeque;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::scaler::LossScaler;

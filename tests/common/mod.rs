@@ -49,7 +49,9 @@ pub enum Store {
 
 impl PartialEq for Store {
     fn eq(&self, other: &Store) -> bool {
-        self.dtype() == other.dtype() && self.len() == other.len() && (0..self.len()).all(|i| self.bits(i) == other.bits(i))
+        self.dtype() == other.dtype()
+            && self.len() == other.len()
+            && (0..self.len()).all(|i| self.bits(i) == other.bits(i))
     }
 }
 
@@ -162,7 +164,12 @@ impl State {
             (Store::Bf16(m), Store::Bf16(v)) => MomentsMut::Bf16 { exp_avg: m, exp_avg_sq: v },
             _ => panic!("moments must share a dtype of f32 or bf16"),
         };
-        AdamBuffers { param: self.p.param(), grad: self.g.grad(), moments, copy_out: self.out.as_mut().map(Store::copy_out) }
+        AdamBuffers {
+            param: self.p.param(),
+            grad: self.g.grad(),
+            moments,
+            copy_out: self.out.as_mut().map(Store::copy_out),
+        }
     }
 
     pub fn len(&self) -> usize {

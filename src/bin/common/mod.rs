@@ -26,7 +26,8 @@ pub fn parse_cores(flag: &str, s: &str) -> Result<Vec<usize>, String> {
         let bad = || format!("{flag}: {part:?} is not a core or a range like 2-5");
         match part.split_once('-') {
             Some((a, b)) => {
-                let (a, b): (usize, usize) = (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
+                let (a, b): (usize, usize) =
+                    (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
                 if a > b {
                     return Err(bad());
                 }

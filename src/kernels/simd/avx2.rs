@@ -16,9 +16,8 @@ pub(crate) struct Avx2 {
 
 impl Avx2 {
     pub(crate) fn detect() -> Option<Self> {
-        let supported = is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c");
+        let supported =
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
         supported.then_some(Avx2 { _proof: () })
     }
 }
@@ -99,8 +98,7 @@ impl Simd for Avx2 {
                     let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(bits, bias));
                     let magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFF_FFFF));
                     let nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F80_0000));
-                    let out =
-                        _mm256_blendv_epi8(rounded, _mm256_set1_epi32(BF16_NAN as i32), nan);
+                    let out = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(BF16_NAN as i32), nan);
                     // Pack within 128-bit halves, then gather the two low quadwords.
                     let packed = _mm256_packus_epi32(out, out);
                     let ordered = _mm256_permute4x64_epi64::<0b00_00_10_00>(packed);
@@ -141,11 +139,7 @@ impl Simd for Avx2 {
         super::reduce_lanes(lanes)
     }
 
-    fn step_chunk<O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>(
-        self,
-        op: &O,
-        chunk: StepChunk<'_, P, G, M, C>,
-    ) {
+    fn step_chunk<O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>(self, op: &O, chunk: StepChunk<'_, P, G, M, C>) {
         // SAFETY: the token proves AVX2, FMA and F16C are available.
         unsafe { step_entry(self, op, chunk) }
     }
@@ -162,11 +156,7 @@ impl Simd for Avx2 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn step_entry<O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>(
-    s: Avx2,
-    op: &O,
-    chunk: StepChunk<'_, P, G, M, C>,
-) {
+unsafe fn step_entry<O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>(s: Avx2, op: &O, chunk: StepChunk<'_, P, G, M, C>) {
     driver::step_chunk(s, op, chunk)
 }
 

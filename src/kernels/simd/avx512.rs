@@ -89,13 +89,11 @@ impl Simd for Avx512 {
                     let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, bias));
                     let magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFF_FFFF));
                     let nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7F80_0000));
-                    let out =
-                        _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(BF16_NAN as i32));
+                    let out = _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(BF16_NAN as i32));
                     _mm256_storeu_si256(dst.as_mut_ptr().cast(), _mm512_cvtepi32_epi16(out));
                 }
                 DType::F16 => {
-                    let halves =
-                        _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
+                    let halves = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
                     _mm256_storeu_si256(dst.as_mut_ptr().cast(), halves);
                 }
             }
@@ -111,9 +109,7 @@ impl Simd for Avx512 {
     fn acc_add_squares(self, acc: __m512d, x: __m512) -> __m512d {
         unsafe {
             let lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-            let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
-                _mm512_castps_pd(x),
-            )));
+            let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x))));
             let acc = _mm512_add_pd(acc, _mm512_mul_pd(lo, lo));
             _mm512_add_pd(acc, _mm512_mul_pd(hi, hi))
         }
@@ -126,11 +122,7 @@ impl Simd for Avx512 {
         super::reduce_lanes(lanes)
     }
 
-    fn step_chunk<O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>(
-        self,
-        op: &O,
-        chunk: StepChunk<'_, P, G, M, C>,
-    ) {
+    fn step_chunk<O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>(self, op: &O, chunk: StepChunk<'_, P, G, M, C>) {
         // SAFETY: the token proves AVX-512F is available.
         unsafe { step_entry(self, op, chunk) }
     }

@@ -7,15 +7,15 @@
 //! uses eight logical lanes (element `i` goes to lane `i % 8`, lanes reduced by the
 //! fixed tree in [`reduce_lanes`]).
 
-use super::dtype::Elem;
 use super::driver::StepChunk;
+use super::dtype::Elem;
 use super::math::LaneOp;
 
-pub(crate) mod portable;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
+pub(crate) mod portable;
 
 /// The widest vector any back-end uses, in f32 lanes.
 pub(crate) const MAX_LANES: usize = 16;
@@ -49,11 +49,7 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     fn acc_total(self, acc: Self::Acc) -> f64;
 
     /// Runs one chunk of a step-shaped pass with this instruction set enabled.
-    fn step_chunk<O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>(
-        self,
-        op: &O,
-        chunk: StepChunk<'_, P, G, M, C>,
-    );
+    fn step_chunk<O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>(self, op: &O, chunk: StepChunk<'_, P, G, M, C>);
 
     /// Runs one chunk of the read-only sum-of-squares pass.
     fn sumsq_chunk<G: Elem>(self, scale: f32, grad: &[G], partials: &mut [f64]);

@@ -79,11 +79,7 @@ impl Simd for Portable {
         reduce_lanes(acc.lanes)
     }
 
-    fn step_chunk<O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>(
-        self,
-        op: &O,
-        chunk: StepChunk<'_, P, G, M, C>,
-    ) {
+    fn step_chunk<O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>(self, op: &O, chunk: StepChunk<'_, P, G, M, C>) {
         driver::step_chunk(self, op, chunk)
     }
 
