@@ -57,7 +57,8 @@ class StepResult(C.Structure):
                 ("global_norm", C.c_double), ("clip_coef", C.c_double), ("grad_factor", C.c_float),
                 ("loss_scale", C.c_float), ("next_loss_scale", C.c_float), ("speculative", C.c_uint32),
                 ("late_gradients", C.c_uint32), ("kept", C.c_uint32), ("rescaled", C.c_uint32),
-                ("rolled_back", C.c_uint32), ("redone", C.c_uint32), ("stepped", C.c_uint32)]
+                ("rolled_back", C.c_uint32), ("redone", C.c_uint32), ("stepped", C.c_uint32),
+                ("skip_reason", C.c_uint32)]
 
 
 class CudaOptions(C.Structure):

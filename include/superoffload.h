@@ -240,6 +240,44 @@ typedef uint32_t so_norm_source;
 #endif // __cplusplus
 
 /**
+ * Why a step was skipped (`so_step_result.skip_reason`).
+ */
+enum so_skip_reason
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * The step was not skipped.
+   */
+  SO_SKIP_REASON_NONE = 0,
+  /**
+   * The caller reported an overflow (`so_step_args.overflow`).
+   */
+  SO_SKIP_REASON_OVERFLOW = 1,
+  /**
+   * A gradient element was inf or NaN; with the local norm, `global_norm` is inf or NaN too.
+   */
+  SO_SKIP_REASON_NON_FINITE_GRADIENT = 2,
+  /**
+   * The caller-given global norm was inf or NaN.
+   */
+  SO_SKIP_REASON_NON_FINITE_NORM = 3,
+  /**
+   * `clip_coef / loss_scale` rounds to 0 or overflows in f32 (e.g. a `max_norm` below the
+   * f32 range), so no gradient could be stepped with it.
+   */
+  SO_SKIP_REASON_UNUSABLE_FACTOR = 4,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum so_skip_reason so_skip_reason;
+#else
+typedef uint32_t so_skip_reason;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A pool of CPU threads that kernels (and sessions) split their work across.
  *
  * Under the hood this is an `Arc` of the pool: a session created with a pool keeps it
@@ -693,12 +731,13 @@ typedef struct so_step_result {
    */
   uint64_t serial;
   /**
-   * The step was skipped (overflow, non-finite gradient or norm): every speculative
-   * step was rolled back, step counts are unchanged.
+   * The step was skipped (see `skip_reason`): every speculative step was rolled back,
+   * step counts are unchanged.
    */
   bool skipped;
   /**
-   * Global norm of the unscaled gradient.
+   * Global norm of the unscaled gradient (inf or NaN when a gradient element was; the
+   * caller's value with `SO_NORM_SOURCE_GIVEN`).
    */
   double global_norm;
   /**
@@ -745,6 +784,10 @@ typedef struct so_step_result {
    * Sub-groups stepped at step() that had not speculated.
    */
   uint32_t stepped;
+  /**
+   * Why the step was skipped: one of `so_skip_reason` (`SO_SKIP_REASON_NONE` when it was not).
+   */
+  uint32_t skip_reason;
 } so_step_result;
 
 #ifdef __cplusplus
@@ -1195,8 +1238,9 @@ so_status so_session_local_grad_sumsq(struct so_session *session,
 
 /**
  * @brief Ends the step and returns at once: the CPU-Adam thread takes the norm (local or
- * given), decides whether to skip (caller overflow, non-finite gradient or norm) and the
- * clip factor `f = min(1, max_norm / (norm + 1e-6)) / loss_scale`, then makes every
+ * given), decides whether to skip (caller overflow, non-finite gradient or norm, or a factor
+ * that is 0 or inf in f32: `so_step_result.skip_reason`) and the clip factor
+ * `f = min(1, max_norm / (norm + 1e-6)) / loss_scale`, then makes every
  * sub-group exact in registration order: a speculative step with the same factor is kept,
  * with another factor rescaled in one pass, after a late gradient or a change of
  * hyperparameters rolled back and redone, on a skipped step rolled back; sub-groups that
@@ -1207,7 +1251,8 @@ so_status so_session_local_grad_sumsq(struct so_session *session,
  * @param out_ticket Receives the ticket that completes when every sub-group is final;
  *        pass it to `so_session_step_result`.
  * @return `SO_STATUS_OK`; `SO_STATUS_INVALID_STATE` without `so_session_begin_step`;
- *         `SO_STATUS_INVALID_ARGUMENT` for a bad `max_norm` or norm source.
+ *         `SO_STATUS_INVALID_ARGUMENT` for a bad `max_norm`, norm source or a negative
+ *         given norm (nothing changes then; the step can be given to step() again).
  * @note Thread-safety: see `so_session`.
  */
 SO_NODISCARD

@@ -1004,7 +1004,7 @@ struct StepArgs {
  */
 struct StepResult {
     std::uint64_t serial = 0;        ///< 1 for the session's first step, then one more per begin_step.
-    bool skipped = false;            ///< Overflow, non-finite gradient or norm: nothing was stepped.
+    bool skipped = false;            ///< Nothing was stepped (skip_reason says why).
     double global_norm = 0.0;        ///< Global norm of the unscaled gradient.
     double clip_coef = 1.0;          ///< Clip coefficient applied (1 when not clipped or skipped).
     float grad_factor = 0.0f;        ///< The factor the gradients were stepped with: clip_coef / loss_scale.
@@ -1017,6 +1017,7 @@ struct StepResult {
     std::uint32_t rolled_back = 0;   ///< Speculative steps undone (skipped step).
     std::uint32_t redone = 0;        ///< Speculative steps undone and taken again.
     std::uint32_t stepped = 0;       ///< Sub-groups stepped at step() that had not speculated.
+    so_skip_reason skip_reason = SO_SKIP_REASON_NONE; ///< Why the step was skipped.
 
     /** All zero (clip_coef 1). @note Never throws. */
     StepResult() noexcept = default;
@@ -1026,7 +1027,8 @@ struct StepResult {
         : serial(raw.serial), skipped(raw.skipped), global_norm(raw.global_norm), clip_coef(raw.clip_coef),
           grad_factor(raw.grad_factor), loss_scale(raw.loss_scale), next_loss_scale(raw.next_loss_scale),
           speculative(raw.speculative), late_gradients(raw.late_gradients), kept(raw.kept), rescaled(raw.rescaled),
-          rolled_back(raw.rolled_back), redone(raw.redone), stepped(raw.stepped) {}
+          rolled_back(raw.rolled_back), redone(raw.redone), stepped(raw.stepped),
+          skip_reason(static_cast<so_skip_reason>(raw.skip_reason)) {}
 };
 
 /** Where the work behind a ticket stands (TicketStatus::state). */

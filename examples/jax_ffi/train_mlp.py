@@ -37,7 +37,8 @@ class Options(C.Structure):
 class Result(C.Structure):
     _fields_ = [("serial", C.c_uint64), ("skipped", C.c_int32), ("global_norm", C.c_double), ("clip_coef", C.c_double),
                 ("speculative", C.c_uint32), ("kept", C.c_uint32), ("rescaled", C.c_uint32),
-                ("rolled_back", C.c_uint32), ("redone", C.c_uint32), ("stepped", C.c_uint32)]
+                ("rolled_back", C.c_uint32), ("redone", C.c_uint32), ("stepped", C.c_uint32),
+                ("skip_reason", C.c_uint32)]
 
 
 class Lib:

@@ -10,7 +10,7 @@ use crate::cuda::{CudaOptions, CudaSession};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{AdamMode, DType, Floats};
 use crate::session::{
-    Borrowed, GroupHparams, LossScalerOptions, NormSource, Session, SessionOptions, SliceDesc, StepArgs, StepResult,
+    Borrowed, GroupHparams, LossScalerOptions, NormSource, Session, SessionOptions, SkipReason, SliceDesc, StepArgs, StepResult,
     SubGroupDesc, TicketState,
 };
 
@@ -182,10 +182,11 @@ pub struct so_step_result {
     pub struct_size: usize,
     /// 1 for the session's first step, then one more per `so_session_begin_step`.
     pub serial: u64,
-    /// The step was skipped (overflow, non-finite gradient or norm): every speculative
-    /// step was rolled back, step counts are unchanged.
+    /// The step was skipped (see `skip_reason`): every speculative step was rolled back,
+    /// step counts are unchanged.
     pub skipped: bool,
-    /// Global norm of the unscaled gradient.
+    /// Global norm of the unscaled gradient (inf or NaN when a gradient element was; the
+    /// caller's value with `SO_NORM_SOURCE_GIVEN`).
     pub global_norm: f64,
     /// Clip coefficient applied (1 when not clipped or skipped).
     pub clip_coef: f64,
@@ -209,6 +210,25 @@ pub struct so_step_result {
     pub redone: u32,
     /// Sub-groups stepped at step() that had not speculated.
     pub stepped: u32,
+    /// Why the step was skipped: one of `so_skip_reason` (`SO_SKIP_REASON_NONE` when it was not).
+    pub skip_reason: u32,
+}
+
+/// Why a step was skipped (`so_step_result.skip_reason`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum so_skip_reason {
+    /// The step was not skipped.
+    None = 0,
+    /// The caller reported an overflow (`so_step_args.overflow`).
+    Overflow = 1,
+    /// A gradient element was inf or NaN; with the local norm, `global_norm` is inf or NaN too.
+    NonFiniteGradient = 2,
+    /// The caller-given global norm was inf or NaN.
+    NonFiniteNorm = 3,
+    /// `clip_coef / loss_scale` rounds to 0 or overflows in f32 (e.g. a `max_norm` below the
+    /// f32 range), so no gradient could be stepped with it.
+    UnusableFactor = 4,
 }
 
 // SAFETY (all): `#[repr(C)]` with `struct_size: usize` first.
@@ -832,8 +852,9 @@ pub unsafe extern "C" fn so_session_local_grad_sumsq(
 }
 
 /// @brief Ends the step and returns at once: the CPU-Adam thread takes the norm (local or
-/// given), decides whether to skip (caller overflow, non-finite gradient or norm) and the
-/// clip factor `f = min(1, max_norm / (norm + 1e-6)) / loss_scale`, then makes every
+/// given), decides whether to skip (caller overflow, non-finite gradient or norm, or a factor
+/// that is 0 or inf in f32: `so_step_result.skip_reason`) and the clip factor
+/// `f = min(1, max_norm / (norm + 1e-6)) / loss_scale`, then makes every
 /// sub-group exact in registration order: a speculative step with the same factor is kept,
 /// with another factor rescaled in one pass, after a late gradient or a change of
 /// hyperparameters rolled back and redone, on a skipped step rolled back; sub-groups that
@@ -844,7 +865,8 @@ pub unsafe extern "C" fn so_session_local_grad_sumsq(
 /// @param out_ticket Receives the ticket that completes when every sub-group is final;
 ///        pass it to `so_session_step_result`.
 /// @return `SO_STATUS_OK`; `SO_STATUS_INVALID_STATE` without `so_session_begin_step`;
-///         `SO_STATUS_INVALID_ARGUMENT` for a bad `max_norm` or norm source.
+///         `SO_STATUS_INVALID_ARGUMENT` for a bad `max_norm`, norm source or a negative
+///         given norm (nothing changes then; the step can be given to step() again).
 /// @note Thread-safety: see `so_session`.
 #[unsafe(no_mangle)]
 #[must_use]
@@ -906,6 +928,13 @@ pub unsafe extern "C" fn so_session_step_result(
             rolled_back: r.rolled_back,
             redone: r.redone,
             stepped: r.stepped,
+            skip_reason: (match r.skip_reason {
+                SkipReason::None => so_skip_reason::None,
+                SkipReason::Overflow => so_skip_reason::Overflow,
+                SkipReason::NonFiniteGradient => so_skip_reason::NonFiniteGradient,
+                SkipReason::NonFiniteNorm => so_skip_reason::NonFiniteNorm,
+                SkipReason::UnusableFactor => so_skip_reason::UnusableFactor,
+            }) as u32,
         };
         unsafe { write_out(out_result, "out_result", out) }
     })

@@ -169,6 +169,26 @@ pub struct StepResult {
     pub redone: u32,
     /// Sub-groups stepped at `step()` without speculation.
     pub stepped: u32,
+    /// Why the step was skipped ([`SkipReason::None`] when it was not).
+    pub skip_reason: SkipReason,
+}
+
+/// Why a step was skipped: nothing was stepped, every speculative step was rolled back and
+/// step counts are unchanged.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SkipReason {
+    /// Not skipped.
+    #[default]
+    None,
+    /// The caller reported an overflow (`StepArgs::overflow`).
+    Overflow,
+    /// A gradient element was inf or NaN (the local norm then reports it).
+    NonFiniteGradient,
+    /// The caller-given global norm was inf or NaN.
+    NonFiniteNorm,
+    /// `clip / loss_scale` rounds to 0 or overflows in f32, so no gradient can be stepped
+    /// with it (e.g. a `max_norm` below f32's range).
+    UnusableFactor,
 }
 
 /// Where an arriving gradient goes: a slice's range of the sub-group's gradient buffer
@@ -899,6 +919,12 @@ impl Session {
         if !(args.max_norm.is_finite() && args.max_norm >= 0.0) {
             return Err(Error::invalid(format!("max_norm = {} must be finite and >= 0", args.max_norm)));
         }
+        if let NormSource::Given(norm) = args.norm {
+            // inf or NaN is a verdict (the step is skipped); a negative norm is a caller bug.
+            if norm < 0.0 {
+                return Err(Error::invalid(format!("the given global norm {norm} is negative")));
+            }
+        }
         let mut t = self.lock();
         let prepare = match t.phase {
             Phase::Backward { .. } => Some(self.prepare_plan(&t)),
@@ -1039,6 +1065,12 @@ pub fn clip_coefficient(max_norm: f64, norm: f64) -> f64 {
 /// of the speculative steps exactly).
 pub fn grad_factor(clip: f64, loss_scale: f32) -> f32 {
     (clip / loss_scale as f64) as f32
+}
+
+/// Whether a gradient factor can be stepped with: finite and > 0 in f32 (the kernels refuse
+/// anything else).
+pub fn usable_factor(factor: f32) -> bool {
+    factor.is_finite() && factor > 0.0
 }
 
 fn backward_phase(t: &Tracking, what: &str) -> Result<(u32, u32)> {

@@ -11,7 +11,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use super::scaler::LossScaler;
 use super::tickets::{Ticket, Tickets};
 use super::trace::{Lane, Tracer};
-use super::{GroupHparams, NormSource, StepResult, SubGroup, Transport, clip_coefficient, grad_factor};
+use super::{
+    GroupHparams, NormSource, SkipReason, StepResult, SubGroup, Transport, clip_coefficient, grad_factor, usable_factor,
+};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, AdamBuffers, AdamHyper, CopyOutMut, FloatsMut, MomentsMut, Pool, UpdateOptions};
 
@@ -284,17 +286,29 @@ fn finalize(shared: &WorkerShared, plan: FinalizePlan) {
     let mut local = 0.0f64;
     let mut all_finite = prepared.is_ok();
     for (sg, _) in &plan.subgroups {
-        match sg.data.lock().unwrap().work.sumsq {
-            Some(s) if s.is_finite() => local += s,
-            _ => all_finite = false,
-        }
+        // A non-finite sum of squares enters the local norm too, so that the result says so.
+        let sumsq = sg.data.lock().unwrap().work.sumsq.unwrap_or(f64::NAN);
+        all_finite &= sumsq.is_finite();
+        local += sumsq;
     }
     result.global_norm = match plan.norm {
         NormSource::Local => local.sqrt(),
         NormSource::Given(norm) => norm,
     };
-    result.skipped = plan.overflow || !all_finite || !result.global_norm.is_finite();
-    result.clip_coef = if result.skipped { 1.0 } else { clip_coefficient(plan.max_norm, result.global_norm) };
+    let clip = clip_coefficient(plan.max_norm, result.global_norm);
+    result.skip_reason = if plan.overflow {
+        SkipReason::Overflow
+    } else if !all_finite {
+        SkipReason::NonFiniteGradient
+    } else if !result.global_norm.is_finite() {
+        SkipReason::NonFiniteNorm
+    } else if !usable_factor(grad_factor(clip, plan.loss_scale)) {
+        SkipReason::UnusableFactor
+    } else {
+        SkipReason::None
+    };
+    result.skipped = result.skip_reason != SkipReason::None;
+    result.clip_coef = if result.skipped { 1.0 } else { clip };
     result.grad_factor = grad_factor(result.clip_coef, plan.loss_scale);
     if let Some(scaler) = shared.scaler.lock().unwrap().as_mut() {
         scaler.update(result.skipped);

@@ -1,0 +1,108 @@
+//! Named regression tests: each pins a defect found in `Session::step` (from outside, or
+//! by the fuzzer in `tests/session_fuzz.rs`) and fails on the code that had it.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use superoffload::error::Status;
+use superoffload::kernels::{DType, Floats, Isa};
+use superoffload::session::{
+    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SkipReason, SliceDesc, StepArgs, SubGroupDesc,
+};
+
+/// A session of one sub-group per entry of `sizes` (one slice each, named `s<i>`), over
+/// masters the caller keeps alive.
+fn session(masters: &mut [Vec<f32>], speculation: bool) -> Session {
+    let s = Session::new(SessionOptions {
+        pool: Some(Arc::new(pool(Isa::best(), 2))),
+        speculation,
+        ..SessionOptions::default()
+    })
+    .unwrap();
+    s.add_group(GroupHparams::default()).unwrap();
+    for (i, m) in masters.iter_mut().enumerate() {
+        // SAFETY: the test keeps `masters` alive and unmoved for the session's lifetime.
+        let master = unsafe { Borrowed::new("master", m.as_mut_ptr().cast(), m.len(), DType::F32) }.unwrap();
+        let slices = vec![SliceDesc { name: format!("s{i}"), offset: 0, numel: m.len() }];
+        s.add_subgroup(SubGroupDesc { group: 0, master, grad: None, slices }).unwrap();
+    }
+    s
+}
+
+fn step(s: &Session, grads: &[Vec<f32>], args: StepArgs) -> superoffload::session::StepResult {
+    s.begin_step(Some(1.0), 1).unwrap();
+    for (i, g) in grads.iter().enumerate() {
+        s.grad_copy(i as u32, Floats::F32(g)).unwrap();
+    }
+    let t = s.step(args).unwrap();
+    s.step_result(t, None).unwrap()
+}
+
+fn local(max_norm: f64) -> StepArgs {
+    StepArgs { max_norm, norm: NormSource::Local, overflow: false }
+}
+
+/// Defect 1: `global_norm = -0.5` with `NormSource::Given` was accepted and gave a negative
+/// clip coefficient.
+#[test]
+fn negative_given_norm_is_refused_and_changes_nothing() {
+    let mut masters = vec![vec![0.5f32; 16]];
+    let before = masters.clone();
+    let s = session(&mut masters, true);
+    s.begin_step(Some(1.0), 1).unwrap();
+    s.grad_copy(0, Floats::F32(&[1.0; 16])).unwrap();
+    let err = s.step(StepArgs { max_norm: 1.0, norm: NormSource::Given(-0.5), overflow: false }).unwrap_err();
+    assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
+    // The step is still open: a valid step() ends it.
+    let t = s.step(StepArgs { max_norm: 1.0, norm: NormSource::Given(0.5), overflow: false }).unwrap();
+    let r = s.step_result(t, None).unwrap();
+    assert!(!r.skipped && r.clip_coef == 1.0);
+    drop(s);
+    assert_ne!(masters, before);
+}
+
+/// Defect 2: a clip coefficient that is 0 in f32 made the final pass fail while the step was
+/// reported as taken; with speculation the speculative step stayed applied at step count 0.
+#[test]
+fn unusable_factor_skips_the_step_on_every_path() {
+    for speculation in [true, false] {
+        let mut masters = vec![vec![0.25f32; 16]];
+        let before = masters.clone();
+        let s = session(&mut masters, speculation);
+        let r = step(&s, &[vec![1.0; 16]], local(1e-300));
+        assert!(r.skipped, "speculation {speculation}: {r:?}");
+        assert_eq!(r.skip_reason, SkipReason::UnusableFactor);
+        assert_eq!(r.clip_coef, 1.0);
+        assert_eq!(s.step_count(0).unwrap(), 0);
+        s.wait(s.final_ticket(0).unwrap(), None).unwrap();
+        let (m, v) = s.moments(0).unwrap();
+        assert!(m.iter().chain(&v).all(|&x| x == 0.0), "moments untouched");
+        // The next step is a first step, exactly as in a fresh session.
+        let r2 = step(&s, &[vec![1.0; 16]], local(0.0));
+        assert!(!r2.skipped);
+        drop(s);
+        let mut fresh = before.clone();
+        let f = session(&mut fresh, speculation);
+        step(&f, &[vec![1.0; 16]], local(0.0));
+        drop(f);
+        assert_eq!(masters, fresh, "speculation {speculation}");
+    }
+}
+
+/// Defect 3: a step skipped for a NaN gradient reported the norm of the finite sub-groups.
+#[test]
+fn non_finite_gradient_reports_a_non_finite_norm() {
+    let mut masters = vec![vec![0.0f32; 4], vec![0.0f32; 4]];
+    let s = session(&mut masters, true);
+    let r = step(&s, &[vec![3.0, 0.0, 0.0, 0.0], vec![f32::NAN, 4.0, 0.0, 0.0]], local(1.0));
+    assert!(r.skipped);
+    assert_eq!(r.skip_reason, SkipReason::NonFiniteGradient);
+    assert!(!r.global_norm.is_finite(), "global norm {}", r.global_norm);
+    let r = step(&s, &[vec![3.0, 0.0, 0.0, 0.0], vec![f32::INFINITY, 4.0, 0.0, 0.0]], local(1.0));
+    assert_eq!(r.skip_reason, SkipReason::NonFiniteGradient);
+    assert_eq!(r.global_norm, f64::INFINITY);
+    let r = step(&s, &[vec![3.0, 0.0, 0.0, 0.0], vec![0.0, 4.0, 0.0, 0.0]], local(0.0));
+    assert!(!r.skipped && r.global_norm == 5.0);
+}
