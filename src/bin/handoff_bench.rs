@@ -37,7 +37,7 @@ use superoffload::error::Status;
 use superoffload::ffi::session as c;
 use superoffload::kernels::{DType, Floats, Pool, PoolOptions};
 use superoffload::session::{
-    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, StepArgs, SubGroupDesc,
+    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, Speculation, StepArgs, SubGroupDesc,
 };
 
 // ---- counting allocator ------------------------------------------------------------------
@@ -269,9 +269,12 @@ struct Api {
 
 impl Api {
     fn new_rust(m: &Model, pool: &Arc<Pool>, speculation: bool) -> Result<Api, String> {
-        let session =
-            Session::new(SessionOptions { pool: Some(pool.clone()), speculation, ..SessionOptions::default() })
-                .map_err(|e| e.to_string())?;
+        let session = Session::new(SessionOptions {
+            pool: Some(pool.clone()),
+            speculation: if speculation { Speculation::On } else { Speculation::Off },
+            ..SessionOptions::default()
+        })
+        .map_err(|e| e.to_string())?;
         let group =
             session.add_group(GroupHparams { lr: 1e-5, ..GroupHparams::default() }).map_err(|e| e.to_string())?;
         let mut masters: Vec<Vec<f32>> = m.sg_numel.iter().map(|&n| vec![0.01; n]).collect();
@@ -286,7 +289,7 @@ impl Api {
             // SAFETY: the masters outlive the session (field order) and are not touched.
             let b = unsafe { Borrowed::new("master", master.as_mut_ptr().cast(), master.len(), DType::F32) }
                 .map_err(|e| e.to_string())?;
-            session.add_subgroup(SubGroupDesc { group, master: b, grad: None, slices }).map_err(|e| e.to_string())?;
+            session.add_subgroup(SubGroupDesc::new(group, b, slices)).map_err(|e| e.to_string())?;
         }
         let ids = (0..m.slices.len())
             .map(|i| session.slice_id(&format!("p{i}")).map_err(|e| e.to_string()))
@@ -299,7 +302,7 @@ impl Api {
         let mut opts = c::so_session_options_default();
         opts.cores = cores32.as_ptr();
         opts.num_cores = cores32.len();
-        opts.speculation = speculation;
+        opts.speculation = speculation as u32;
         let mut session: *mut c::so_session = std::ptr::null_mut();
         // SAFETY: valid options and out-pointer.
         c_check("so_session_create", unsafe { c::so_session_create(&opts, &mut session) })?;

@@ -37,7 +37,7 @@ use superoffload::kernels::{
     self, AdamBuffers, AdamHyper, DType, Floats, FloatsMut, MomentsMut, Pool, PoolOptions, UpdateOptions,
 };
 use superoffload::session::{
-    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, StepArgs, SubGroupDesc, Ticket,
+    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, Speculation, StepArgs, SubGroupDesc, Ticket,
 };
 
 const USAGE: &str = "\
@@ -248,7 +248,7 @@ impl Mode {
     fn new(kind: Kind, pool: &Arc<Pool>, layers: usize, elems: usize) -> Result<Mode, String> {
         let session = Session::new(SessionOptions {
             pool: Some(pool.clone()),
-            speculation: kind.speculation(),
+            speculation: if kind.speculation() { Speculation::On } else { Speculation::Off },
             ..SessionOptions::default()
         })
         .map_err(|e| format!("session: {e}"))?;
@@ -265,12 +265,11 @@ impl Mode {
                 .map_err(|e| e.to_string())?;
             let name = format!("layer{k}");
             session
-                .add_subgroup(SubGroupDesc {
+                .add_subgroup(SubGroupDesc::new(
                     group,
-                    master: borrowed,
-                    grad: None,
-                    slices: vec![SliceDesc { name: name.clone(), offset: 0, numel: elems }],
-                })
+                    borrowed,
+                    vec![SliceDesc { name: name.clone(), offset: 0, numel: elems }],
+                ))
                 .map_err(|e| format!("add_subgroup: {e}"))?;
             slices.push(session.slice_id(&name).map_err(|e| e.to_string())?);
         }
