@@ -444,6 +444,11 @@ impl Worker {
         let spec = data.work.spec.take();
         let redo = std::mem::take(&mut data.work.redo);
         if result.skipped {
+            // This step's gradient copies end here too: none may still land in the buffer
+            // when the next step's arrive.
+            drop(data);
+            self.gradient_ready(sg)?;
+            data = sg.data.lock().unwrap();
             if let Some(spec) = spec {
                 self.master_write(sg)?;
                 kernels::rollback(pool, &spec.hp, buffers(&mut data, 0..spec.done), spec.scale)?;
