@@ -275,6 +275,7 @@ int main(void) {
 
     so_session_options opts = so_session_options_default();
     opts.pool = pool;
+    opts.speculation = SO_SPECULATION_ON; /* the paths predicted below are the speculative ones */
     so_session *s = NULL;
     CHECK_OK(so_session_create(&opts, &s));
     so_pool_destroy(pool); /* the session keeps its own reference */
@@ -358,6 +359,14 @@ int main(void) {
                 }
             }
         }
+        /* Every speculative step runs before what follows (none is cancelled at step(): the
+         * schedule tests cover that path); a non-finite one fails, checked below. */
+        for (size_t sg = 0; sg < NUM_SG; sg++) {
+            if (spec_ticket[sg] != 0) {
+                so_status ws = so_ticket_wait(s, spec_ticket[sg], -1);
+                (void)ws;
+            }
+        }
         uint32_t late_count = 0;
         if (ev->late >= 0) {
             size_t k = (size_t)ev->late, sg = model.slice_sg[k], off = model.slice_offset[k], n = model.slice_numel[k];
@@ -379,10 +388,11 @@ int main(void) {
 
         /* The reference decision, from the complete gradients. */
         const float unscale = (float)(1.0 / (double)ev->loss_scale);
-        double local = 0.0;
-        for (size_t sg = 0; sg < NUM_SG; sg++) {
+        double local = 0.0; /* per slice, in forward order, as the session takes them at hand-over */
+        for (size_t k = 0; k < NUM_SLICES; k++) {
             double ss = 0.0;
-            CHECK_OK(so_grad_sumsq(ref_pool, acc[sg], SO_DTYPE_F32, model.sg_numel[sg], unscale, &ss));
+            CHECK_OK(so_grad_sumsq(ref_pool, acc[model.slice_sg[k]] + model.slice_offset[k], SO_DTYPE_F32,
+                                   model.slice_numel[k], unscale, &ss));
             local += ss;
         }
         const double ref_norm = sqrt(local);

@@ -121,6 +121,13 @@ impl Worker {
                 self.prepared = Some((plan.serial, outcome.clone(), elements));
                 drop(span.arg("ticket", ticket));
                 self.shared.complete(ticket, outcome);
+                // A speculative pass this preparation preempted goes on until the decision.
+                for entry in &plan.entries {
+                    let spec = entry.sg.data.lock().unwrap().work.spec;
+                    if let Some(spec) = spec.filter(|s| s.done < entry.sg.numel) {
+                        self.shared.sched.resume_speculation(plan.serial, entry.sg.clone(), spec.hp, spec.scale);
+                    }
+                }
             }
             Job::Decide(plan) => self.decide(*plan),
             Job::Finalize(sg) => self.finalize(key.serial, &sg),
@@ -207,10 +214,15 @@ impl Worker {
             }
             self.master_write(sg)?;
             hp.step = data.work.step_count + 1;
+            // A pass resumed after a preparation preempted it goes on from where it stopped.
+            let mut done = match data.work.spec {
+                Some(s) if s.hp == hp && s.scale == scale => s.done,
+                _ => 0,
+            };
             let opts = UpdateOptions { grad_scale: scale, ..Default::default() };
-            let mut done = 0;
+            let start_done = done;
             while done < sg.numel {
-                if done > 0 && self.shared.sched.should_yield() {
+                if done > start_done && self.shared.sched.should_yield() {
                     break;
                 }
                 let end = (done + SPECULATION_CHUNK).min(sg.numel);
@@ -221,18 +233,18 @@ impl Worker {
             if done == sg.numel {
                 self.staged(sg, &data)?;
             }
-            Ok(done)
+            Ok((done, done - start_done))
         });
         let elapsed = start.elapsed();
         match outcome {
-            Ok(done) if done == sg.numel => {
-                self.shared.policy.lock().unwrap().pass_measured(done, elapsed);
+            Ok((done, ran)) if done == sg.numel => {
+                self.shared.policy.lock().unwrap().pass_measured(ran, elapsed);
                 self.shared.sched.set_lifecycle(sg.id, Lifecycle::Speculated(None));
                 drop(span.arg("ticket", ticket));
                 self.shared.complete(ticket, Ok(()));
             }
-            Ok(done) => {
-                self.shared.policy.lock().unwrap().pass_measured(done, elapsed);
+            Ok((done, ran)) => {
+                self.shared.policy.lock().unwrap().pass_measured(ran, elapsed);
                 self.shared.sched.set_lifecycle(sg.id, Lifecycle::Speculated(Some(ticket)));
                 drop(span.arg("preempted at", done));
             }

@@ -74,7 +74,7 @@ fn backward_phase(t: &Tracking, what: &str) -> Result<(u32, u32)> {
         Phase::Prepared => {
             Err(state_error(format!("{what} after the backward ended with local_grad_sumsq; call step() next")))
         }
-        Phase::Idle => Err(state_error(format!("{what} before any step has begun (call begin_step first)"))),
+        Phase::Idle => Err(state_error(format!("{what}: no step has begun (call begin_step first)"))),
     }
 }
 

@@ -149,13 +149,17 @@ impl Session {
         let exp_avg = caller_buffer(desc.exp_avg, "exp_avg", o.moment_dtype)?;
         let exp_avg_sq = caller_buffer(desc.exp_avg_sq, "exp_avg_sq", o.moment_dtype)?;
         check_slices(&desc.slices, numel, &t.reg.names)?;
-        let borrowed: Vec<Range<usize>> = std::iter::once(&master)
-            .chain(grad.iter())
-            .chain(exp_avg.iter())
-            .chain(exp_avg_sq.iter())
-            .map(HostBuf::addr_range)
-            .collect();
-        check_no_overlap(&borrowed, &t.reg.subgroups)?;
+        let labelled: Vec<(&str, Range<usize>)> = [
+            ("master buffer", Some(&master)),
+            ("gradient buffer", grad.as_ref()),
+            ("exp_avg buffer", exp_avg.as_ref()),
+            ("exp_avg_sq buffer", exp_avg_sq.as_ref()),
+        ]
+        .into_iter()
+        .filter_map(|(name, b)| b.map(|b| (name, b.addr_range())))
+        .collect();
+        check_no_overlap(&labelled, &t.reg.subgroups)?;
+        let borrowed: Vec<Range<usize>> = labelled.into_iter().map(|(_, r)| r).collect();
 
         let owned = |b: &Option<HostBuf>, dtype: DType| if b.is_none() { numel * dtype.size() } else { 0 };
         let host_bytes = owned(&exp_avg, o.moment_dtype)
@@ -476,16 +480,16 @@ fn check_slices(slices: &[SliceDesc], numel: usize, names: &HashMap<String, u32>
     Ok(())
 }
 
-fn check_no_overlap(new: &[Range<usize>], subgroups: &[Option<SgTrack>]) -> Result<()> {
+fn check_no_overlap(new: &[(&str, Range<usize>)], subgroups: &[Option<SgTrack>]) -> Result<()> {
     let overlaps = |a: &Range<usize>, b: &Range<usize>| a.start < b.end && b.start < a.end;
-    for (i, a) in new.iter().enumerate() {
-        if new[i + 1..].iter().any(|b| overlaps(a, b)) {
-            return Err(Error::new(Status::Aliasing, "the sub-group's buffers overlap each other"));
+    for (i, (a_name, a)) in new.iter().enumerate() {
+        if let Some((b_name, _)) = new[i + 1..].iter().find(|(_, b)| overlaps(a, b)) {
+            return Err(Error::new(Status::Aliasing, format!("the {a_name} and the {b_name} overlap")));
         }
     }
     for (id, track) in subgroups.iter().enumerate() {
         let Some(track) = track else { continue };
-        if track.borrowed.iter().any(|r| new.iter().any(|n| overlaps(n, r))) {
+        if track.borrowed.iter().any(|r| new.iter().any(|(_, n)| overlaps(n, r))) {
             return Err(Error::new(Status::Aliasing, format!("the buffers overlap those of sub-group {id}")));
         }
     }

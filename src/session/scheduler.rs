@@ -38,6 +38,8 @@ pub(crate) enum Lifecycle {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Class {
+    /// `local_grad_sumsq`'s preparation: a speculative pass it preempted resumes after it.
+    Prepare,
     Decide,
     Finalize,
     Speculate,
@@ -136,11 +138,22 @@ impl Scheduler {
     }
 
     pub(crate) fn submit_prepare(&self, serial: u64, plan: PreparePlan, ticket: Ticket) {
-        self.push(serial, Class::Decide, 0, Job::Prepare { plan, ticket });
+        self.push(serial, Class::Prepare, 0, Job::Prepare { plan, ticket });
     }
 
     pub(crate) fn submit_decision(&self, plan: StepPlan) {
         self.push(plan.serial, Class::Decide, 0, Job::Decide(Box::new(plan)));
+    }
+
+    /// Queues again the rest of a speculative step a preparation preempted (no decision yet).
+    pub(crate) fn resume_speculation(&self, serial: u64, sg: Arc<SubGroup>, hp: AdamHyper, scale: f32) {
+        let mut q = self.queue.lock().unwrap();
+        if let Lifecycle::Speculated(Some(ticket)) = q.lifecycle[sg.id as usize] {
+            q.lifecycle[sg.id as usize] = Lifecycle::SpecQueued(ticket);
+            let forward = sg.id;
+            q.push(serial, Class::Speculate, forward, Job::Speculate { sg, hp, scale });
+            self.update_preempt(&q);
+        }
     }
 
     /// Cancels the queued speculative step of sub-group `id`, if any: it becomes
