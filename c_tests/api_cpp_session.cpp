@@ -11,6 +11,7 @@
 #include "superoffload.hpp"
 
 #include "session_test.h"
+#include "so_test.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -30,44 +31,9 @@ using namespace std::chrono_literals;
 
 namespace {
 
-int failures = 0;
-
-#define EXPECT(cond)                                                                              \
-    do {                                                                                          \
-        if (!(cond)) {                                                                            \
-            std::fprintf(stderr, "%s:%d: expectation failed: %s\n", __FILE__, __LINE__, #cond);   \
-            ++failures;                                                                           \
-        }                                                                                         \
-    } while (0)
-
-// Runs `body`, which must throw so::Error with `status`; returns the error's message.
-template <class F>
-std::string expect_error(so_status status, F&& body, const char* what, int line) {
-    try {
-        body();
-    } catch (const so::Error& e) {
-        if (e.status() != status) {
-            std::fprintf(stderr, "%s:%d: %s: status %u, expected %u (%s)\n", __FILE__, line, what,
-                         static_cast<unsigned>(e.status()), static_cast<unsigned>(status), e.what());
-            ++failures;
-        }
-        if (std::string(e.status_description()) != so_status_str(status)) {
-            std::fprintf(stderr, "%s:%d: %s: status description mismatch\n", __FILE__, line, what);
-            ++failures;
-        }
-        return e.what();
-    } catch (...) {
-        std::fprintf(stderr, "%s:%d: %s: threw something other than superoffload::Error\n", __FILE__, line, what);
-        ++failures;
-        return {};
-    }
-    std::fprintf(stderr, "%s:%d: %s: did not throw\n", __FILE__, line, what);
-    ++failures;
-    return {};
-}
-#define EXPECT_ERROR(status, stmt) expect_error((status), [&] { stmt; }, #stmt, __LINE__)
-
-bool contains(const std::string& haystack, const char* needle) { return haystack.find(needle) != std::string::npos; }
+using so_test::contains;
+using so_test::Rng;
+using so_test::same_bits;
 
 // ---- compile-time properties --------------------------------------------------------------
 
@@ -109,18 +75,6 @@ static_assert(!can_register<std::vector<double>>::value, "no double master weigh
 
 // ---- helpers -------------------------------------------------------------------------------
 
-struct Rng {
-    std::uint64_t state;
-    std::uint64_t next() {
-        state += 0x9E3779B97F4A7C15ull;
-        std::uint64_t z = state;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        return z ^ (z >> 31);
-    }
-    double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-52 - 1.0; } // [-1, 1)
-};
-
 std::string temp_path(const char* tag) {
     char buf[512];
     so_st_temp_path(buf, sizeof buf, tag);
@@ -159,10 +113,6 @@ std::vector<SgState> read_state(so::Session& s, const std::vector<std::vector<fl
     so_st_ckpt_free(&c);
     std::remove(path.c_str());
     return out;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 // ---- run-time tests ------------------------------------------------------------------------
@@ -415,7 +365,7 @@ void test_training_loop() {
                                  step, sg, j, static_cast<double>(after[sg].p[j]), static_cast<double>(want.p[j]),
                                  static_cast<double>(after[sg].m[j]), static_cast<double>(want.m[j]),
                                  static_cast<double>(after[sg].v[j]), static_cast<double>(want.v[j]));
-                    ++failures;
+                    ++so_test::failures;
                     break;
                 }
                 ++tolerance_checks;
@@ -703,10 +653,5 @@ int main() {
     test_exceptions();
     test_timeouts();
     test_checkpoint_resume();
-    if (failures != 0) {
-        std::fprintf(stderr, "api_cpp_session: %d failure(s)\n", failures);
-        return 1;
-    }
-    std::printf("api_cpp_session: ok\n");
-    return 0;
+    return so_test::finish("api_cpp_session");
 }

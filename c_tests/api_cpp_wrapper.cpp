@@ -4,6 +4,8 @@
 
 #include "superoffload.hpp"
 
+#include "so_test.hpp"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -24,59 +26,9 @@ namespace so = superoffload;
 
 namespace {
 
-int failures = 0;
-
-#define EXPECT(cond)                                                                  \
-    do {                                                                              \
-        if (!(cond)) {                                                                \
-            std::fprintf(stderr, "%s:%d: expectation failed: %s\n", __FILE__, __LINE__, #cond); \
-            ++failures;                                                               \
-        }                                                                             \
-    } while (0)
-
-// Runs `body`, which must throw so::Error with `status`; returns the error's message.
-template <class F>
-std::string expect_error(so_status status, F&& body, const char* what, int line) {
-    try {
-        body();
-    } catch (const so::Error& e) {
-        if (e.status() != status) {
-            std::fprintf(stderr, "%s:%d: %s: status %u, expected %u (%s)\n", __FILE__, line, what,
-                         static_cast<unsigned>(e.status()), static_cast<unsigned>(status), e.what());
-            ++failures;
-        }
-        if (std::string(e.status_description()) != so_status_str(status)) {
-            std::fprintf(stderr, "%s:%d: %s: status description mismatch\n", __FILE__, line, what);
-            ++failures;
-        }
-        return e.what();
-    } catch (...) {
-        std::fprintf(stderr, "%s:%d: %s: threw something other than superoffload::Error\n", __FILE__, line, what);
-        ++failures;
-        return {};
-    }
-    std::fprintf(stderr, "%s:%d: %s: did not throw\n", __FILE__, line, what);
-    ++failures;
-    return {};
-}
-#define EXPECT_ERROR(status, stmt) expect_error((status), [&] { stmt; }, #stmt, __LINE__)
-
-bool contains(const std::string& haystack, const char* needle) { return haystack.find(needle) != std::string::npos; }
-
-// Deterministic pseudo-random numbers (no <random> distributions: their output differs
-// between standard libraries).
-struct Rng {
-    std::uint64_t state;
-    std::uint64_t next() {
-        state += 0x9E3779B97F4A7C15ull;
-        std::uint64_t z = state;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        return z ^ (z >> 31);
-    }
-    // Uniform in [-1, 1).
-    float uniform() { return static_cast<float>(static_cast<double>(next() >> 11) * 0x1.0p-52 - 1.0); }
-};
+using so_test::contains;
+using so_test::Rng;
+using so_test::same_bits;
 
 template <class T>
 T from_float(float x) {
@@ -91,15 +43,10 @@ template <class T>
 std::vector<T> random_vector(Rng& rng, std::size_t n, float scale, bool non_negative = false) {
     std::vector<T> out(n);
     for (std::size_t i = 0; i < n; ++i) {
-        const float value = rng.uniform() * scale;
+        const float value = static_cast<float>(rng.uniform()) * scale;
         out[i] = from_float<T>(non_negative ? std::fabs(value) : value);
     }
     return out;
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
 // SFINAE probes: can adam_rollback / adam_rescale be called with these typed buffers?
@@ -355,13 +302,13 @@ void test_element_conversions() {
         const float h = so::f16::from_bits(bits).to_float();
         if (!std::isnan(h) && so::f16::from_float(h).bits != bits) {
             std::fprintf(stderr, "f16 round trip of %#06x failed\n", b);
-            ++failures;
+            ++so_test::failures;
             break;
         }
         const float bfl = so::bf16::from_bits(bits).to_float();
         if (!std::isnan(bfl) && so::bf16::from_float(bfl).bits != bits) {
             std::fprintf(stderr, "bf16 round trip of %#06x failed\n", b);
-            ++failures;
+            ++so_test::failures;
             break;
         }
     }
@@ -602,10 +549,5 @@ int main() {
     test_element_conversions();
     test_typed_buffers();
     test_errors();
-    if (failures != 0) {
-        std::fprintf(stderr, "api_cpp_wrapper: %d failure(s)\n", failures);
-        return 1;
-    }
-    std::printf("api_cpp_wrapper: ok\n");
-    return 0;
+    return so_test::finish("api_cpp_wrapper");
 }
