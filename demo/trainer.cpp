@@ -17,14 +17,16 @@
 // The check: the same run (same initial weights, same batches, same learning-rate schedule)
 // is repeated with a reference optimizer that collects every gradient, takes the global norm
 // exactly as the session does (sqrt of the sum over layers, in layer order, of
-// so_grad_sumsq(grad, 1 / loss_scale)), clips with the same factor and calls so_adam_update
-// on each layer. Without a rescaled, rolled-back or redone step the two runs must end with
+// grad_sumsq(grad, 1 / loss_scale)), clips with the same factor and calls adam_update on
+// each layer. Without a rescaled, rolled-back or redone step the two runs must end with
 // bit-identical weights; otherwise within the tolerance described at --tolerance. The
 // program exits with status 1 if the check fails (2 for usage or library errors).
 //
-// Uses the C API (superoffload.h) directly.
+// Uses the C++ wrapper (superoffload.hpp): superoffload::Session, Pool, adam_update and
+// grad_sumsq; every library error arrives as a superoffload::Error exception (main prints
+// it and exits with status 2).
 
-#include "superoffload.h"
+#include "superoffload.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -39,6 +41,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -47,6 +50,8 @@
 #include <pthread.h>
 #include <sched.h>
 #endif
+
+namespace so = superoffload;
 
 namespace {
 
@@ -59,20 +64,6 @@ double seconds_since(Clock::time_point t0) {
 // ------------------------------------------------------------------------------------------
 // Errors
 // ------------------------------------------------------------------------------------------
-
-[[noreturn]] void fail_call(const char* call, so_status status) {
-    char message[1024];
-    so_last_error_message(message, sizeof message);
-    std::fprintf(stderr, "superoffload-demo: %s failed: %s (%s)\n", call,
-                 so_status_str(static_cast<uint32_t>(status)), message);
-    std::exit(2);
-}
-
-#define SO_CHECK(call)                                                \
-    do {                                                              \
-        so_status so_check_status_ = (call);                          \
-        if (so_check_status_ != SO_STATUS_OK) fail_call(#call, so_check_status_); \
-    } while (0)
 
 [[noreturn]] void usage_error(const std::string& message) {
     std::fprintf(stderr, "superoffload-demo: %s (try --help)\n", message.c_str());
@@ -596,72 +587,53 @@ class SessionOptimizer : public Optimizer {
 public:
     SessionOptimizer(const Options& o, const std::vector<LayerShape>& shapes, std::vector<std::vector<float>>& params)
         : o_(o), shapes_(shapes) {
-        so_session_options so = so_session_options_default();
-        so.cores = o.cores.empty() ? nullptr : o.cores.data();
-        so.num_cores = o.cores.size();
-        so.speculation = o.speculation;
-        SO_CHECK(so_session_create(&so, &session_));
-        so_group_hparams gh = group_hparams(1);
-        SO_CHECK(so_session_add_group(session_, &gh, &group_));
+        so::SessionOptions options;
+        options.cores = o.cores; // empty: the default pool
+        options.speculation = o.speculation;
+        session_ = so::Session::create(options);
+        group_ = session_.add_group(group_hparams(1));
         for (size_t k = 0; k < shapes.size(); ++k) {
-            std::string wname = "layer" + std::to_string(k) + ".weight";
-            std::string bname = "layer" + std::to_string(k) + ".bias";
-            so_slice_desc slices[2] = {{wname.c_str(), 0, shapes[k].weight_numel()},
-                                       {bname.c_str(), shapes[k].weight_numel(), (size_t)shapes[k].out}};
-            so_subgroup_desc d = so_subgroup_desc_default();
-            d.group = group_;
-            d.master = params[k].data();
-            d.master_dtype = SO_DTYPE_F32;
-            d.numel = params[k].size();
-            d.slices = slices;
-            d.num_slices = 2;
-            uint32_t sg = 0;
-            SO_CHECK(so_session_add_subgroup(session_, &d, &sg));
-            if (sg != k) usage_error("unexpected sub-group id");
-            uint32_t ws = 0, bs = 0;
-            SO_CHECK(so_session_slice_id(session_, wname.c_str(), &ws));
-            SO_CHECK(so_session_slice_id(session_, bname.c_str(), &bs));
-            weight_slice_.push_back(ws);
-            bias_slice_.push_back(bs);
+            const std::string wname = "layer" + std::to_string(k) + ".weight";
+            const std::string bname = "layer" + std::to_string(k) + ".bias";
+            const size_t wn = shapes[k].weight_numel();
+            const uint32_t sg = session_.add_subgroup(group_, params[k], {{wname, 0, wn}, {bname, wn, (size_t)shapes[k].out}});
+            if (sg != k) throw std::logic_error("unexpected sub-group id " + std::to_string(sg));
+            weight_slice_.push_back(session_.slice_id(wname));
+            bias_slice_.push_back(session_.slice_id(bname));
         }
-        final_.assign(shapes.size(), 0);
+        final_.assign(shapes.size(), so::no_ticket);
     }
-    ~SessionOptimizer() override { so_session_destroy(session_); }
 
     void before_layer(int layer) override {
         auto t0 = Clock::now();
-        SO_CHECK(so_ticket_wait(session_, final_[layer], -1));
+        session_.wait(final_[layer]);
         double dt = seconds_since(t0);
         waited_ += dt;
         if (pending_) exposed_ += dt;
     }
     void begin_step(int step) override {
-        so_group_hparams gh = group_hparams(step);
-        SO_CHECK(so_session_set_group(session_, group_, &gh));
-        SO_CHECK(so_session_begin_step(session_, 1.0f, 1));
+        session_.set_group(group_, group_hparams(step));
+        session_.begin_step(1.0f, 1);
     }
     void grad_ready(int layer, const float* grad) override {
         auto t0 = Clock::now();
         const LayerShape& s = shapes_[layer];
-        SO_CHECK(so_session_grad_copy(session_, weight_slice_[layer], grad, s.weight_numel(), nullptr));
-        SO_CHECK(so_session_grad_copy(session_, bias_slice_[layer], grad + s.weight_numel(), s.out, nullptr));
+        session_.grad_copy(weight_slice_[layer], grad, s.weight_numel());
+        session_.grad_copy(bias_slice_[layer], grad + s.weight_numel(), (size_t)s.out);
         handoff_ += seconds_since(t0);
     }
     void end_step(int, StepInfo&) override {
-        so_step_args args = so_step_args_default();
+        so::StepArgs args;
         args.max_norm = o_.max_norm;
-        SO_CHECK(so_session_step(session_, &args, &step_ticket_));
-        for (size_t k = 0; k < shapes_.size(); ++k) SO_CHECK(so_session_final_ticket(session_, (uint32_t)k, &final_[k]));
+        step_ticket_ = session_.step(args);
+        for (size_t k = 0; k < shapes_.size(); ++k) final_[k] = session_.final_ticket((uint32_t)k);
         pending_ = true;
         exposed_ = 0;
     }
     void collect(StepInfo& info) override {
         if (!pending_) return;
-        so_step_result r;
-        std::memset(&r, 0, sizeof r);
-        r.struct_size = sizeof r;
         auto t0 = Clock::now();
-        SO_CHECK(so_session_step_result(session_, step_ticket_, -1, &r));
+        const so::StepResult r = session_.step_result(step_ticket_);
         double dt = seconds_since(t0);
         waited_ += dt;
         info.exposed_ms = (exposed_ + dt) * 1e3;
@@ -680,8 +652,8 @@ public:
     double handoff_seconds() const override { return handoff_; }
 
 private:
-    so_group_hparams group_hparams(int step) const {
-        so_group_hparams gh = so_group_hparams_default();
+    so::GroupHparams group_hparams(int step) const {
+        so::GroupHparams gh; // betas and eps: the AdamW defaults
         gh.lr = lr_at(o_, step);
         gh.weight_decay = o_.weight_decay;
         return gh;
@@ -689,31 +661,31 @@ private:
 
     const Options& o_;
     std::vector<LayerShape> shapes_;
-    so_session* session_ = nullptr;
+    so::Session session_; // destroyed (after its queued work) with the optimizer
     uint32_t group_ = 0;
     std::vector<uint32_t> weight_slice_, bias_slice_;
-    std::vector<so_ticket> final_;
-    so_ticket step_ticket_ = 0;
+    std::vector<so::Ticket> final_;
+    so::Ticket step_ticket_ = so::no_ticket;
     bool pending_ = false;
     double waited_ = 0, handoff_ = 0, exposed_ = 0;
 };
 
-// The reference: collect every gradient; norm, clip and so_adam_update per layer at the end.
+// The reference: collect every gradient; norm, clip and adam_update per layer at the end.
 class ReferenceOptimizer : public Optimizer {
 public:
     ReferenceOptimizer(const Options& o, const std::vector<LayerShape>& shapes, std::vector<std::vector<float>>& params)
         : o_(o), shapes_(shapes), params_(params) {
-        so_pool_options po = so_pool_options_default();
-        po.cores = o.cores.empty() ? nullptr : o.cores.data();
-        po.num_cores = o.cores.size();
-        if (!o.cores.empty()) SO_CHECK(so_pool_create(&po, &pool_));  // else the default pool
+        if (!o.cores.empty()) { // else the default pool
+            so::PoolOptions po;
+            po.cores = o.cores;
+            pool_ = so::Pool::create(po);
+        }
         for (const auto& s : shapes) {
             grads_.emplace_back(s.numel());
             m_.emplace_back(s.numel(), 0.0f);
             v_.emplace_back(s.numel(), 0.0f);
         }
     }
-    ~ReferenceOptimizer() override { so_pool_destroy(pool_); }
 
     void begin_step(int) override {}
     void grad_ready(int layer, const float* grad) override {
@@ -721,36 +693,26 @@ public:
     }
     void end_step(int step, StepInfo& info) override {
         auto t0 = Clock::now();
+        const so::PoolRef pool = pool_ ? so::PoolRef(pool_) : so::PoolRef();
         const float loss_scale = 1.0f;
         const float unscale = (float)(1.0 / (double)loss_scale);
         // The global norm exactly as the session takes it: per-layer sums of squares of the
         // unscaled gradient, added in layer (registration) order, then the square root.
         double sumsq = 0.0;
-        for (size_t k = 0; k < shapes_.size(); ++k) {
-            double s = 0.0;
-            SO_CHECK(so_grad_sumsq(pool_, grads_[k].data(), SO_DTYPE_F32, grads_[k].size(), unscale, &s));
-            sumsq += s;
-        }
+        for (size_t k = 0; k < shapes_.size(); ++k)
+            sumsq += so::grad_sumsq(pool, grads_[k].data(), grads_[k].size(), unscale);
         const double norm = std::sqrt(sumsq);
         const double clip = o_.max_norm > 0 ? std::min(1.0, o_.max_norm / (norm + 1e-6)) : 1.0;
-        const float factor = (float)(clip / (double)loss_scale);
-        for (size_t k = 0; k < shapes_.size(); ++k) {
-            so_adam_hparams hp = so_adam_hparams_default();
-            hp.mode = SO_ADAM_MODE_ADAMW;
-            hp.lr = lr_at(o_, step);
-            hp.weight_decay = o_.weight_decay;  // betas and eps: the AdamW defaults, as the group's
-            hp.bias_correction = true;
-            hp.step = (uint64_t)step;
-            so_adam_buffers b = so_adam_buffers_default();
-            b.numel = grads_[k].size();
-            b.param = params_[k].data();
-            b.grad = grads_[k].data();
-            b.exp_avg = m_[k].data();
-            b.exp_avg_sq = v_[k].data();
-            so_update_options uo = so_update_options_default();
-            uo.grad_scale = factor;
-            SO_CHECK(so_adam_update(pool_, &hp, &b, &uo, nullptr));
-        }
+        so::UpdateOptions uo;
+        uo.grad_scale = (float)(clip / (double)loss_scale);
+        so::Hparams hp; // betas and eps: the AdamW defaults, as the group's
+        hp.mode = so::Mode::AdamW;
+        hp.lr = lr_at(o_, step);
+        hp.weight_decay = o_.weight_decay;
+        hp.bias_correction = true;
+        hp.step = (uint64_t)step;
+        for (size_t k = 0; k < shapes_.size(); ++k)
+            so::adam_update(pool, hp, so::make_adam_buffers(params_[k], grads_[k], m_[k], v_[k]), uo);
         info.norm = norm;
         info.clip = clip;
         info.stepped = (uint32_t)shapes_.size();
@@ -762,7 +724,7 @@ private:
     const Options& o_;
     std::vector<LayerShape> shapes_;
     std::vector<std::vector<float>>& params_;
-    so_pool* pool_ = nullptr;
+    so::Pool pool_; // empty: the default pool
     std::vector<std::vector<float>> grads_, m_, v_;
     double waited_ = 0;
 };
@@ -889,19 +851,16 @@ double mean_loss(const RunResult& r, int first, int count) {
     return s / count;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-    Options o = parse_options(argc, argv);
-    if (so_abi_version() != SO_ABI_VERSION) {
-        std::fprintf(stderr, "superoffload-demo: libsuperoffload has ABI %u, this program was built for %d\n",
-                     so_abi_version(), SO_ABI_VERSION);
+int run(const Options& o) {
+    if (!so::abi_compatible()) {
+        std::fprintf(stderr, "superoffload-demo: libsuperoffload has ABI %u, this program was built for %u\n",
+                     so::abi_version(), so::header_abi_version);
         return 2;
     }
     std::vector<LayerShape> shapes = shapes_of(o);
     size_t total = 0;
     for (const auto& s : shapes) total += s.numel();
-    std::printf("superoffload-demo (libsuperoffload %s)\n", so_version_string());
+    std::printf("superoffload-demo (libsuperoffload %s)\n", so::version_string());
     std::printf("model: %d layers %d -> %d x %d -> %d, %.2f M parameters, batch %d, %d steps\n", o.layers, o.input,
                 o.width, o.layers - 1, o.classes, total / 1e6, o.batch, o.steps);
     char clip[64] = "off";
@@ -1002,4 +961,19 @@ int main(int argc, char** argv) {
     }
     std::printf("check %s\n", ok ? "passed" : "FAILED");
     return ok ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    const Options o = parse_options(argc, argv);
+    try {
+        return run(o);
+    } catch (const so::Error& e) {
+        std::fprintf(stderr, "superoffload-demo: %s (%s)\n", e.what(), e.status_description());
+        return 2;
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "superoffload-demo: %s\n", e.what());
+        return 2;
+    }
 }
