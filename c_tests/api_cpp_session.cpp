@@ -55,15 +55,15 @@ static_assert(std::is_trivially_copyable_v<so::Timeout>, "Timeout is a value");
 template <class G, class = void>
 struct can_grad_copy : std::false_type {};
 template <class G>
-struct can_grad_copy<G, std::void_t<decltype(std::declval<so::Session&>().grad_copy(0u, std::declval<const G*>(),
-                                                                                      std::size_t{1}))>>
+struct can_grad_copy<
+    G, std::void_t<decltype(std::declval<so::Session&>().grad_copy(0u, std::declval<const G*>(), std::size_t{1}))>>
     : std::true_type {};
 template <class C, class = void>
 struct can_register : std::false_type {};
 template <class C>
 struct can_register<C, std::void_t<decltype(std::declval<so::Session&>().add_subgroup(
-                           0u, std::declval<C&>(), std::declval<const std::vector<so::Slice>&>()))>>
-    : std::true_type {};
+                           0u, std::declval<C&>(), std::declval<const std::vector<so::Slice>&>()))>> : std::true_type {
+};
 
 static_assert(can_grad_copy<float>::value && can_grad_copy<so::bf16>::value && can_grad_copy<so::f16>::value,
               "gradients of the three element types");
@@ -121,7 +121,7 @@ void test_timeout() {
     EXPECT(so::Timeout(1ms).c_ns() == 1000000);
     EXPECT(so::Timeout(2s).c_ns() == 2000000000);
     EXPECT(so::Timeout(0ns).c_ns() == 0);
-    EXPECT(so::Timeout(-5ms).c_ns() == 0); // an expired timeout polls
+    EXPECT(so::Timeout(-5ms).c_ns() == 0);                                           // an expired timeout polls
     EXPECT(so::Timeout(std::chrono::duration<double, std::nano>(1.25)).c_ns() == 2); // rounded up
     EXPECT(so::Timeout(std::chrono::duration<double>(std::numeric_limits<double>::quiet_NaN())).c_ns() == 0);
     EXPECT(so::Timeout(std::chrono::hours::max()).is_forever());
@@ -303,8 +303,9 @@ void test_training_loop() {
         }
         const so::Ticket st = s.step(args);
         const so::StepResult r = s.step_result(st);
-        const double clip =
-            ev.overflow ? 1.0 : ev.clip ? std::min(1.0, args.max_norm / (std::sqrt(local) + 1e-6)) : 1.0;
+        const double clip = ev.overflow ? 1.0
+                            : ev.clip   ? std::min(1.0, args.max_norm / (std::sqrt(local) + 1e-6))
+                                        : 1.0;
         const float factor = static_cast<float>(clip / ev.loss_scale);
         EXPECT(r.serial == static_cast<std::uint64_t>(step + 1) && r.skipped == ev.overflow);
         EXPECT(r.grad_factor == factor && r.clip_coef == clip && r.loss_scale == ev.loss_scale);

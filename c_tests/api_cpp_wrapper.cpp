@@ -54,12 +54,13 @@ template <class B, class = void>
 struct can_rollback : std::false_type {};
 template <class B>
 struct can_rollback<B, std::void_t<decltype(so::adam_rollback(so::PoolRef{}, std::declval<const so::Hparams&>(),
-                                                               std::declval<const B&>(), 1.0f))>> : std::true_type {};
+                                                              std::declval<const B&>(), 1.0f))>> : std::true_type {};
 template <class B, class = void>
 struct can_rescale : std::false_type {};
 template <class B>
 struct can_rescale<B, std::void_t<decltype(so::adam_rescale(so::PoolRef{}, std::declval<const so::Hparams&>(),
-                                                             std::declval<const B&>(), 1.0f, 0.5f))>> : std::true_type {};
+                                                            std::declval<const B&>(), 1.0f, 0.5f))>> : std::true_type {
+};
 template <class G, class = void>
 struct can_sumsq : std::false_type {};
 template <class G>
@@ -99,10 +100,11 @@ static_assert(!can_rescale<so::AdamBuffers<so::f16, so::f16, float>>::value, "no
 static_assert(can_sumsq<so::bf16>::value && can_sumsq<float>::value && !can_sumsq<double>::value, "typed sumsq");
 
 // Class template argument deduction picks the element types from the pointers.
-static_assert(std::is_same_v<decltype(so::AdamBuffers(static_cast<float*>(nullptr), static_cast<const so::bf16*>(nullptr),
-                                                      static_cast<float*>(nullptr), static_cast<float*>(nullptr), 0)),
-                             so::AdamBuffers<float, so::bf16, float>>,
-              "CTAD");
+static_assert(
+    std::is_same_v<decltype(so::AdamBuffers(static_cast<float*>(nullptr), static_cast<const so::bf16*>(nullptr),
+                                            static_cast<float*>(nullptr), static_cast<float*>(nullptr), 0)),
+                   so::AdamBuffers<float, so::bf16, float>>,
+    "CTAD");
 
 // ---- run-time tests ------------------------------------------------------------------------
 
@@ -244,7 +246,10 @@ void test_pool() {
     EXPECT(!adopted);
 
     // A default-constructed Pool is empty, and destroying it is safe.
-    { so::Pool empty; EXPECT(!empty); }
+    {
+        so::Pool empty;
+        EXPECT(!empty);
+    }
     // Moved-from handles (pool, moved, target) are destroyed at scope exit.
 }
 
@@ -392,8 +397,12 @@ void typed_vs_raw(std::uint64_t seed, std::size_t n, so::PoolRef pool) {
     raw.grad = g.data();
     raw.exp_avg = m2.data();
     raw.exp_avg_sq = v2.data();
-    raw.param_dtype = std::is_same_v<P, float> ? SO_DTYPE_F32 : std::is_same_v<P, so::bf16> ? SO_DTYPE_BF16 : SO_DTYPE_F16;
-    raw.grad_dtype = std::is_same_v<G, float> ? SO_DTYPE_F32 : std::is_same_v<G, so::bf16> ? SO_DTYPE_BF16 : SO_DTYPE_F16;
+    raw.param_dtype = std::is_same_v<P, float>      ? SO_DTYPE_F32
+                      : std::is_same_v<P, so::bf16> ? SO_DTYPE_BF16
+                                                    : SO_DTYPE_F16;
+    raw.grad_dtype = std::is_same_v<G, float>      ? SO_DTYPE_F32
+                     : std::is_same_v<G, so::bf16> ? SO_DTYPE_BF16
+                                                   : SO_DTYPE_F16;
     raw.moment_dtype = std::is_same_v<M, float> ? SO_DTYPE_F32 : SO_DTYPE_BF16;
     if constexpr (with_copy) {
         raw.param_copy = c2.data();

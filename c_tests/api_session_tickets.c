@@ -185,8 +185,7 @@ int main(void) {
     CHECK(st2 > st);
     r = result_of(s, st2);
     CHECK(!r.skipped && r.serial == 2 && r.kept == 3);
-    EXPECT_REFUSED(so_session_step_result(s, st, -1, &r), SO_STATUS_NOT_FOUND, "so_session_step_result",
-                   "latest step");
+    EXPECT_REFUSED(so_session_step_result(s, st, -1, &r), SO_STATUS_NOT_FOUND, "so_session_step_result", "latest step");
     so_ticket prev = st;
     for (uint32_t sg = 0; sg < 3; sg++) {
         so_ticket f = 0;

@@ -57,9 +57,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t0) {
-    return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // ------------------------------------------------------------------------------------------
 // Errors
@@ -209,25 +207,46 @@ Options parse_options(int argc, char** argv) {
         if (arg == "-h" || arg == "--help") {
             std::fputs(kUsage, stdout);
             std::exit(0);
-        } else if (arg == "--layers") o.layers = (int)parse_long(arg, next(), 2, 64);
-        else if (arg == "--width") o.width = (int)parse_long(arg, next(), 1, 1 << 16);
-        else if (arg == "--input") o.input = (int)parse_long(arg, next(), 1, 1 << 16);
-        else if (arg == "--classes") o.classes = (int)parse_long(arg, next(), 2, 1 << 16);
-        else if (arg == "--batch") o.batch = (int)parse_long(arg, next(), 1, 1 << 16);
-        else if (arg == "--seed") o.seed = (uint64_t)parse_long(arg, next(), 0, 1L << 62);
-        else if (arg == "--steps") o.steps = (int)parse_long(arg, next(), 1, 1 << 20);
-        else if (arg == "--lr") o.lr = parse_double(arg, next(), 0.0);
-        else if (arg == "--warmup") o.warmup = (int)parse_long(arg, next(), 0, 1 << 20);
-        else if (arg == "--weight-decay") o.weight_decay = parse_double(arg, next(), 0.0);
-        else if (arg == "--max-norm") o.max_norm = parse_double(arg, next(), 0.0);
-        else if (arg == "--no-speculation") o.speculation = false;
-        else if (arg == "--threads") o.threads = (int)parse_long(arg, next(), 1, 256);
-        else if (arg == "--cores") { o.cores = parse_cores(arg, next()); o.cores_given = true; }
-        else if (arg == "--train-cores") { o.train_cores = parse_cores(arg, next()); o.train_cores_given = true; }
-        else if (arg == "--no-check") o.check = false;
-        else if (arg == "--tolerance") o.tolerance = parse_double(arg, next(), 0.0);
-        else if (arg == "--print-every") o.print_every = (int)parse_long(arg, next(), 1, 1 << 20);
-        else usage_error("unknown argument \"" + arg + "\"");
+        } else if (arg == "--layers")
+            o.layers = (int)parse_long(arg, next(), 2, 64);
+        else if (arg == "--width")
+            o.width = (int)parse_long(arg, next(), 1, 1 << 16);
+        else if (arg == "--input")
+            o.input = (int)parse_long(arg, next(), 1, 1 << 16);
+        else if (arg == "--classes")
+            o.classes = (int)parse_long(arg, next(), 2, 1 << 16);
+        else if (arg == "--batch")
+            o.batch = (int)parse_long(arg, next(), 1, 1 << 16);
+        else if (arg == "--seed")
+            o.seed = (uint64_t)parse_long(arg, next(), 0, 1L << 62);
+        else if (arg == "--steps")
+            o.steps = (int)parse_long(arg, next(), 1, 1 << 20);
+        else if (arg == "--lr")
+            o.lr = parse_double(arg, next(), 0.0);
+        else if (arg == "--warmup")
+            o.warmup = (int)parse_long(arg, next(), 0, 1 << 20);
+        else if (arg == "--weight-decay")
+            o.weight_decay = parse_double(arg, next(), 0.0);
+        else if (arg == "--max-norm")
+            o.max_norm = parse_double(arg, next(), 0.0);
+        else if (arg == "--no-speculation")
+            o.speculation = false;
+        else if (arg == "--threads")
+            o.threads = (int)parse_long(arg, next(), 1, 256);
+        else if (arg == "--cores") {
+            o.cores = parse_cores(arg, next());
+            o.cores_given = true;
+        } else if (arg == "--train-cores") {
+            o.train_cores = parse_cores(arg, next());
+            o.train_cores_given = true;
+        } else if (arg == "--no-check")
+            o.check = false;
+        else if (arg == "--tolerance")
+            o.tolerance = parse_double(arg, next(), 0.0);
+        else if (arg == "--print-every")
+            o.print_every = (int)parse_long(arg, next(), 1, 1 << 20);
+        else
+            usage_error("unknown argument \"" + arg + "\"");
     }
     std::vector<uint32_t> cpus = allowed_cpus();
     if (!o.cores_given && cpus.size() >= 2) o.cores = {cpus.back()};
@@ -301,7 +320,7 @@ public:
         z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
         return z ^ (z >> 31);
     }
-    double uniform() { return ((next() >> 11) + 0.5) * (1.0 / 9007199254740992.0); }  // (0, 1)
+    double uniform() { return ((next() >> 11) + 0.5) * (1.0 / 9007199254740992.0); } // (0, 1)
     double normal() {
         double u = uniform(), v = uniform();
         return std::sqrt(-2.0 * std::log(u)) * std::cos(6.283185307179586 * v);
@@ -403,14 +422,14 @@ private:
 // Dense kernels. Matrices are row-major; a layer's weight is stored [in][out].
 // ------------------------------------------------------------------------------------------
 
-constexpr int kRows = 4;   // output rows per register block
-constexpr int kCols = 32;  // output columns per register block
+constexpr int kRows = 4;  // output rows per register block
+constexpr int kCols = 32; // output columns per register block
 
 // Y[r, c] = init[c] (or 0) + sum_{k ascending} X(r, k) * M[k, c], for r < R, c < C, where
 // X(r, k) = X[r * xr + k * xk] and M is K x C. Tasks are column blocks; each computes every
 // row of its columns.
-void gemm(Workers& w, int R, int K, int C, const float* X, size_t xr, size_t xk, const float* M,
-          const float* init, float* Y) {
+void gemm(Workers& w, int R, int K, int C, const float* X, size_t xr, size_t xk, const float* M, const float* init,
+          float* Y) {
     size_t blocks = (C + kCols - 1) / kCols;
     w.parallel_for(blocks, [&](size_t b0, size_t b1) {
         for (size_t blk = b0; blk < b1; ++blk) {
@@ -470,7 +489,8 @@ void backward_input(Workers& w, int B, int I, int O, const float* dZ, const floa
         for (size_t blk = b0; blk < b1; ++blk) {
             const int i0 = (int)blk * 4, in = std::min(4, I - i0);
             for (int b = 0; b < B; ++b)
-                for (int i = i0; i < i0 + in; ++i) dX[(size_t)b * I + i] = dot(dZ + (size_t)b * O, W + (size_t)i * O, O);
+                for (int i = i0; i < i0 + in; ++i)
+                    dX[(size_t)b * I + i] = dot(dZ + (size_t)b * O, W + (size_t)i * O, O);
         }
     });
 }
@@ -482,7 +502,7 @@ void backward_input(Workers& w, int B, int I, int O, const float* dZ, const floa
 struct LayerShape {
     int in, out;
     size_t weight_numel() const { return (size_t)in * out; }
-    size_t numel() const { return weight_numel() + out; }  // [weight (in x out) | bias (out)]
+    size_t numel() const { return weight_numel() + out; } // [weight (in x out) | bias (out)]
 };
 
 std::vector<LayerShape> shapes_of(const Options& o) {
@@ -533,7 +553,7 @@ struct Teacher {
 
 struct Batch {
     std::vector<float> x;    // B x input
-    std::vector<int> labels;  // B
+    std::vector<int> labels; // B
 };
 
 Batch make_batch(const Options& o, const Teacher& teacher, int step) {
@@ -550,16 +570,16 @@ Batch make_batch(const Options& o, const Teacher& teacher, int step) {
 // ------------------------------------------------------------------------------------------
 
 struct StepInfo {
-    double loss = 0, accuracy = 0;  // of this step's forward
+    double loss = 0, accuracy = 0; // of this step's forward
     double norm = 0, clip = 1;
     uint32_t speculative = 0, kept = 0, rescaled = 0, rolled_back = 0, redone = 0, stepped = 0;
     bool skipped = false;
-    double exposed_ms = 0;  // how long the next forward waited for this step's optimizer
+    double exposed_ms = 0; // how long the next forward waited for this step's optimizer
 };
 
 // Linear warmup to the peak, then cosine decay to a tenth of it at the last step. The
 // session's group is updated before each step's backward, so no step is redone for it.
-double lr_at(const Options& o, int step) {  // step counts from 1
+double lr_at(const Options& o, int step) { // step counts from 1
     if (step <= o.warmup) return o.lr * (double)step / o.warmup;
     const int decay = o.steps - o.warmup;
     const double x = decay > 1 ? (double)(step - o.warmup - 1) / (decay - 1) : 1.0;
@@ -596,7 +616,8 @@ public:
             const std::string wname = "layer" + std::to_string(k) + ".weight";
             const std::string bname = "layer" + std::to_string(k) + ".bias";
             const size_t wn = shapes[k].weight_numel();
-            const uint32_t sg = session_.add_subgroup(group_, params[k], {{wname, 0, wn}, {bname, wn, (size_t)shapes[k].out}});
+            const uint32_t sg =
+                session_.add_subgroup(group_, params[k], {{wname, 0, wn}, {bname, wn, (size_t)shapes[k].out}});
             if (sg != k) throw std::logic_error("unexpected sub-group id " + std::to_string(sg));
             weight_slice_.push_back(session_.slice_id(wname));
             bias_slice_.push_back(session_.slice_id(bname));
@@ -739,8 +760,8 @@ struct RunResult {
 };
 
 void print_header() {
-    std::printf("%5s %8s %6s %9s %7s %5s %5s %5s %5s %5s %8s\n", "step", "loss", "acc", "|g|", "clip", "spec",
-                "kept", "resc", "rback", "redo", "wait_ms");
+    std::printf("%5s %8s %6s %9s %7s %5s %5s %5s %5s %5s %8s\n", "step", "loss", "acc", "|g|", "clip", "spec", "kept",
+                "resc", "rback", "redo", "wait_ms");
 }
 
 void print_step(int step, const StepInfo& s) {
@@ -752,7 +773,7 @@ RunResult train(const Options& o, const std::vector<LayerShape>& shapes, std::ve
                 Optimizer& opt, Workers& workers, bool print) {
     const int L = (int)shapes.size(), B = o.batch;
     Teacher teacher(o.input, o.classes, o.seed);
-    std::vector<std::vector<float>> acts(L + 1);  // acts[k]: input of layer k (B x in); acts[L]: logits
+    std::vector<std::vector<float>> acts(L + 1); // acts[k]: input of layer k (B x in); acts[L]: logits
     for (int k = 0; k < L; ++k) acts[k].resize((size_t)B * shapes[k].in);
     acts[L].resize((size_t)B * o.classes);
     std::vector<float> dz, dprev, grad;
@@ -815,7 +836,7 @@ RunResult train(const Options& o, const std::vector<LayerShape>& shapes, std::ve
                 // session step them.
                 dprev.resize((size_t)B * s.in);
                 backward_input(workers, B, s.in, s.out, dz.data(), W, dprev.data());
-                const std::vector<float>& a = acts[k];  // tanh output of layer k-1
+                const std::vector<float>& a = acts[k]; // tanh output of layer k-1
                 for (size_t i = 0; i < dprev.size(); ++i) dprev[i] *= 1.0f - a[i] * a[i];
             }
             grad.resize(s.numel());
@@ -867,13 +888,14 @@ int run(const Options& o) {
     if (o.max_norm > 0) std::snprintf(clip, sizeof clip, "max_norm %g", o.max_norm);
     std::printf("AdamW peak lr %g (warmup %d, cosine decay), wd %g, clip %s, speculation %s\n", o.lr, o.warmup,
                 o.weight_decay, clip, o.speculation ? "on" : "off");
-    std::printf("threads: %d training (cores %s), CPU-Adam pool cores %s\n\n", o.threads, cores_text(o.train_cores).c_str(),
-                cores_text(o.cores).c_str());
+    std::printf("threads: %d training (cores %s), CPU-Adam pool cores %s\n\n", o.threads,
+                cores_text(o.train_cores).c_str(), cores_text(o.cores).c_str());
 
     if (!o.train_cores.empty() && (size_t)o.threads > o.train_cores.size())
-        std::printf("note: %d training threads share %zu core(s) (--train-cores %s); pass more cores, they may overlap "
-                    "--cores\n\n",
-                    o.threads, o.train_cores.size(), cores_text(o.train_cores).c_str());
+        std::printf(
+            "note: %d training threads share %zu core(s) (--train-cores %s); pass more cores, they may overlap "
+            "--cores\n\n",
+            o.threads, o.train_cores.size(), cores_text(o.train_cores).c_str());
     Workers workers(o.threads, o.train_cores);
     const std::vector<std::vector<float>> initial = init_params(shapes, o.seed);
 
@@ -884,7 +906,7 @@ int run(const Options& o) {
     {
         SessionOptimizer opt(o, shapes, params);
         run = train(o, shapes, params, opt, workers, true);
-    }  // the session is destroyed here; `params` holds its final master weights
+    } // the session is destroyed here; `params` holds its final master weights
     for (const auto& s : run.steps) {
         rescaled += s.rescaled;
         rolled_back += s.rolled_back;
@@ -924,7 +946,7 @@ int run(const Options& o) {
             std::memcpy(&ub, &b, 4);
             if (ua != ub) ++differing;
             double d = std::fabs((double)a - (double)b);
-            if (!(d <= max_abs)) max_abs = d;  // NaN propagates
+            if (!(d <= max_abs)) max_abs = d; // NaN propagates
         }
     int first_loss_diff = 0, first_norm_diff = 0;
     double max_loss_diff = 0;
@@ -939,9 +961,10 @@ int run(const Options& o) {
     auto step_text = [](int s) { return s ? "step " + std::to_string(s) : std::string("none"); };
 
     std::printf("\ncheck against the reference optimizer (%.2f M weights):\n", total / 1e6);
-    std::printf("  first step rescaled/rolled back/redone: %s; first step whose loss differs: %s, whose norm "
-                "differs: %s\n",
-                step_text(first_inexact).c_str(), step_text(first_loss_diff).c_str(), step_text(first_norm_diff).c_str());
+    std::printf(
+        "  first step rescaled/rolled back/redone: %s; first step whose loss differs: %s, whose norm "
+        "differs: %s\n",
+        step_text(first_inexact).c_str(), step_text(first_loss_diff).c_str(), step_text(first_norm_diff).c_str());
     std::printf("  weights differing: %zu of %zu, max |difference| %.3g (%.4f x lr), max loss difference %.3g\n",
                 differing, total, max_abs, o.lr > 0 ? max_abs / o.lr : 0.0, max_loss_diff);
     bool ok;
@@ -963,7 +986,7 @@ int run(const Options& o) {
     return ok ? 0 : 1;
 }
 
-}  // namespace
+} // namespace
 
 int main(int argc, char** argv) {
     const Options o = parse_options(argc, argv);

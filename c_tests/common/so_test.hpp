@@ -95,11 +95,11 @@ inline int finish(const char* name) {
 } // namespace so_test
 
 // A non-fatal check: on failure prints file:line and the condition, and the test goes on.
-#define EXPECT(cond)                                   \
-    do {                                               \
-        if (!(cond)) {                                 \
-            so_test::fail(__FILE__, __LINE__, #cond);  \
-        }                                              \
+#define EXPECT(cond)                                  \
+    do {                                              \
+        if (!(cond)) {                                \
+            so_test::fail(__FILE__, __LINE__, #cond); \
+        }                                             \
     } while (0)
 
 // `stmt` must throw superoffload::Error with `status`; evaluates to the error's message.
