@@ -113,7 +113,8 @@ int main(void) {
                 CHECK_OK(so_session_slice_id(host.s, name, &slice_id));
                 size_t n = SLICES[k][j];
                 CHECK_OK(so_session_grad_copy(host.s, slice_id, grad + off + inner, n, NULL));
-                CHECK_OK(so_session_grad_device(dev.s, slice_id, d_grads[k] + inner * 2, n, SO_DTYPE_BF16, stream, NULL));
+                CHECK_OK(
+                    so_session_grad_device(dev.s, slice_id, d_grads[k] + inner * 2, n, SO_DTYPE_BF16, stream, NULL));
                 inner += n;
             }
         }

@@ -21,9 +21,7 @@
 //! CPU-Adam thread and the pool running speculative steps). One final step hands one slice
 //! over twice (a late gradient) to show the allocation the library documents for that case.
 
-#[path = "common/mod.rs"]
-mod common;
-use common::*;
+use superoffload_bench::*;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -131,7 +129,7 @@ struct Args {
     json: Option<String>,
 }
 
-fn parse_args() -> Result<Option<Args>, String> {
+fn parse_args(cli: &mut Cli) -> Result<Args, String> {
     let mut a = Args {
         slices: 10_000,
         subgroups: 300,
@@ -144,28 +142,19 @@ fn parse_args() -> Result<Option<Args>, String> {
         train_core: None,
         json: None,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-            _ => (arg.clone(), None),
-        };
-        if flag == "-h" || flag == "--help" {
-            return Ok(None);
-        }
-        let mut value = || inline.clone().or_else(|| it.next()).ok_or_else(|| format!("{flag} needs a value"));
+    while let Some(flag) = cli.next_flag() {
         match flag.as_str() {
-            "--slices" => a.slices = parse_count(&flag, &value()?)?,
-            "--subgroups" => a.subgroups = parse_count(&flag, &value()?)?,
-            "--min-elems" => a.min = parse_count(&flag, &value()?)?,
-            "--max-elems" => a.max = parse_count(&flag, &value()?)?,
-            "--steps" => a.steps = parse_count(&flag, &value()?)?,
-            "--warmup" => a.warmup = parse_count(&flag, &value()?)?,
-            "--no-speculation" => a.speculation = false,
-            "--pool-cores" => a.pool_cores = Some(parse_cores(&flag, &value()?)?),
-            "--train-core" => a.train_core = Some(parse_count(&flag, &value()?)?),
-            "--json" => a.json = Some(value()?),
-            _ => return Err(format!("unknown argument {arg:?} (try --help)")),
+            "--slices" => a.slices = cli.count()?,
+            "--subgroups" => a.subgroups = cli.count()?,
+            "--min-elems" => a.min = cli.count()?,
+            "--max-elems" => a.max = cli.count()?,
+            "--steps" => a.steps = cli.count()?,
+            "--warmup" => a.warmup = cli.count()?,
+            "--no-speculation" => a.speculation = !cli.switch()?,
+            "--pool-cores" => a.pool_cores = Some(cli.cores()?),
+            "--train-core" => a.train_core = Some(cli.count()?),
+            "--json" => a.json = Some(cli.value()?),
+            _ => return Err(cli.unknown()),
         }
     }
     if a.subgroups == 0 || a.slices < a.subgroups {
@@ -177,7 +166,7 @@ fn parse_args() -> Result<Option<Args>, String> {
     if a.steps == 0 {
         return Err("--steps must be at least 1".into());
     }
-    Ok(Some(a))
+    Ok(a)
 }
 
 // ---- helpers -----------------------------------------------------------------------------
@@ -530,11 +519,7 @@ fn timer_ns() -> f64 {
     percentile(&sorted(v), 0.5)
 }
 
-fn run() -> Result<bool, String> {
-    let Some(a) = parse_args()? else {
-        println!("{USAGE}");
-        return Ok(true);
-    };
+fn run(a: Args) -> Result<(), String> {
     let cpus = allowed_cpus();
     let train_core = a.train_core.or_else(|| cpus.first().copied()).ok_or("no CPU in the affinity mask")?;
     let pool_cores: Vec<usize> = match &a.pool_cores {
@@ -771,15 +756,9 @@ fn run() -> Result<bool, String> {
             std::fs::write(path, json + "\n").map_err(|e| format!("--json {path}: {e}"))?;
         }
     }
-    Ok(true)
+    Ok(())
 }
 
 fn main() -> ExitCode {
-    match run() {
-        Ok(_) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("handoff_bench: {e}");
-            ExitCode::from(2)
-        }
-    }
+    main_with("handoff_bench", USAGE, parse_args, run)
 }
