@@ -294,7 +294,8 @@ void test_training_loop() {
 
         const float unscale = static_cast<float>(1.0 / ev.loss_scale);
         double local = 0.0; // per slice, in forward order, as the session takes them at hand-over
-        for (const SliceInfo& sl : slices) local += so::grad_sumsq(ref_pool, acc[sl.sg].data() + sl.offset, sl.numel, unscale);
+        for (const SliceInfo& sl : slices)
+            local += so::grad_sumsq(ref_pool, acc[sl.sg].data() + sl.offset, sl.numel, unscale);
         so::StepArgs args;
         args.max_norm = ev.clip ? 0.5 * std::sqrt(local) : 0.0;
         args.overflow = ev.overflow;

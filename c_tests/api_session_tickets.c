@@ -188,8 +188,7 @@ int main(void) {
     /* The big sub-group completed last: its speculative step was kept, or cancelled at step()
      * and folded into its final pass. */
     CHECKF(!r.skipped && r.serial == 2 && r.kept + r.cancelled == 3, "kept %u cancelled %u", r.kept, r.cancelled);
-    EXPECT_REFUSED(so_session_step_result(s, st, -1, &r), SO_STATUS_NOT_FOUND, "so_session_step_result",
-                   "latest step");
+    EXPECT_REFUSED(so_session_step_result(s, st, -1, &r), SO_STATUS_NOT_FOUND, "so_session_step_result", "latest step");
     so_ticket prev = st;
     for (uint32_t sg = 0; sg < 3; sg++) {
         so_ticket f = 0;
