@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test command of this repository (CI runs it through .ci/run), in this order:
 #
+#   0. the device kernels (PTX text) assembled with ptxas from NVIDIA's pip wheel, no GPU
+#      needed (scripts/check_ptx.sh);
 #   1. style: `cargo fmt --check` and the C/C++ sources against .clang-format
 #      (scripts/check_format.sh);
 #   2. `cargo test --workspace` (the library and the benchmark crate);
@@ -24,7 +26,7 @@
 #   SO_JOBS             parallel build and test jobs (default: the number of CPUs)
 #   SO_SKIP_CARGO_TEST=1  skip `cargo test` (only the CMake/ctest parts)
 #   SO_INSTALL_TOOLS=0  install no optional tool (valgrind, clang-format-14)
-#   SO_SKIP=LIST        skip parts, a comma list of: style, valgrind, sanitize
+#   SO_SKIP=LIST        skip parts, a comma list of: ptx, style, valgrind, sanitize
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
@@ -73,6 +75,17 @@ if command -v valgrind >/dev/null 2>&1; then valgrind --version; else echo "valg
 if command -v pkg-config >/dev/null 2>&1; then echo "pkg-config $(pkg-config --version)"; else echo "pkg-config: not found (its check will be skipped)"; fi
 
 # ---------------------------------------------------------------- style
+if wanted ptx; then
+    section "PTX: the device kernels assemble (scripts/check_ptx.sh)"
+    ptx_status=0
+    if [ "${SO_INSTALL_TOOLS:-1}" != 0 ]; then bash scripts/check_ptx.sh --install || ptx_status=$?; else bash scripts/check_ptx.sh || ptx_status=$?; fi
+    case "$ptx_status" in
+        0) ;;
+        77) skip "PTX check: no ptxas" ;;
+        *) exit "$ptx_status" ;;
+    esac
+fi
+
 if wanted style; then
     section "Style: cargo fmt --check"
     if cargo fmt --version >/dev/null 2>&1; then
