@@ -403,6 +403,7 @@ struct RunSpec {
     std::string ckpt_dir;   // where
     std::string resume_dir; // start from this checkpoint
     bool quiet = false;
+    size_t gpu_subgroups = 0; // the first sub-groups kept on the GPU (SO_PLACEMENT_DEVICE)
 };
 
 struct StepStats {
@@ -521,7 +522,7 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
 
     if (use_session) {
         so::SessionOptions o;
-        o.speculation = spec.kind == OptKind::Session;
+        o.speculation = spec.kind == OptKind::Session ? so::Speculation::On : so::Speculation::Off;
         o.grad_dtype = o.accum_dtype = c.bf16 ? so::DType::Bf16 : so::DType::F32; // the model's
         if (c.cuda) {
             so::CudaOptions co;
@@ -542,7 +543,8 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
             const size_t n = static_cast<size_t>(sg.numel);
             const uint32_t id =
                 c.cuda ? session.add_subgroup_cuda(sg.group, master, n, slices,
-                                                   reinterpret_cast<so_device_ptr>(sg.flat.data_ptr()), o.accum_dtype)
+                                                   reinterpret_cast<so_device_ptr>(sg.flat.data_ptr()), o.accum_dtype,
+                                                   k < spec.gpu_subgroups ? so::Placement::Device : so::Placement::Host)
                        : session.add_subgroup(sg.group, master, n, slices);
             if (id != k) throw std::logic_error("unexpected sub-group id");
             for (auto& p : sg.params) p.slice = session.slice_id(p.name);
@@ -643,7 +645,9 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
         if (r.skipped)
             throw std::runtime_error("step " + std::to_string(pending_step) + " was skipped (non-finite gradient?)");
         const uint32_t n = static_cast<uint32_t>(sgs.size());
-        if (!(r.clip_coef == 1.0 && r.kept == n && r.speculative == n && r.rescaled == 0 && r.redone == 0)) {
+        // GPU-resident sub-groups never speculate: they are stepped once, on the GPU.
+        const uint32_t host = n - r.device_stepped;
+        if (!(r.clip_coef == 1.0 && r.kept == host && r.speculative == host && r.rescaled == 0 && r.redone == 0)) {
             out.every_step_kept = false;
         }
         if (r.stepped != n) out.every_step_stepped = false;
@@ -726,6 +730,13 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
     if (use_session) {
         for (size_t k = 0; k < sgs.size(); k++) session.wait(session.final_ticket(static_cast<uint32_t>(k)));
         if (c.cuda) torch::cuda::synchronize();
+        for (size_t k = 0; k < spec.gpu_subgroups; k++) {
+            // A GPU-resident sub-group's master lives on the GPU: bring it into its host buffer.
+            so_subgroup_state st{};
+            st.struct_size = sizeof st;
+            if (so_session_get_subgroup_state(session.raw(), static_cast<uint32_t>(k), &st) != SO_STATUS_OK)
+                throw std::runtime_error("so_session_get_subgroup_state failed");
+        }
         for (auto& sg : sgs) out.masters.push_back(sg.master.clone());
         if (!c.cuda) { // the last step's weights into the model, as the next forward would
             torch::NoGradGuard ng;
@@ -946,7 +957,7 @@ int main(int argc, char** argv) {
         }
 
         // ---- the checks ----
-        const std::string checks = args.str("check", "parity,exact,resume");
+        const std::string checks = args.str("check", "parity,exact,resume,gpu");
         auto want = [&](const char* k) { return checks.find(k) != std::string::npos; };
         bool ok = true;
         const int64_t half = c.steps / 2;
@@ -1030,6 +1041,20 @@ int main(int argc, char** argv) {
             pass &= compare_exact("speculative vs non-speculative", r4, r5, 0, c.steps);
             std::printf("  exact: %s\n", pass ? "PASS" : "FAIL");
             ok &= pass;
+            if (want("gpu") && c.cuda) {
+                // The library's GPU kernel is the CPU kernels' operation sequence: keeping the
+                // first sub-groups on the GPU changes no bit of the run.
+                RunSpec s6{"gpu-resident", OptKind::Session, 1e6, c.seed, -1, "", "", true};
+                s6.gpu_subgroups = std::max<size_t>(1, static_cast<size_t>(c.layers) / 3);
+                std::printf("\n== run 6: the first %zu sub-groups on the GPU (library GPU kernel) vs all offloaded\n",
+                            s6.gpu_subgroups);
+                RunOut r6 = train(c, data, s6);
+                bool gpu_pass = r6.every_step_kept;
+                gpu_pass &= compare_exact("GPU-resident vs all offloaded", r6, r4, 0, c.steps);
+                std::printf("  GPU-resident: %.1f s vs %.1f s; %s\n", r6.seconds, r4.seconds,
+                            gpu_pass ? "PASS" : "FAIL");
+                ok &= gpu_pass;
+            }
         }
         std::printf("\n%s\n", ok ? "ALL CHECKS PASSED" : "SOME CHECKS FAILED");
         return ok ? 0 : 1;
