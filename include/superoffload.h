@@ -750,6 +750,47 @@ typedef struct so_subgroup_desc {
 } so_subgroup_desc;
 
 /**
+ * A ticket: a number in a per-session sequence (from 1) of work items that complete in
+ * order. 0 means "no work" and is always complete.
+ */
+typedef uint64_t so_ticket;
+
+/**
+ * Where a sub-group's state lives (filled by `so_session_get_subgroup_state`).
+ */
+typedef struct so_subgroup_state {
+  /**
+   * Set by the caller to `sizeof(so_subgroup_state)` before the call.
+   */
+  size_t struct_size;
+  /**
+   * One of `so_placement`: where the sub-group is stepped.
+   */
+  uint32_t placement;
+  /**
+   * Elements of the sub-group.
+   */
+  size_t numel;
+  /**
+   * Host buffers of the master weights and both moments (the caller's borrowed buffers,
+   * or the session's own). For a device-placed sub-group they were brought up to date by
+   * the call.
+   */
+  void *master;
+  void *exp_avg;
+  void *exp_avg_sq;
+  /**
+   * `SO_DTYPE_*` of `master` and of both moments.
+   */
+  uint32_t master_dtype;
+  uint32_t moment_dtype;
+  /**
+   * Steps the sub-group has taken.
+   */
+  uint64_t step_count;
+} so_subgroup_state;
+
+/**
  * What `so_session_step` is told. Initialise with `so_step_args_default()`.
  */
 typedef struct so_step_args {
@@ -775,32 +816,6 @@ typedef struct so_step_args {
    */
   bool overflow;
 } so_step_args;
-
-/**
- * How a CUDA session moves data. Initialise with `so_cuda_options_default()`.
- */
-typedef struct so_cuda_options {
-  /**
-   * `sizeof(so_cuda_options)`.
-   */
-  size_t struct_size;
-  /**
-   * Device ordinal (as the driver numbers them, i.e. after `CUDA_VISIBLE_DEVICES`).
-   */
-  int32_t device;
-  /**
-   * Gradients larger than this go to the host in pieces of this size, alternating two
-   * copy streams, each waiting for the one before (so that other streams' copies, such
-   * as a `.item()`, get in between); >= 4096. Default 16 MiB.
-   */
-  size_t piece_bytes;
-} so_cuda_options;
-
-/**
- * A ticket: a number in a per-session sequence (from 1) of work items that complete in
- * order. 0 means "no work" and is always complete.
- */
-typedef uint64_t so_ticket;
 
 /**
  * The outcome of one step (filled by `so_session_step_result`).
@@ -899,39 +914,24 @@ typedef struct so_step_result {
 } so_step_result;
 
 /**
- * Where a sub-group's state lives (filled by `so_session_get_subgroup_state`).
+ * How a CUDA session moves data. Initialise with `so_cuda_options_default()`.
  */
-typedef struct so_subgroup_state {
+typedef struct so_cuda_options {
   /**
-   * Set by the caller to `sizeof(so_subgroup_state)` before the call.
+   * `sizeof(so_cuda_options)`.
    */
   size_t struct_size;
   /**
-   * One of `so_placement`: where the sub-group is stepped.
+   * Device ordinal (as the driver numbers them, i.e. after `CUDA_VISIBLE_DEVICES`).
    */
-  uint32_t placement;
+  int32_t device;
   /**
-   * Elements of the sub-group.
+   * Gradients larger than this go to the host in pieces of this size, alternating two
+   * copy streams, each waiting for the one before (so that other streams' copies, such
+   * as a `.item()`, get in between); >= 4096. Default 16 MiB.
    */
-  size_t numel;
-  /**
-   * Host buffers of the master weights and both moments (the caller's borrowed buffers,
-   * or the session's own). For a device-placed sub-group they were brought up to date by
-   * the call.
-   */
-  void *master;
-  void *exp_avg;
-  void *exp_avg_sq;
-  /**
-   * `SO_DTYPE_*` of `master` and of both moments.
-   */
-  uint32_t master_dtype;
-  uint32_t moment_dtype;
-  /**
-   * Steps the sub-group has taken.
-   */
-  uint64_t step_count;
-} so_subgroup_state;
+  size_t piece_bytes;
+} so_cuda_options;
 
 #ifdef __cplusplus
 extern "C" {
@@ -988,6 +988,12 @@ struct so_update_options so_update_options_default(void);
  * @note Thread-safety: any number of threads may call this at once on disjoint buffers,
  *       on the same pool or on different pools. The buffers must not be accessed by
  *       anything else during the call.
+ *
+ * # Safety
+ * `pool` is NULL or a live pool; `hparams` and `buffers` point to their structs, `options`
+ * is NULL or points to its struct; each buffer in `buffers` holds `numel` elements of its
+ * dtype and is not accessed by anything else during the call; `out_grad_sumsq` is NULL or
+ * writable.
  */
 SO_NODISCARD
 so_status so_adam_update(const struct so_pool *pool,
@@ -1017,6 +1023,9 @@ so_status so_adam_update(const struct so_pool *pool,
  * @return `SO_STATUS_OK`, `SO_STATUS_UNSUPPORTED` for non-f32 param or moments, or an
  *         argument error; on error nothing was modified.
  * @note Thread-safety: as `so_adam_update`.
+ *
+ * # Safety
+ * As `so_adam_update` (without `options` and `out_grad_sumsq`).
  */
 SO_NODISCARD
 so_status so_adam_rollback(const struct so_pool *pool,
@@ -1048,6 +1057,9 @@ so_status so_adam_rollback(const struct so_pool *pool,
  * @return `SO_STATUS_OK`, `SO_STATUS_UNSUPPORTED` for non-f32 param or moments, or an
  *         argument error; on error nothing was modified.
  * @note Thread-safety: as `so_adam_update`.
+ *
+ * # Safety
+ * As `so_adam_update` (without `options` and `out_grad_sumsq`).
  */
 SO_NODISCARD
 so_status so_adam_rescale(const struct so_pool *pool,
@@ -1069,6 +1081,10 @@ so_status so_adam_rescale(const struct so_pool *pool,
  * @param out_sumsq Receives the sum on success.
  * @return `SO_STATUS_OK` or an argument error.
  * @note Thread-safety: safe to call from any thread.
+ *
+ * # Safety
+ * `pool` is NULL or a live pool; `grad` holds `numel` readable elements of `grad_dtype`
+ * (or `numel` is 0); `out_sumsq` is NULL or writable.
  */
 SO_NODISCARD
 so_status so_grad_sumsq(const struct so_pool *pool,
@@ -1101,6 +1117,10 @@ struct so_pool_options so_pool_options_default(void);
  *         core list; `SO_STATUS_UNSUPPORTED` for an instruction set the CPU lacks;
  *         `SO_STATUS_OUT_OF_RESOURCES` if threads cannot be started or pinned.
  * @note Thread-safety: safe to call from any thread.
+ *
+ * # Safety
+ * `options` is NULL or points to a `so_pool_options` whose `cores` is NULL or holds
+ * `num_cores` entries; `out_pool` is NULL or writable.
  */
 SO_NODISCARD
 so_status so_pool_create(const struct so_pool_options *options,
@@ -1113,6 +1133,9 @@ so_status so_pool_create(const struct so_pool_options *options,
  * returns. The pool must not be passed to any call after this.
  *
  * @note Thread-safety: must not race with calls that use the same handle.
+ *
+ * # Safety
+ * `pool` is NULL or a live pool from `so_pool_create`, not used again after this call.
  */
 void so_pool_destroy(struct so_pool *pool);
 
@@ -1123,6 +1146,10 @@ void so_pool_destroy(struct so_pool *pool);
  * @param out_info Caller-provided, with `struct_size = sizeof(so_pool_info)`; filled on
  *        success.
  * @note Thread-safety: safe to call from any thread.
+ *
+ * # Safety
+ * `pool` is NULL or a live pool; `out_info` is NULL or points to a writable
+ * `so_pool_info`.
  */
 SO_NODISCARD so_status so_pool_get_info(const struct so_pool *pool, struct so_pool_info *out_info);
 
@@ -1152,29 +1179,6 @@ struct so_loss_scaler_options so_loss_scaler_options_default(void);
 struct so_session_options so_session_options_default(void);
 
 /**
- * Returns `torch.optim.AdamW`'s hyperparameters (lr 1e-3, betas 0.9 and 0.999, eps 1e-8,
- * weight decay 0.01); `struct_size` set.
- *
- * @note Thread-safety: safe to call from any thread.
- */
-struct so_group_hparams so_group_hparams_default(void);
-
-/**
- * Returns an empty sub-group description (group 0, no buffers, f32 master, no slices);
- * `struct_size` set.
- *
- * @note Thread-safety: safe to call from any thread.
- */
-struct so_subgroup_desc so_subgroup_desc_default(void);
-
-/**
- * Returns step arguments: no clipping, local norm, no overflow; `struct_size` set.
- *
- * @note Thread-safety: safe to call from any thread.
- */
-struct so_step_args so_step_args_default(void);
-
-/**
  * @brief Creates a session and starts its CPU-Adam thread.
  *
  * @param options NULL for `so_session_options_default()`.
@@ -1184,29 +1188,15 @@ struct so_step_args so_step_args_default(void);
  *         cores, bad loss-scaler settings); `SO_STATUS_OUT_OF_RESOURCES` if threads cannot
  *         start.
  * @note Thread-safety: safe to call from any thread.
+ *
+ * # Safety
+ * `options` is NULL or points to a `so_session_options` whose `pool` is NULL or a live
+ * pool, whose `cores` is NULL or holds `num_cores` entries and whose `loss_scaler` is NULL
+ * or points to a `so_loss_scaler_options`; `out_session` is NULL or writable.
  */
 SO_NODISCARD
 so_status so_session_create(const struct so_session_options *options,
                             struct so_session **out_session);
-
-/**
- * @brief Creates a CUDA session: as `so_session_create`, with gradients handed over as
- * device pointers (`so_session_grad_device`) and updated weights published into each
- * sub-group's device parameter (`so_subgroup_desc.device_param`) after `so_session_step`
- * decides. Uses the device's primary context (the one PyTorch and JAX use) and creates its
- * own copy streams; nothing the caller owns is ever freed or destroyed. Session-allocated
- * host buffers and the borrowed master weights are page-locked (`cuMemHostRegister`, in
- * place; buffers the caller already pinned are used as they are and never unregistered).
- *
- * @param cuda NULL for `so_cuda_options_default()`.
- * @return As `so_session_create`; `SO_STATUS_CUDA_UNAVAILABLE` without a driver or device;
- *         `SO_STATUS_CUDA_ERROR` (with the driver's error name) if setup fails.
- * @note Thread-safety: safe to call from any thread.
- */
-SO_NODISCARD
-so_status so_session_create_cuda(const struct so_session_options *options,
-                                 const struct so_cuda_options *cuda,
-                                 struct so_session **out_session);
 
 /**
  * @brief Destroys a session: waits for every queued step to finish, stops the CPU-Adam
@@ -1217,14 +1207,73 @@ so_status so_session_create_cuda(const struct so_session_options *options,
  * freed, so no stream may still be waiting on one of its tickets.
  *
  * @note Thread-safety: must not race with other calls on the session.
+ *
+ * # Safety
+ * `session` is NULL or a live session, not used again after this call, and no other call
+ * on it is running.
  */
 void so_session_destroy(struct so_session *session);
+
+/**
+ * @brief Host bytes the session allocated (moments, gradient buffers, late gradients).
+ * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_bytes` is NULL or writable.
+ */
+SO_NODISCARD so_status so_session_host_bytes(const struct so_session *session, size_t *out_bytes);
+
+/**
+ * @brief GPU bytes the session allocated (device-placed state, staging buffers, sums of
+ * squares, ticket words); 0 for a host session.
+ * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_bytes` is NULL or writable.
+ */
+SO_NODISCARD so_status so_session_device_bytes(const struct so_session *session, size_t *out_bytes);
+
+/**
+ * @brief Starts recording a timeline of the session's work (clearing an earlier one) when
+ * `enable`, or stops recording: gradient hand-offs and waits of the calling threads, and
+ * the CPU-Adam thread's speculative steps, sums of squares, decisions and per-sub-group
+ * finalization (kept, rescaled, rolled back, redone, stepped), and its waits for gradient
+ * copies. Costs one clock read per event while on, nothing while off.
+ * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle.
+ */
+SO_NODISCARD so_status so_session_trace(struct so_session *session, bool enable);
+
+/**
+ * @brief Writes the recorded timeline to `path` as Chrome trace-event JSON (open it in
+ * Perfetto or chrome://tracing, or render it with `bench/trace_plot.py`).
+ * @return `SO_STATUS_OK` or `SO_STATUS_IO`.
+ * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `path` is NULL or a NUL-terminated string.
+ */
+SO_NODISCARD so_status so_session_trace_save(const struct so_session *session, const char *path);
+
+/**
+ * Returns `torch.optim.AdamW`'s hyperparameters (lr 1e-3, betas 0.9 and 0.999, eps 1e-8,
+ * weight decay 0.01); `struct_size` set.
+ *
+ * @note Thread-safety: safe to call from any thread.
+ */
+struct so_group_hparams so_group_hparams_default(void);
 
 /**
  * @brief Adds a param group.
  * @param out_group Receives its id (0, 1, ... in order of addition).
  * @return `SO_STATUS_OK` or `SO_STATUS_INVALID_ARGUMENT` for out-of-range values.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `hparams` is NULL or points to a
+ * `so_group_hparams`; `out_group` is NULL or writable.
  */
 SO_NODISCARD
 so_status so_session_add_group(struct so_session *session,
@@ -1237,6 +1286,10 @@ so_status so_session_add_group(struct so_session *session,
  * sub-group is finalized with the values current when `so_session_step` is called
  * (speculative steps taken with other values are rolled back and redone).
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `hparams` is NULL or points to a
+ * `so_group_hparams`.
  */
 SO_NODISCARD
 so_status so_session_set_group(struct so_session *session,
@@ -1247,11 +1300,23 @@ so_status so_session_set_group(struct so_session *session,
  * @brief Reads a group's current hyperparameters into `out_hparams` (whose `struct_size`
  * the caller sets).
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_hparams` is NULL or points to a
+ * writable `so_group_hparams`.
  */
 SO_NODISCARD
 so_status so_session_get_group(const struct so_session *session,
                                uint32_t group,
                                struct so_group_hparams *out_hparams);
+
+/**
+ * Returns an empty sub-group description (group 0, no buffers, f32 master, no slices);
+ * `struct_size` set.
+ *
+ * @note Thread-safety: safe to call from any thread.
+ */
+struct so_subgroup_desc so_subgroup_desc_default(void);
 
 /**
  * @brief Registers a sub-group, between steps.
@@ -1273,6 +1338,13 @@ so_status so_session_get_group(const struct so_session *session,
  *         dtype; `SO_STATUS_OUT_OF_RESOURCES` beyond the host-memory limit. Nothing is
  *         registered on error.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `desc` is NULL or points to a
+ * `so_subgroup_desc` whose `master` (and `grad`, `exp_avg`, `exp_avg_sq` when not NULL)
+ * holds `numel` elements of its dtype and stays valid, and is left alone while the session
+ * may use it, as described above; whose `slices` holds `num_slices` entries, each `name`
+ * NULL or NUL-terminated; `out_subgroup` is NULL or writable.
  */
 SO_NODISCARD
 so_status so_session_add_subgroup(struct so_session *session,
@@ -1283,6 +1355,9 @@ so_status so_session_add_subgroup(struct so_session *session,
  * @brief Unregisters a sub-group between steps, after its outstanding work; its slices'
  * names become free, its borrowed buffers are not used after this returns.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle.
  */
 SO_NODISCARD so_status so_session_remove_subgroup(struct so_session *session, uint32_t subgroup);
 
@@ -1291,11 +1366,100 @@ SO_NODISCARD so_status so_session_remove_subgroup(struct so_session *session, ui
  * look them up once, not per gradient).
  * @return `SO_STATUS_OK` or `SO_STATUS_NOT_FOUND`.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `name` is NULL or a NUL-terminated string;
+ * `out_slice` is NULL or writable.
  */
 SO_NODISCARD
 so_status so_session_slice_id(const struct so_session *session,
                               const char *name,
                               uint32_t *out_slice);
+
+/**
+ * @brief The ticket that completes when the sub-group's latest step is final (0 before
+ * its first step): its master weights may be read once it is complete.
+ * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_ticket` is NULL or writable.
+ */
+SO_NODISCARD
+so_status so_session_final_ticket(const struct so_session *session,
+                                  uint32_t subgroup,
+                                  so_ticket *out_ticket);
+
+/**
+ * @brief Steps the sub-group has taken (skipped steps do not count); read it after the
+ * sub-group's final ticket for the count after a step.
+ * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_count` is NULL or writable.
+ */
+SO_NODISCARD
+so_status so_session_step_count(const struct so_session *session,
+                                uint32_t subgroup,
+                                uint64_t *out_count);
+
+/**
+ * @brief Describes a sub-group's state buffers, after its outstanding work, so that a caller
+ * can read (or, between steps, write) its master weights and moments in place — e.g. to
+ * build a torch-style optimizer state dict. The pointers stay valid until the sub-group is
+ * removed or the session destroyed. A device-placed sub-group's host buffers are updated
+ * by this call; writes to them reach the device only through `so_session_set_placement`
+ * or a checkpoint load.
+ * @param out_state Caller-provided with `struct_size = sizeof(so_subgroup_state)`.
+ * @return `SO_STATUS_OK`, `SO_STATUS_NOT_FOUND`, `SO_STATUS_CUDA_ERROR`.
+ * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_state` is NULL or points to a writable
+ * `so_subgroup_state`.
+ */
+SO_NODISCARD
+so_status so_session_get_subgroup_state(const struct so_session *session,
+                                        uint32_t subgroup,
+                                        struct so_subgroup_state *out_state);
+
+/**
+ * @brief Sets a sub-group's step count, between steps (after writing its state in place,
+ * e.g. from a torch optimizer state dict).
+ * @return `SO_STATUS_OK`, `SO_STATUS_NOT_FOUND`, `SO_STATUS_INVALID_STATE` during a step.
+ * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle.
+ */
+SO_NODISCARD
+so_status so_session_set_step_count(struct so_session *session,
+                                    uint32_t subgroup,
+                                    uint64_t count);
+
+/**
+ * @brief Moves a sub-group's master weights and moments between host and GPU memory
+ * (`so_placement`), between steps, bit for bit. On the GPU it is stepped by the library's
+ * kernel after each decision (never speculatively); back on the host its borrowed master
+ * buffer holds the current weights again.
+ * @return `SO_STATUS_OK`; `SO_STATUS_UNSUPPORTED` in a host session or for non-f32 master
+ *         weights; `SO_STATUS_INVALID_STATE` during a step; `SO_STATUS_NOT_FOUND`;
+ *         `SO_STATUS_CUDA_ERROR` (then nothing changed).
+ * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle.
+ */
+SO_NODISCARD
+so_status so_session_set_placement(struct so_session *session,
+                                   uint32_t subgroup,
+                                   uint32_t placement);
+
+/**
+ * Returns step arguments: no clipping, local norm, no overflow; `struct_size` set.
+ *
+ * @note Thread-safety: safe to call from any thread.
+ */
+struct so_step_args so_step_args_default(void);
 
 /**
  * @brief Starts an optimizer step.
@@ -1308,6 +1472,9 @@ so_status so_session_slice_id(const struct so_session *session,
  * @return `SO_STATUS_OK`; `SO_STATUS_INVALID_STATE` if the previous step was not given to
  *         `so_session_step`.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle.
  */
 SO_NODISCARD
 so_status so_session_begin_step(struct so_session *session,
@@ -1317,6 +1484,9 @@ so_status so_session_begin_step(struct so_session *session,
 /**
  * @brief Moves to the next micro-step of the current step.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle.
  */
 SO_NODISCARD so_status so_session_next_micro_step(struct so_session *session);
 
@@ -1341,6 +1511,11 @@ SO_NODISCARD so_status so_session_next_micro_step(struct so_session *session);
  *         wrong size; `SO_STATUS_OUT_OF_RESOURCES` if a late gradient exceeds the memory
  *         limit.
  * @note Thread-safety: see `so_session`. Hand-offs of one slice must not race.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `grad` is NULL or holds `numel` readable
+ * elements of the session's `grad_dtype`, not written during the call; `out_ticket` is
+ * NULL or writable.
  */
 SO_NODISCARD
 so_status so_session_grad_copy(struct so_session *session,
@@ -1359,6 +1534,9 @@ so_status so_session_grad_copy(struct so_session *session,
  *         gradient buffer the session owns; `SO_STATUS_INVALID_STATE` for a sub-group that
  *         already completed this step.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_ticket` is NULL or writable.
  */
 SO_NODISCARD
 so_status so_session_grad_written(struct so_session *session,
@@ -1373,6 +1551,9 @@ so_status so_session_grad_written(struct so_session *session,
  * @return `SO_STATUS_OK`, `SO_STATUS_TIMEOUT` (call again to keep waiting), or
  *         `SO_STATUS_INVALID_STATE` outside a step.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_sumsq` is NULL or writable.
  */
 SO_NODISCARD
 so_status so_session_local_grad_sumsq(struct so_session *session,
@@ -1397,6 +1578,10 @@ so_status so_session_local_grad_sumsq(struct so_session *session,
  *         `SO_STATUS_INVALID_ARGUMENT` for a bad `max_norm`, norm source or a negative
  *         given norm (nothing changes then; the step can be given to step() again).
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `args` is NULL or points to a
+ * `so_step_args`; `out_ticket` is NULL or writable.
  */
 SO_NODISCARD
 so_status so_session_step(struct so_session *session,
@@ -1410,6 +1595,10 @@ so_status so_session_step(struct so_session *session,
  * @return `SO_STATUS_OK`, `SO_STATUS_TIMEOUT`, or `SO_STATUS_NOT_FOUND` for a ticket that
  *         is not the latest step's.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_result` is NULL or points to a writable
+ * `so_step_result`.
  */
 SO_NODISCARD
 so_status so_session_step_result(const struct so_session *session,
@@ -1418,37 +1607,41 @@ so_status so_session_step_result(const struct so_session *session,
                                  struct so_step_result *out_result);
 
 /**
- * @brief The ticket that completes when the sub-group's latest step is final (0 before
- * its first step): its master weights may be read once it is complete.
- * @note Thread-safety: see `so_session`.
- */
-SO_NODISCARD
-so_status so_session_final_ticket(const struct so_session *session,
-                                  uint32_t subgroup,
-                                  so_ticket *out_ticket);
-
-/**
- * @brief Steps the sub-group has taken (skipped steps do not count); read it after the
- * sub-group's final ticket for the count after a step.
- * @note Thread-safety: see `so_session`.
- */
-SO_NODISCARD
-so_status so_session_step_count(const struct so_session *session,
-                                uint32_t subgroup,
-                                uint64_t *out_count);
-
-/**
  * @brief The built-in loss scaler's current scale (after the latest step's verdict, which
  * this waits for), or 1 without a scaler: multiply the loss by it before backward.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_scale` is NULL or writable.
  */
 SO_NODISCARD so_status so_session_loss_scale(const struct so_session *session, float *out_scale);
 
 /**
- * @brief Host bytes the session allocated (moments, gradient buffers, late gradients).
+ * @brief Saves a checkpoint (safetensors; see the README for the layout), between steps,
+ * after in-flight work. Atomic: the file at `path` is either the old one or the new one.
+ * @return `SO_STATUS_OK`, `SO_STATUS_IO`, or `SO_STATUS_INVALID_STATE` during a step.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `path` is NULL or a NUL-terminated string.
  */
-SO_NODISCARD so_status so_session_host_bytes(const struct so_session *session, size_t *out_bytes);
+SO_NODISCARD so_status so_session_save(struct so_session *session, const char *path);
+
+/**
+ * @brief Loads a checkpoint into the registered sub-groups (which may be partitioned
+ * differently from the saved session), between steps: master weights (written into the
+ * borrowed buffers), moments, step counts, group hyperparameters, loss-scaler state. A CUDA
+ * session also publishes the loaded weights into the sub-groups' device parameters, after
+ * the work queued on the compute stream, and returns once they have landed.
+ * @return `SO_STATUS_OK`; `SO_STATUS_BAD_CHECKPOINT` for a truncated, corrupt or
+ *         mismatched file (then nothing changed); `SO_STATUS_IO`; `SO_STATUS_INVALID_STATE`.
+ * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `path` is NULL or a NUL-terminated string;
+ * the borrowed master buffers of the sub-groups are valid and left alone during the call.
+ */
+SO_NODISCARD so_status so_session_load(struct so_session *session, const char *path);
 
 /**
  * @brief The state of a ticket without waiting.
@@ -1456,6 +1649,9 @@ SO_NODISCARD so_status so_session_host_bytes(const struct so_session *session, s
  *         work's own error status if it failed (message in `so_last_error_message`), or
  *         `SO_STATUS_NOT_FOUND` for a ticket never issued.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle.
  */
 SO_NODISCARD so_status so_ticket_query(const struct so_session *session, so_ticket ticket);
 
@@ -1465,6 +1661,9 @@ SO_NODISCARD so_status so_ticket_query(const struct so_session *session, so_tick
  *         `SO_STATUS_NOT_FOUND`. A failed step leaves its sub-group as it was before it;
  *         the session stays usable.
  * @note Thread-safety: see `so_session`; any thread may wait.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle.
  */
 SO_NODISCARD
 so_status so_ticket_wait(const struct so_session *session,
@@ -1478,31 +1677,14 @@ so_status so_ticket_wait(const struct so_session *session,
  *         speculative step refused for a non-finite gradient, which made that step
  *         skipped); wait on a step's own ticket for its outcome alone.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle.
  */
 SO_NODISCARD
 so_status so_ticket_wait_all(const struct so_session *session,
                              so_ticket ticket,
                              int64_t timeout_ns);
-
-/**
- * @brief Saves a checkpoint (safetensors; see the README for the layout), between steps,
- * after in-flight work. Atomic: the file at `path` is either the old one or the new one.
- * @return `SO_STATUS_OK`, `SO_STATUS_IO`, or `SO_STATUS_INVALID_STATE` during a step.
- * @note Thread-safety: see `so_session`.
- */
-SO_NODISCARD so_status so_session_save(struct so_session *session, const char *path);
-
-/**
- * @brief Loads a checkpoint into the registered sub-groups (which may be partitioned
- * differently from the saved session), between steps: master weights (written into the
- * borrowed buffers), moments, step counts, group hyperparameters, loss-scaler state. A CUDA
- * session also publishes the loaded weights into the sub-groups' device parameters, after
- * the work queued on the compute stream, and returns once they have landed.
- * @return `SO_STATUS_OK`; `SO_STATUS_BAD_CHECKPOINT` for a truncated, corrupt or
- *         mismatched file (then nothing changed); `SO_STATUS_IO`; `SO_STATUS_INVALID_STATE`.
- * @note Thread-safety: see `so_session`.
- */
-SO_NODISCARD so_status so_session_load(struct so_session *session, const char *path);
 
 /**
  * Returns CUDA options: device 0, 16 MiB pieces; `struct_size` set.
@@ -1518,6 +1700,28 @@ struct so_cuda_options so_cuda_options_default(void);
  * @note Thread-safety: safe to call from any thread.
  */
 SO_NODISCARD so_status so_cuda_available(void);
+
+/**
+ * @brief Creates a CUDA session: as `so_session_create`, with gradients handed over as
+ * device pointers (`so_session_grad_device`) and updated weights published into each
+ * sub-group's device parameter (`so_subgroup_desc.device_param`) after `so_session_step`
+ * decides. Uses the device's primary context (the one PyTorch and JAX use) and creates its
+ * own copy streams; nothing the caller owns is ever freed or destroyed. Session-allocated
+ * host buffers and the borrowed master weights are page-locked (`cuMemHostRegister`, in
+ * place; buffers the caller already pinned are used as they are and never unregistered).
+ *
+ * @param cuda NULL for `so_cuda_options_default()`.
+ * @return As `so_session_create`; `SO_STATUS_CUDA_UNAVAILABLE` without a driver or device;
+ *         `SO_STATUS_CUDA_ERROR` (with the driver's error name) if setup fails.
+ * @note Thread-safety: safe to call from any thread.
+ *
+ * # Safety
+ * As `so_session_create`; `cuda` is NULL or points to a `so_cuda_options`.
+ */
+SO_NODISCARD
+so_status so_session_create_cuda(const struct so_session_options *options,
+                                 const struct so_cuda_options *cuda,
+                                 struct so_session **out_session);
 
 /**
  * @brief "The gradient of `slice` is ready at device address `grad` (`numel` elements of
@@ -1544,6 +1748,11 @@ SO_NODISCARD so_status so_cuda_available(void);
  *         for a dtype other than the accumulation dtype or a second hand-off in one step
  *         before completion; `SO_STATUS_CUDA_ERROR`.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `grad` is a device address of `numel`
+ * elements of `dtype`, valid as described above; `stream` is NULL or a live stream of the
+ * session's device; `out_ticket` is NULL or writable.
  */
 SO_NODISCARD
 so_status so_session_grad_device(struct so_session *session,
@@ -1562,6 +1771,10 @@ so_status so_session_grad_device(struct so_session *session,
  * @return `SO_STATUS_OK`, `SO_STATUS_STREAM_CAPTURING`, `SO_STATUS_INVALID_STATE` for a host
  *         session.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `stream` is NULL or a stream of the
+ * session's device that outlives its use by the session.
  */
 SO_NODISCARD
 so_status so_session_set_compute_stream(struct so_session *session,
@@ -1579,6 +1792,10 @@ so_status so_session_set_compute_stream(struct so_session *session,
  * @return `SO_STATUS_OK`, `SO_STATUS_NOT_FOUND` for a ticket never issued,
  *         `SO_STATUS_STREAM_CAPTURING`, `SO_STATUS_INVALID_STATE` for a host session.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `stream` is NULL or a live stream of the
+ * session's device.
  */
 SO_NODISCARD
 so_status so_ticket_enqueue_wait(const struct so_session *session,
@@ -1589,6 +1806,9 @@ so_status so_ticket_enqueue_wait(const struct so_session *session,
  * @brief The session's first copy stream, on which every gradient copy ends (for
  * `record_stream`); owned by the session, valid until it is destroyed.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_stream` is NULL or writable.
  */
 SO_NODISCARD
 so_status so_session_copy_stream(const struct so_session *session,
@@ -1598,75 +1818,11 @@ so_status so_session_copy_stream(const struct so_session *session,
  * @brief Host bytes the session page-locked (0 for a host session). Buffers the caller
  * had already pinned are not counted; nothing is rounded up to powers of two.
  * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_bytes` is NULL or writable.
  */
 SO_NODISCARD so_status so_session_pinned_bytes(const struct so_session *session, size_t *out_bytes);
-
-/**
- * @brief Starts recording a timeline of the session's work (clearing an earlier one) when
- * `enable`, or stops recording: gradient hand-offs and waits of the calling threads, and
- * the CPU-Adam thread's speculative steps, sums of squares, decisions and per-sub-group
- * finalization (kept, rescaled, rolled back, redone, stepped), and its waits for gradient
- * copies. Costs one clock read per event while on, nothing while off.
- * @note Thread-safety: see `so_session`.
- */
-SO_NODISCARD so_status so_session_trace(struct so_session *session, bool enable);
-
-/**
- * @brief Writes the recorded timeline to `path` as Chrome trace-event JSON (open it in
- * Perfetto or chrome://tracing, or render it with `bench/trace_plot.py`).
- * @return `SO_STATUS_OK` or `SO_STATUS_IO`.
- * @note Thread-safety: see `so_session`.
- */
-SO_NODISCARD so_status so_session_trace_save(const struct so_session *session, const char *path);
-
-/**
- * @brief Describes a sub-group's state buffers, after its outstanding work, so that a caller
- * can read (or, between steps, write) its master weights and moments in place — e.g. to
- * build a torch-style optimizer state dict. The pointers stay valid until the sub-group is
- * removed or the session destroyed. A device-placed sub-group's host buffers are updated
- * by this call; writes to them reach the device only through `so_session_set_placement`
- * or a checkpoint load.
- * @param out_state Caller-provided with `struct_size = sizeof(so_subgroup_state)`.
- * @return `SO_STATUS_OK`, `SO_STATUS_NOT_FOUND`, `SO_STATUS_CUDA_ERROR`.
- * @note Thread-safety: see `so_session`.
- */
-SO_NODISCARD
-so_status so_session_get_subgroup_state(const struct so_session *session,
-                                        uint32_t subgroup,
-                                        struct so_subgroup_state *out_state);
-
-/**
- * @brief Sets a sub-group's step count, between steps (after writing its state in place,
- * e.g. from a torch optimizer state dict).
- * @return `SO_STATUS_OK`, `SO_STATUS_NOT_FOUND`, `SO_STATUS_INVALID_STATE` during a step.
- * @note Thread-safety: see `so_session`.
- */
-SO_NODISCARD
-so_status so_session_set_step_count(struct so_session *session,
-                                    uint32_t subgroup,
-                                    uint64_t count);
-
-/**
- * @brief Moves a sub-group's master weights and moments between host and GPU memory
- * (`so_placement`), between steps, bit for bit. On the GPU it is stepped by the library's
- * kernel after each decision (never speculatively); back on the host its borrowed master
- * buffer holds the current weights again.
- * @return `SO_STATUS_OK`; `SO_STATUS_UNSUPPORTED` in a host session or for non-f32 master
- *         weights; `SO_STATUS_INVALID_STATE` during a step; `SO_STATUS_NOT_FOUND`;
- *         `SO_STATUS_CUDA_ERROR` (then nothing changed).
- * @note Thread-safety: see `so_session`.
- */
-SO_NODISCARD
-so_status so_session_set_placement(struct so_session *session,
-                                   uint32_t subgroup,
-                                   uint32_t placement);
-
-/**
- * @brief GPU bytes the session allocated (device-placed state, staging buffers, sums of
- * squares, ticket words); 0 for a host session.
- * @note Thread-safety: see `so_session`.
- */
-SO_NODISCARD so_status so_session_device_bytes(const struct so_session *session, size_t *out_bytes);
 
 /**
  * Returns the ABI version of the loaded library; compare with `SO_ABI_VERSION`.
@@ -1701,6 +1857,9 @@ const char *so_status_str(uint32_t status);
  * @return The full length of the message, excluding the NUL (as `snprintf`): the message
  *         was truncated iff the result is >= `len`. 0 if no call has failed on this thread.
  * @note Thread-safety: the message is thread-local.
+ *
+ * # Safety
+ * `buf` is NULL or holds `len` writable bytes.
  */
 size_t so_last_error_message(char *buf, size_t len);
 

@@ -49,55 +49,46 @@ pub enum Status {
     Panic = 99,
 }
 
-impl Status {
-    /// Static, NUL-terminated description of a status value.
-    pub fn description(self) -> &'static std::ffi::CStr {
-        match self {
-            Status::Ok => c"success",
-            Status::NullArgument => c"a required pointer argument is NULL",
-            Status::InvalidArgument => c"an argument is out of range or inconsistent",
-            Status::StructSize => c"struct_size does not match a layout this library knows",
-            Status::Unsupported => c"the request is valid but not supported",
-            Status::Aliasing => c"buffers that must be disjoint overlap",
-            Status::NonFinite => c"a scaled gradient element is inf or NaN; nothing was modified",
-            Status::InvalidState => c"the call is not valid in the current state",
-            Status::NotFound => c"no such id, name or ticket",
-            Status::OutOfResources => c"memory or threads could not be obtained, or a memory limit would be exceeded",
-            Status::Timeout => c"the wait timed out",
-            Status::Pending => c"the work has not completed yet",
-            Status::Io => c"a file could not be read or written",
-            Status::BadCheckpoint => c"the checkpoint is truncated, corrupt or does not match the session",
-            Status::CudaUnavailable => c"CUDA is unavailable (no driver or no device)",
-            Status::CudaError => c"a CUDA call failed",
-            Status::StreamCapturing => c"the CUDA stream is being captured into a graph",
-            Status::Panic => c"internal error (caught panic) in superoffload",
-        }
-    }
+/// Each status with its description: `description` and `from_raw` are generated from this
+/// one table, and a variant missing from it does not compile (`description` is an
+/// exhaustive match).
+macro_rules! status_table {
+    ($($status:ident => $text:literal,)+) => {
+        impl Status {
+            /// Static, NUL-terminated description of a status value.
+            pub fn description(self) -> &'static std::ffi::CStr {
+                match self {
+                    $(Status::$status => $text,)+
+                }
+            }
 
-    /// Maps a raw value from C back to a status, if it is one.
-    pub fn from_raw(raw: u32) -> Option<Status> {
-        const ALL: [Status; 18] = [
-            Status::Ok,
-            Status::NullArgument,
-            Status::InvalidArgument,
-            Status::StructSize,
-            Status::Unsupported,
-            Status::Aliasing,
-            Status::InvalidState,
-            Status::NotFound,
-            Status::NonFinite,
-            Status::OutOfResources,
-            Status::Timeout,
-            Status::Pending,
-            Status::Io,
-            Status::BadCheckpoint,
-            Status::CudaUnavailable,
-            Status::CudaError,
-            Status::StreamCapturing,
-            Status::Panic,
-        ];
-        ALL.into_iter().find(|s| *s as u32 == raw)
-    }
+            /// Maps a raw value from C back to a status, if it is one.
+            pub fn from_raw(raw: u32) -> Option<Status> {
+                [$(Status::$status),+].into_iter().find(|s| *s as u32 == raw)
+            }
+        }
+    };
+}
+
+status_table! {
+    Ok => c"success",
+    NullArgument => c"a required pointer argument is NULL",
+    InvalidArgument => c"an argument is out of range or inconsistent",
+    StructSize => c"struct_size does not match a layout this library knows",
+    Unsupported => c"the request is valid but not supported",
+    Aliasing => c"buffers that must be disjoint overlap",
+    InvalidState => c"the call is not valid in the current state",
+    NotFound => c"no such id, name or ticket",
+    NonFinite => c"a scaled gradient element is inf or NaN; nothing was modified",
+    OutOfResources => c"memory or threads could not be obtained, or a memory limit would be exceeded",
+    Timeout => c"the wait timed out",
+    Pending => c"the work has not completed yet",
+    Io => c"a file could not be read or written",
+    BadCheckpoint => c"the checkpoint is truncated, corrupt or does not match the session",
+    CudaUnavailable => c"CUDA is unavailable (no driver or no device)",
+    CudaError => c"a CUDA call failed",
+    StreamCapturing => c"the CUDA stream is being captured into a graph",
+    Panic => c"internal error (caught panic) in superoffload",
 }
 
 /// An error: a status plus a message that says what was wrong with which argument.

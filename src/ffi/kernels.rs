@@ -1,14 +1,99 @@
-//! `so_adam_*`: the kernels on caller buffers.
+//! `so_adam_*`, `so_grad_sumsq`: the kernels on caller buffers.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 
-use half::{bf16, f16};
-
+use super::args::{RawBuf, check_disjoint, non_null, read_struct, read_struct_or, with_struct_size};
+use super::boundary::ffi_boundary;
+use super::convert::{Field, FromC, abi_struct};
 use super::pool::{pool_arg, so_pool};
-use super::types::{dtype_from_raw, so_adam_buffers, so_adam_hparams, so_update_options};
-use super::{ffi_boundary, non_null, read_struct};
+use super::types::so_dtype;
 use crate::error::{Error, Result, Status};
-use crate::kernels::{self, AdamBuffers, AdamHyper, CopyOutMut, DType, GradRef, MomentsMut, ParamMut, UpdateOptions};
+use crate::kernels::{
+    self, AdamBuffers, AdamHyper, CopyOutMut, DType, Floats, FloatsMut, MomentsMut, Pool, UpdateOptions,
+};
+
+/// Hyperparameters of one Adam step. Initialise with `so_adam_hparams_default()`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_adam_hparams {
+    /// `sizeof(so_adam_hparams)`.
+    pub struct_size: usize,
+    /// One of `so_adam_mode`.
+    pub mode: u32,
+    /// Learning rate, finite and >= 0.
+    pub lr: f64,
+    /// First-moment decay, in [0, 1).
+    pub beta1: f64,
+    /// Second-moment decay, in [0, 1).
+    pub beta2: f64,
+    /// Added to the bias-corrected `sqrt(v)`, finite and >= 0.
+    pub eps: f64,
+    /// Weight decay, finite and >= 0 (0 disables it).
+    pub weight_decay: f64,
+    /// Divide the moments by `1 - beta^t`.
+    pub bias_correction: bool,
+    /// The step being taken (or undone), counting from 1.
+    pub step: u64,
+}
+
+abi_struct!(so_adam_hparams <=> AdamHyper { mode, lr, beta1, beta2, eps, weight_decay, bias_correction, step });
+
+/// The buffers of one Adam step: `numel` elements each, all disjoint.
+/// Initialise with `so_adam_buffers_default()`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_adam_buffers {
+    /// `sizeof(so_adam_buffers)`.
+    pub struct_size: usize,
+    /// Elements in every buffer. 0 is a valid no-op (pointers may then be NULL).
+    pub numel: usize,
+    /// Parameter, read and written; `param_dtype`.
+    pub param: *mut c_void,
+    /// Gradient, read only; `grad_dtype`, independent of `param_dtype`.
+    pub grad: *const c_void,
+    /// First moment (`exp_avg`), read and written; `moment_dtype`.
+    pub exp_avg: *mut c_void,
+    /// Second moment (`exp_avg_sq`), read and written; `moment_dtype`.
+    pub exp_avg_sq: *mut c_void,
+    /// Optional low-precision copy of the resulting parameter, write only;
+    /// `param_copy_dtype`. NULL for none.
+    pub param_copy: *mut c_void,
+    /// `SO_DTYPE_F32`, `SO_DTYPE_BF16` or `SO_DTYPE_F16`.
+    pub param_dtype: u32,
+    /// `SO_DTYPE_F32`, `SO_DTYPE_BF16` or `SO_DTYPE_F16`.
+    pub grad_dtype: u32,
+    /// `SO_DTYPE_F32` or `SO_DTYPE_BF16`, for both moments.
+    pub moment_dtype: u32,
+    /// `SO_DTYPE_NONE` (with `param_copy` NULL), `SO_DTYPE_BF16` or `SO_DTYPE_F16`.
+    pub param_copy_dtype: u32,
+}
+
+/// Options of `so_adam_update`. Initialise with `so_update_options_default()`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_update_options {
+    /// `sizeof(so_update_options)`.
+    pub struct_size: usize,
+    /// Multiplies each gradient element as it is loaded (after promotion to f32); finite
+    /// and > 0. A step with scale `s` is bit-identical to a step with scale 1 on the
+    /// gradient multiplied by `s` in f32 beforehand.
+    pub grad_scale: f32,
+    /// Refuse the step, modifying nothing, if any scaled gradient element is inf or NaN
+    /// (`SO_STATUS_NON_FINITE`). Costs one read-only pass over the gradient first.
+    pub check_finite: bool,
+}
+
+abi_struct! {
+    so_update_options <=> UpdateOptions { grad_scale, check_finite }
+    // Asked for by so_adam_update's out_grad_sumsq, not by the struct.
+    to_core |raw, arg| { grad_sumsq: false }
+    to_c |o| {}
+}
+
+// SAFETY: the three are `#[repr(C)]`, `struct_size` first, the other fields numbers, bools and
+// raw pointers.
+with_struct_size!(unsafe so_adam_hparams, so_adam_buffers, so_update_options);
 
 /// Returns hyperparameters with `torch.optim.AdamW`'s defaults for the first step:
 /// AdamW, lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01, bias correction on,
@@ -17,9 +102,7 @@ use crate::kernels::{self, AdamBuffers, AdamHyper, CopyOutMut, DType, GradRef, M
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn so_adam_hparams_default() -> so_adam_hparams {
-    ffi_boundary!("so_adam_hparams_default", fallback = so_adam_hparams::from_hyper(&AdamHyper::default()), {
-        so_adam_hparams::from_hyper(&AdamHyper::default())
-    })
+    ffi_boundary!({ Ok(so_adam_hparams::from_core(&AdamHyper::default())) })
 }
 
 /// Returns an empty buffer set: `numel` 0, all pointers NULL, f32 param, gradient and
@@ -28,24 +111,21 @@ pub extern "C" fn so_adam_hparams_default() -> so_adam_hparams {
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn so_adam_buffers_default() -> so_adam_buffers {
-    ffi_boundary!("so_adam_buffers_default", fallback = empty_buffers(), { empty_buffers() })
-}
-
-fn empty_buffers() -> so_adam_buffers {
-    let f32_code = super::types::dtype_to_raw(DType::F32);
-    so_adam_buffers {
-        struct_size: std::mem::size_of::<so_adam_buffers>(),
-        numel: 0,
-        param: std::ptr::null_mut(),
-        grad: std::ptr::null(),
-        exp_avg: std::ptr::null_mut(),
-        exp_avg_sq: std::ptr::null_mut(),
-        param_copy: std::ptr::null_mut(),
-        param_dtype: f32_code,
-        grad_dtype: f32_code,
-        moment_dtype: f32_code,
-        param_copy_dtype: super::types::so_dtype::None as u32,
-    }
+    ffi_boundary!({
+        Ok(so_adam_buffers {
+            struct_size: size_of::<so_adam_buffers>(),
+            numel: 0,
+            param: std::ptr::null_mut(),
+            grad: std::ptr::null(),
+            exp_avg: std::ptr::null_mut(),
+            exp_avg_sq: std::ptr::null_mut(),
+            param_copy: std::ptr::null_mut(),
+            param_dtype: so_dtype::F32 as u32,
+            grad_dtype: so_dtype::F32 as u32,
+            moment_dtype: so_dtype::F32 as u32,
+            param_copy_dtype: so_dtype::None as u32,
+        })
+    })
 }
 
 /// Returns update options: gradient scale 1, no finiteness check; `struct_size` set.
@@ -53,16 +133,7 @@ fn empty_buffers() -> so_adam_buffers {
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn so_update_options_default() -> so_update_options {
-    ffi_boundary!("so_update_options_default", fallback = default_update_options(), { default_update_options() })
-}
-
-fn default_update_options() -> so_update_options {
-    let d = UpdateOptions::default();
-    so_update_options {
-        struct_size: std::mem::size_of::<so_update_options>(),
-        grad_scale: d.grad_scale,
-        check_finite: d.check_finite,
-    }
+    ffi_boundary!({ Ok(so_update_options::from_core(&UpdateOptions::default())) })
 }
 
 /// @brief One Adam step over `buffers`, in one pass over memory.
@@ -91,6 +162,12 @@ fn default_update_options() -> so_update_options {
 /// @note Thread-safety: any number of threads may call this at once on disjoint buffers,
 ///       on the same pool or on different pools. The buffers must not be accessed by
 ///       anything else during the call.
+///
+/// # Safety
+/// `pool` is NULL or a live pool; `hparams` and `buffers` point to their structs, `options`
+/// is NULL or points to its struct; each buffer in `buffers` holds `numel` elements of its
+/// dtype and is not accessed by anything else during the call; `out_grad_sumsq` is NULL or
+/// writable.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn so_adam_update(
@@ -100,26 +177,19 @@ pub unsafe extern "C" fn so_adam_update(
     options: *const so_update_options,
     out_grad_sumsq: *mut f64,
 ) -> Status {
-    ffi_boundary!("so_adam_update", {
-        // SAFETY: pointers are NULL or point to the documented structs.
-        let hp = unsafe { read_struct(hparams, "hparams")? }.to_hyper()?;
-        let raw = unsafe { read_struct(buffers, "buffers")? };
-        let opts =
-            if options.is_null() { default_update_options() } else { unsafe { read_struct(options, "options")? } };
-        let opts = UpdateOptions {
-            grad_scale: opts.grad_scale,
-            check_finite: opts.check_finite,
-            grad_sumsq: !out_grad_sumsq.is_null(),
-        };
-        let pool = unsafe { pool_arg(pool)? };
-        // SAFETY: the header requires each pointer to be valid for `numel` elements.
-        let report = match unsafe { borrow_buffers(&raw)? } {
-            Some(bufs) => kernels::update(&pool, &hp, bufs, &opts)?,
-            None => kernels::update(&pool, &hp, empty_typed(), &opts)?,
-        };
+    ffi_boundary!({
+        // SAFETY: `pool`, `hparams` and `buffers` are as `Call::read` requires (this function's
+        // contract: the same as so_adam_update's).
+        let call = unsafe { Call::read(pool, hparams, buffers)? };
+        // SAFETY: `options` is NULL or points to a readable `so_update_options` (the contract).
+        let options =
+            unsafe { read_struct_or(options, "options", || so_update_options::from_core(&Default::default()))? };
+        let options = UpdateOptions { grad_sumsq: !out_grad_sumsq.is_null(), ..options.to_core("options")? };
+        let report = kernels::update(&call.pool, &call.hp, call.bufs, &options)?;
         if let Some(sumsq) = report.grad_sumsq {
-            // SAFETY: non-NULL (grad_sumsq was requested) and writable per the contract.
-            unsafe { out_grad_sumsq.write(sumsq) };
+            // SAFETY: `out_grad_sumsq` is non-NULL (else no sum was asked for) and writable
+            // (the contract).
+            unsafe { out_grad_sumsq.write_unaligned(sumsq) };
         }
         Ok(())
     })
@@ -145,6 +215,9 @@ pub unsafe extern "C" fn so_adam_update(
 /// @return `SO_STATUS_OK`, `SO_STATUS_UNSUPPORTED` for non-f32 param or moments, or an
 ///         argument error; on error nothing was modified.
 /// @note Thread-safety: as `so_adam_update`.
+///
+/// # Safety
+/// As `so_adam_update` (without `options` and `out_grad_sumsq`).
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn so_adam_rollback(
@@ -153,15 +226,11 @@ pub unsafe extern "C" fn so_adam_rollback(
     buffers: *const so_adam_buffers,
     grad_scale: f32,
 ) -> Status {
-    ffi_boundary!("so_adam_rollback", {
-        // SAFETY: as in so_adam_update.
-        let hp = unsafe { read_struct(hparams, "hparams")? }.to_hyper()?;
-        let raw = unsafe { read_struct(buffers, "buffers")? };
-        let pool = unsafe { pool_arg(pool)? };
-        match unsafe { borrow_buffers(&raw)? } {
-            Some(bufs) => kernels::rollback(&pool, &hp, bufs, grad_scale),
-            None => kernels::rollback(&pool, &hp, empty_typed_like(&raw)?, grad_scale),
-        }
+    ffi_boundary!({
+        // SAFETY: `pool`, `hparams` and `buffers` are as `Call::read` requires (this function's
+        // contract).
+        let call = unsafe { Call::read(pool, hparams, buffers)? };
+        kernels::rollback(&call.pool, &call.hp, call.bufs, grad_scale)
     })
 }
 
@@ -188,6 +257,9 @@ pub unsafe extern "C" fn so_adam_rollback(
 /// @return `SO_STATUS_OK`, `SO_STATUS_UNSUPPORTED` for non-f32 param or moments, or an
 ///         argument error; on error nothing was modified.
 /// @note Thread-safety: as `so_adam_update`.
+///
+/// # Safety
+/// As `so_adam_update` (without `options` and `out_grad_sumsq`).
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn so_adam_rescale(
@@ -197,15 +269,11 @@ pub unsafe extern "C" fn so_adam_rescale(
     old_scale: f32,
     new_scale: f32,
 ) -> Status {
-    ffi_boundary!("so_adam_rescale", {
-        // SAFETY: as in so_adam_update.
-        let hp = unsafe { read_struct(hparams, "hparams")? }.to_hyper()?;
-        let raw = unsafe { read_struct(buffers, "buffers")? };
-        let pool = unsafe { pool_arg(pool)? };
-        match unsafe { borrow_buffers(&raw)? } {
-            Some(bufs) => kernels::rescale(&pool, &hp, bufs, old_scale, new_scale),
-            None => kernels::rescale(&pool, &hp, empty_typed_like(&raw)?, old_scale, new_scale),
-        }
+    ffi_boundary!({
+        // SAFETY: `pool`, `hparams` and `buffers` are as `Call::read` requires (this function's
+        // contract).
+        let call = unsafe { Call::read(pool, hparams, buffers)? };
+        kernels::rescale(&call.pool, &call.hp, call.bufs, old_scale, new_scale)
     })
 }
 
@@ -221,6 +289,10 @@ pub unsafe extern "C" fn so_adam_rescale(
 /// @param out_sumsq Receives the sum on success.
 /// @return `SO_STATUS_OK` or an argument error.
 /// @note Thread-safety: safe to call from any thread.
+///
+/// # Safety
+/// `pool` is NULL or a live pool; `grad` holds `numel` readable elements of `grad_dtype`
+/// (or `numel` is 0); `out_sumsq` is NULL or writable.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn so_grad_sumsq(
@@ -231,93 +303,57 @@ pub unsafe extern "C" fn so_grad_sumsq(
     scale: f32,
     out_sumsq: *mut f64,
 ) -> Status {
-    ffi_boundary!("so_grad_sumsq", {
+    ffi_boundary!({
         non_null(out_sumsq, "out_sumsq")?;
-        let dtype =
-            dtype_from_raw(grad_dtype, "grad_dtype")?.ok_or_else(|| Error::invalid("grad_dtype is SO_DTYPE_NONE"))?;
+        let dtype = DType::from_c(grad_dtype, Field::arg("grad_dtype"))?;
+        // SAFETY: `pool` is NULL or a live pool.
         let pool = unsafe { pool_arg(pool)? };
-        let sumsq = if numel == 0 {
-            kernels::grad_sumsq(&pool, GradRef::F32(&[]), scale)?
-        } else {
-            let span = RawSpan::new("grad", grad as usize, numel, dtype)?;
-            // SAFETY: the header requires `grad` to be valid for `numel` elements.
-            kernels::grad_sumsq(&pool, unsafe { span.grad() }, scale)?
+        let grad = match numel {
+            0 => Floats::F32(&[]),
+            // SAFETY: `grad` holds `numel` readable elements of `grad_dtype` (the contract).
+            _ => unsafe { RawBuf::new("grad", "numel", grad, numel, dtype)?.floats() },
         };
+        let sumsq = kernels::grad_sumsq(&pool, grad, scale)?;
         // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { out_sumsq.write(sumsq) };
+        unsafe { out_sumsq.write_unaligned(sumsq) };
         Ok(())
     })
 }
 
-/// A caller's buffer as an address range, checked before any slice is made of it.
-#[derive(Clone, Copy)]
-struct RawSpan {
-    name: &'static str,
-    addr: usize,
-    numel: usize,
-    dtype: DType,
+/// What the three kernel exports share: the pool, the hyperparameters (validated) and the
+/// buffers (validated and borrowed).
+struct Call<'a> {
+    pool: Arc<Pool>,
+    hp: AdamHyper,
+    bufs: AdamBuffers<'a>,
 }
 
-impl RawSpan {
-    fn new(name: &'static str, addr: usize, numel: usize, dtype: DType) -> Result<RawSpan> {
-        if addr == 0 {
-            return Err(Error::new(Status::NullArgument, format!("buffers->{name} is NULL")));
-        }
-        numel
-            .checked_mul(dtype.size())
-            .filter(|&bytes| bytes <= isize::MAX as usize && addr.checked_add(bytes).is_some())
-            .ok_or_else(|| Error::invalid(format!("buffers->numel = {numel} is too large for {name}")))?;
-        if addr % dtype.size() != 0 {
-            return Err(Error::invalid(format!(
-                "buffers->{name} ({addr:#x}) is not aligned to its element size ({} bytes for {})",
-                dtype.size(),
-                dtype.name()
-            )));
-        }
-        Ok(RawSpan { name, addr, numel, dtype })
-    }
-
-    fn end(&self) -> usize {
-        self.addr + self.numel * self.dtype.size()
-    }
-
+impl Call<'_> {
+    /// Reads and checks the arguments, in this order: `hparams`, `buffers`, `pool`.
+    ///
     /// # Safety
-    /// The range must be valid for reads for the lifetime chosen.
-    unsafe fn grad<'a>(self) -> GradRef<'a> {
-        let ptr = self.addr as *const u8;
-        // SAFETY: non-NULL, aligned, in range (checked in `new`); validity is the caller's.
-        unsafe {
-            match self.dtype {
-                DType::F32 => GradRef::F32(std::slice::from_raw_parts(ptr.cast(), self.numel)),
-                DType::Bf16 => GradRef::Bf16(std::slice::from_raw_parts(ptr.cast(), self.numel)),
-                DType::F16 => GradRef::F16(std::slice::from_raw_parts(ptr.cast(), self.numel)),
-            }
-        }
-    }
-
-    /// # Safety
-    /// The range must be valid for reads and writes, and not otherwise accessed, for the
-    /// lifetime chosen.
-    unsafe fn slice_mut<'a, T>(self) -> &'a mut [T] {
-        // SAFETY: as in `grad`, plus exclusivity from the caller and `check_disjoint`.
-        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut T, self.numel) }
+    /// `pool` is NULL or a live pool; `hparams` and `buffers` are NULL or point to their
+    /// structs; each buffer in `buffers` holds `numel` elements of its dtype and is not
+    /// accessed by anything else while the result lives.
+    unsafe fn read(
+        pool: *const so_pool,
+        hparams: *const so_adam_hparams,
+        buffers: *const so_adam_buffers,
+    ) -> Result<Self> {
+        // SAFETY: `hparams` is NULL or points to a `so_adam_hparams` (the contract).
+        let hp = unsafe { read_struct(hparams, "hparams")? }.to_core("hparams")?;
+        hp.validate().map_err(|e| Error::new(e.status, format!("hparams->{}", e.message)))?;
+        // SAFETY: `buffers` is NULL or points to a `so_adam_buffers` (the contract).
+        let raw = unsafe { read_struct(buffers, "buffers")? };
+        // SAFETY: `pool` is NULL or a live pool (the contract).
+        let pool = unsafe { pool_arg(pool)? };
+        // SAFETY: the buffers are valid and exclusive while the result lives (the contract).
+        let bufs = unsafe { borrow_buffers(&raw)? };
+        Ok(Call { pool, hp, bufs })
     }
 }
 
-fn check_disjoint(spans: &[RawSpan]) -> Result<()> {
-    for (i, a) in spans.iter().enumerate() {
-        for b in &spans[i + 1..] {
-            if a.addr < b.end() && b.addr < a.end() {
-                return Err(Error::new(
-                    Status::Aliasing,
-                    format!("buffers->{} and buffers->{} overlap; every buffer must be distinct", a.name, b.name),
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
+/// The dtypes of a buffer set, checked against what the kernels support.
 struct CheckedDtypes {
     param: DType,
     grad: DType,
@@ -326,16 +362,14 @@ struct CheckedDtypes {
 }
 
 fn check_dtypes(raw: &so_adam_buffers) -> Result<CheckedDtypes> {
-    let required = |code: u32, field: &str| {
-        dtype_from_raw(code, field)?.ok_or_else(|| Error::invalid(format!("{field} is SO_DTYPE_NONE")))
-    };
-    let param = required(raw.param_dtype, "buffers->param_dtype")?;
-    let grad = required(raw.grad_dtype, "buffers->grad_dtype")?;
-    let moments = required(raw.moment_dtype, "buffers->moment_dtype")?;
+    let field = |name| Field::member("buffers", name);
+    let param = DType::from_c(raw.param_dtype, field("param_dtype"))?;
+    let grad = DType::from_c(raw.grad_dtype, field("grad_dtype"))?;
+    let moments = DType::from_c(raw.moment_dtype, field("moment_dtype"))?;
     if moments == DType::F16 {
         return Err(Error::unsupported("buffers->moment_dtype must be SO_DTYPE_F32 or SO_DTYPE_BF16, not f16"));
     }
-    let copy = dtype_from_raw(raw.param_copy_dtype, "buffers->param_copy_dtype")?;
+    let copy = Option::<DType>::from_c(raw.param_copy_dtype, field("param_copy_dtype"))?;
     if copy == Some(DType::F32) {
         return Err(Error::unsupported(
             "buffers->param_copy_dtype must be SO_DTYPE_NONE, SO_DTYPE_BF16 or SO_DTYPE_F16",
@@ -350,70 +384,58 @@ fn check_dtypes(raw: &so_adam_buffers) -> Result<CheckedDtypes> {
     }
 }
 
-/// Validates a caller's buffer set and borrows it as typed slices; `None` when it is empty.
+/// Validates a caller's buffer set and borrows it as typed slices. An empty set (`numel`
+/// 0, pointers ignored) still has the caller's dtypes, so that an empty call refuses the
+/// combinations a non-empty one would.
 ///
 /// # Safety
 /// Each pointer must be valid for `numel` elements of its dtype, and the buffers must not
 /// be accessed by anything else while the result lives.
-unsafe fn borrow_buffers<'a>(raw: &so_adam_buffers) -> Result<Option<AdamBuffers<'a>>> {
+unsafe fn borrow_buffers<'a>(raw: &so_adam_buffers) -> Result<AdamBuffers<'a>> {
     let dtypes = check_dtypes(raw)?;
-    if raw.numel == 0 {
-        return Ok(None);
-    }
     let n = raw.numel;
-    let param = RawSpan::new("param", raw.param as usize, n, dtypes.param)?;
-    let grad = RawSpan::new("grad", raw.grad as usize, n, dtypes.grad)?;
-    let exp_avg = RawSpan::new("exp_avg", raw.exp_avg as usize, n, dtypes.moments)?;
-    let exp_avg_sq = RawSpan::new("exp_avg_sq", raw.exp_avg_sq as usize, n, dtypes.moments)?;
-    let copy = dtypes.copy.map(|d| RawSpan::new("param_copy", raw.param_copy as usize, n, d)).transpose()?;
-    let mut spans = vec![param, grad, exp_avg, exp_avg_sq];
-    spans.extend(copy);
-    check_disjoint(&spans)?;
-
-    // SAFETY: every span is non-NULL, aligned, in range and disjoint from the others;
-    // validity and exclusivity are the caller's contract.
-    unsafe {
-        Ok(Some(AdamBuffers {
-            param: match param.dtype {
-                DType::F32 => ParamMut::F32(param.slice_mut::<f32>()),
-                DType::Bf16 => ParamMut::Bf16(param.slice_mut::<bf16>()),
-                DType::F16 => ParamMut::F16(param.slice_mut::<f16>()),
+    if n == 0 {
+        return Ok(AdamBuffers {
+            param: match dtypes.param {
+                DType::F32 => FloatsMut::F32(&mut []),
+                DType::Bf16 => FloatsMut::Bf16(&mut []),
+                DType::F16 => FloatsMut::F16(&mut []),
             },
-            grad: grad.grad(),
+            grad: Floats::F32(&[]),
             moments: match dtypes.moments {
-                DType::Bf16 => MomentsMut::Bf16 { exp_avg: exp_avg.slice_mut(), exp_avg_sq: exp_avg_sq.slice_mut() },
-                _ => MomentsMut::F32 { exp_avg: exp_avg.slice_mut(), exp_avg_sq: exp_avg_sq.slice_mut() },
+                DType::Bf16 => MomentsMut::Bf16 { exp_avg: &mut [], exp_avg_sq: &mut [] },
+                _ => MomentsMut::F32 { exp_avg: &mut [], exp_avg_sq: &mut [] },
             },
-            copy_out: copy.map(|c| match c.dtype {
-                DType::F16 => CopyOutMut::F16(c.slice_mut()),
-                _ => CopyOutMut::Bf16(c.slice_mut()),
-            }),
-        }))
+            copy_out: None,
+        });
     }
-}
+    let buf = |name: &'static str, ptr: *const c_void, dtype| RawBuf::new(name, "buffers->numel", ptr, n, dtype);
+    let param = buf("buffers->param", raw.param.cast_const(), dtypes.param)?;
+    let grad = buf("buffers->grad", raw.grad, dtypes.grad)?;
+    let exp_avg = buf("buffers->exp_avg", raw.exp_avg.cast_const(), dtypes.moments)?;
+    let exp_avg_sq = buf("buffers->exp_avg_sq", raw.exp_avg_sq.cast_const(), dtypes.moments)?;
+    let copy = dtypes.copy.map(|d| buf("buffers->param_copy", raw.param_copy.cast_const(), d)).transpose()?;
+    let mut all = vec![param, grad, exp_avg, exp_avg_sq];
+    all.extend(copy);
+    check_disjoint(&all)?;
 
-/// Empty typed buffers, so that an empty call still validates everything else.
-fn empty_typed<'a>() -> AdamBuffers<'a> {
-    AdamBuffers {
-        param: ParamMut::F32(&mut []),
-        grad: GradRef::F32(&[]),
-        moments: MomentsMut::F32 { exp_avg: &mut [], exp_avg_sq: &mut [] },
-        copy_out: None,
-    }
-}
-
-/// Empty buffers with the caller's param and moment dtypes, so that an empty rollback or
-/// rescale still refuses the dtypes it cannot handle.
-fn empty_typed_like<'a>(raw: &so_adam_buffers) -> Result<AdamBuffers<'a>> {
-    let dtypes = check_dtypes(raw)?;
-    let mut bufs = empty_typed();
-    bufs.param = match dtypes.param {
-        DType::F32 => ParamMut::F32(&mut []),
-        DType::Bf16 => ParamMut::Bf16(&mut []),
-        DType::F16 => ParamMut::F16(&mut []),
+    // SAFETY: every buffer is non-NULL, aligned, in range and disjoint from the others
+    // (checked above); validity and exclusivity for 'a are the caller's contract.
+    let (param, grad, m, v, copy) = unsafe {
+        (param.floats_mut(), grad.floats(), exp_avg.floats_mut(), exp_avg_sq.floats_mut(), copy.map(|c| c.floats_mut()))
     };
-    if dtypes.moments == DType::Bf16 {
-        bufs.moments = MomentsMut::Bf16 { exp_avg: &mut [], exp_avg_sq: &mut [] };
-    }
-    Ok(bufs)
+    let moments = match (m, v) {
+        (FloatsMut::F32(exp_avg), FloatsMut::F32(exp_avg_sq)) => MomentsMut::F32 { exp_avg, exp_avg_sq },
+        (FloatsMut::Bf16(exp_avg), FloatsMut::Bf16(exp_avg_sq)) => MomentsMut::Bf16 { exp_avg, exp_avg_sq },
+        _ => return Err(Error::unsupported("buffers->moment_dtype must be SO_DTYPE_F32 or SO_DTYPE_BF16")),
+    };
+    let copy_out = match copy {
+        None => None,
+        Some(FloatsMut::Bf16(c)) => Some(CopyOutMut::Bf16(c)),
+        Some(FloatsMut::F16(c)) => Some(CopyOutMut::F16(c)),
+        Some(FloatsMut::F32(_)) => {
+            return Err(Error::unsupported("buffers->param_copy_dtype must not be SO_DTYPE_F32"));
+        }
+    };
+    Ok(AdamBuffers { param, grad, moments, copy_out })
 }

@@ -1,11 +1,60 @@
 //! `so_pool_*`: thread pools.
 
+use std::ffi::c_char;
 use std::sync::Arc;
 
-use super::types::{isa_from_raw, isa_to_raw, so_pool_info, so_pool_options};
-use super::{check_struct_size, ffi_boundary, non_null, read_struct};
-use crate::error::{Error, Result};
-use crate::kernels::{Isa, Pool, PoolOptions};
+use super::args::{check_out_struct, core_list, non_null, read_struct_or, with_struct_size, write_out};
+use super::boundary::ffi_boundary;
+use super::convert::{ToC, abi_struct};
+use super::types::so_isa;
+use crate::error::{Result, Status};
+use crate::kernels::{Pool, PoolOptions};
+
+/// Options of `so_pool_create`. Initialise with `so_pool_options_default()`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_pool_options {
+    /// `sizeof(so_pool_options)`.
+    pub struct_size: usize,
+    /// Threads; 0 means one per listed core, or else one per CPU this process may run on.
+    pub num_threads: usize,
+    /// Optional list of CPU cores (`num_cores` entries): one thread pinned to each, in this
+    /// order. Every core must be in the process's affinity mask, none listed twice. The
+    /// list is copied; NULL for unpinned threads.
+    pub cores: *const u32,
+    /// Entries in `cores`.
+    pub num_cores: usize,
+    /// One of `so_isa`; `SO_ISA_AUTO` picks the widest the CPU supports.
+    pub isa: u32,
+}
+
+abi_struct! {
+    so_pool_options <=> PoolOptions { num_threads, isa }
+    to_core (unsafe) |raw, arg| {
+        // SAFETY: `to_core` is unsafe: `cores` is NULL or holds `num_cores` entries.
+        cores: unsafe { core_list(raw.cores, raw.num_cores, &format!("{arg}->cores"), "num_cores")? },
+    }
+    // The defaults borrow nothing.
+    to_c |o| { cores: std::ptr::null(), num_cores: 0 }
+}
+
+/// What a pool runs with (filled by `so_pool_get_info`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_pool_info {
+    /// Set by the caller to `sizeof(so_pool_info)` before the call.
+    pub struct_size: usize,
+    /// The pool's instruction set, one of `so_isa` (never `SO_ISA_AUTO`).
+    pub isa: u32,
+    /// Number of worker threads.
+    pub num_threads: usize,
+    /// Whether each thread is pinned to one core.
+    pub pinned: bool,
+}
+
+// SAFETY: both are `#[repr(C)]`, `struct_size` first, the other fields numbers, bools and raw
+// pointers.
+with_struct_size!(unsafe so_pool_options, so_pool_info);
 
 /// A pool of CPU threads that kernels (and sessions) split their work across.
 ///
@@ -26,8 +75,9 @@ pub(crate) unsafe fn pool_arg(pool: *const so_pool) -> Result<Arc<Pool>> {
         return Pool::default_pool();
     }
     let pool = pool.cast::<Pool>();
-    // SAFETY: a live handle is a pointer from Arc::into_raw; taking one more reference
-    // keeps the caller's reference intact.
+    // SAFETY: a live handle is a pointer from `Arc::into_raw` (so_pool_create) whose
+    // reference the caller still holds; adding one first means the `Arc` made here owns
+    // only its own reference.
     unsafe {
         Arc::increment_strong_count(pool);
         Ok(Arc::from_raw(pool))
@@ -40,17 +90,7 @@ pub(crate) unsafe fn pool_arg(pool: *const so_pool) -> Result<Arc<Pool>> {
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn so_pool_options_default() -> so_pool_options {
-    ffi_boundary!("so_pool_options_default", fallback = default_options(), { default_options() })
-}
-
-fn default_options() -> so_pool_options {
-    so_pool_options {
-        struct_size: std::mem::size_of::<so_pool_options>(),
-        num_threads: 0,
-        cores: std::ptr::null(),
-        num_cores: 0,
-        isa: super::types::so_isa::Auto as u32,
-    }
+    ffi_boundary!({ Ok(so_pool_options::from_core(&PoolOptions::default())) })
 }
 
 /// @brief Creates a thread pool.
@@ -67,34 +107,24 @@ fn default_options() -> so_pool_options {
 ///         core list; `SO_STATUS_UNSUPPORTED` for an instruction set the CPU lacks;
 ///         `SO_STATUS_OUT_OF_RESOURCES` if threads cannot be started or pinned.
 /// @note Thread-safety: safe to call from any thread.
+///
+/// # Safety
+/// `options` is NULL or points to a `so_pool_options` whose `cores` is NULL or holds
+/// `num_cores` entries; `out_pool` is NULL or writable.
 #[unsafe(no_mangle)]
 #[must_use]
-pub unsafe extern "C" fn so_pool_create(
-    options: *const so_pool_options,
-    out_pool: *mut *mut so_pool,
-) -> crate::error::Status {
-    ffi_boundary!("so_pool_create", {
+pub unsafe extern "C" fn so_pool_create(options: *const so_pool_options, out_pool: *mut *mut so_pool) -> Status {
+    ffi_boundary!({
         non_null(out_pool, "out_pool")?;
-        let raw = if options.is_null() { default_options() } else { unsafe { read_struct(options, "options")? } };
-        let cores = match (raw.cores.is_null(), raw.num_cores) {
-            (true, 0) => None,
-            (true, _) => {
-                return Err(Error::new(
-                    crate::error::Status::NullArgument,
-                    "options->cores is NULL but num_cores is not 0",
-                ));
-            }
-            (false, 0) => return Err(Error::invalid("options->cores is set but num_cores is 0")),
-            // SAFETY: the header requires `cores` to hold `num_cores` entries.
-            (false, n) => {
-                Some(unsafe { std::slice::from_raw_parts(raw.cores, n) }.iter().map(|&c| c as usize).collect())
-            }
+        // SAFETY: `options` is NULL or points to a `so_pool_options` whose `cores` holds
+        // `num_cores` entries.
+        let options = unsafe {
+            read_struct_or(options, "options", || so_pool_options::from_core(&PoolOptions::default()))?
+                .to_core("options")?
         };
-        let options = PoolOptions { num_threads: raw.num_threads, cores, isa: isa_from_raw(raw.isa)? };
         let pool = Arc::new(Pool::new(&options)?);
         // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { out_pool.write(Arc::into_raw(pool).cast_mut().cast()) };
-        Ok(())
+        unsafe { write_out(out_pool, "out_pool", Arc::into_raw(pool).cast_mut().cast()) }
     })
 }
 
@@ -104,13 +134,18 @@ pub unsafe extern "C" fn so_pool_create(
 /// returns. The pool must not be passed to any call after this.
 ///
 /// @note Thread-safety: must not race with calls that use the same handle.
+///
+/// # Safety
+/// `pool` is NULL or a live pool from `so_pool_create`, not used again after this call.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn so_pool_destroy(pool: *mut so_pool) {
-    ffi_boundary!("so_pool_destroy", fallback = (), {
+    ffi_boundary!({
         if !pool.is_null() {
-            // SAFETY: a live handle owns one reference from Arc::into_raw.
+            // SAFETY: a live handle owns one reference from `Arc::into_raw`, which the caller
+            // gives up here.
             drop(unsafe { Arc::from_raw(pool.cast_const().cast::<Pool>()) });
         }
+        Ok(())
     })
 }
 
@@ -120,23 +155,26 @@ pub unsafe extern "C" fn so_pool_destroy(pool: *mut so_pool) {
 /// @param out_info Caller-provided, with `struct_size = sizeof(so_pool_info)`; filled on
 ///        success.
 /// @note Thread-safety: safe to call from any thread.
+///
+/// # Safety
+/// `pool` is NULL or a live pool; `out_info` is NULL or points to a writable
+/// `so_pool_info`.
 #[unsafe(no_mangle)]
 #[must_use]
-pub unsafe extern "C" fn so_pool_get_info(pool: *const so_pool, out_info: *mut so_pool_info) -> crate::error::Status {
-    ffi_boundary!("so_pool_get_info", {
-        non_null(out_info, "out_info")?;
-        // SAFETY: non-NULL; struct_size is the first field of the caller's struct.
-        check_struct_size::<so_pool_info>(unsafe { out_info.cast::<usize>().read_unaligned() }, "out_info")?;
+pub unsafe extern "C" fn so_pool_get_info(pool: *const so_pool, out_info: *mut so_pool_info) -> Status {
+    ffi_boundary!({
+        // SAFETY: `out_info` is NULL or a writable `so_pool_info`; `pool` is NULL or live.
+        unsafe { check_out_struct(out_info, "out_info")? };
+        // SAFETY: `pool` is NULL or a live pool (this function's contract).
         let pool = unsafe { pool_arg(pool)? };
         let info = so_pool_info {
-            struct_size: std::mem::size_of::<so_pool_info>(),
-            isa: isa_to_raw(pool.isa()),
+            struct_size: size_of::<so_pool_info>(),
+            isa: pool.isa().to_c(),
             num_threads: pool.num_threads(),
             pinned: pool.cores().is_some(),
         };
-        // SAFETY: checked non-NULL and of the right size.
-        unsafe { out_info.write_unaligned(info) };
-        Ok(())
+        // SAFETY: checked above.
+        unsafe { write_out(out_info, "out_info", info) }
     })
 }
 
@@ -145,14 +183,15 @@ pub unsafe extern "C" fn so_pool_get_info(pool: *const so_pool, out_info: *mut s
 ///
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
-pub extern "C" fn so_isa_name(isa: u32) -> *const std::ffi::c_char {
-    ffi_boundary!("so_isa_name", fallback = c"unknown".as_ptr(), {
-        match isa_from_raw(isa) {
-            Ok(None) => c"auto".as_ptr(),
-            Ok(Some(Isa::Portable)) => c"portable".as_ptr(),
-            Ok(Some(Isa::Avx2)) => c"avx2".as_ptr(),
-            Ok(Some(Isa::Avx512)) => c"avx512".as_ptr(),
-            Err(_) => c"unknown".as_ptr(),
+pub extern "C" fn so_isa_name(isa: u32) -> *const c_char {
+    ffi_boundary!({
+        Ok(match so_isa::from_raw(isa) {
+            Some(so_isa::Auto) => c"auto",
+            Some(so_isa::Portable) => c"portable",
+            Some(so_isa::Avx2) => c"avx2",
+            Some(so_isa::Avx512) => c"avx512",
+            None => c"unknown",
         }
+        .as_ptr())
     })
 }

@@ -1,10 +1,11 @@
-//! Plain C types of the interface: enum values, options and argument structs.
+//! The enums of the interface. Each crosses the ABI as `uint32_t` (never as a Rust enum, so
+//! that an unknown code is refused instead of being undefined behaviour) and is mapped to its
+//! core type by [`abi_enum!`]; the structs live with the functions that take them.
 
-use std::ffi::c_void;
-
-use super::WithStructSize;
+use super::convert::{Field, FromC, abi_enum};
 use crate::error::{Error, Result};
-use crate::kernels::{AdamHyper, AdamMode, DType, Isa};
+use crate::kernels::{AdamMode, DType, Isa};
+use crate::session::{Placement, SkipReason, Speculation};
 
 /// Element type of a buffer. Fields and arguments of type `uint32_t` named `*_dtype`
 /// take these values.
@@ -21,6 +22,15 @@ pub enum so_dtype {
     F16 = 3,
 }
 
+abi_enum!(so_dtype <=> Option<DType> { None = None, F32 = F32, Bf16 = Bf16, F16 = F16 });
+
+/// A dtype field that must name a buffer type (`SO_DTYPE_NONE` refused).
+impl FromC<u32> for DType {
+    fn from_c(raw: u32, field: Field<'_>) -> Result<DType> {
+        Option::<DType>::from_c(raw, field)?.ok_or_else(|| Error::invalid(format!("{field} is SO_DTYPE_NONE")))
+    }
+}
+
 /// How weight decay enters an Adam step (`so_adam_hparams.mode`).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,6 +40,8 @@ pub enum so_adam_mode {
     /// L2 regularisation: `g <- g + wd * p` before the moments (torch Adam).
     L2 = 2,
 }
+
+abi_enum!(so_adam_mode <=> AdamMode { Adamw = AdamW, L2 = L2 });
 
 /// Instruction set of a pool's kernels (`so_pool_options.isa`, `so_pool_info.isa`).
 #[repr(u32)]
@@ -45,195 +57,73 @@ pub enum so_isa {
     Avx512 = 3,
 }
 
-/// Hyperparameters of one Adam step. Initialise with `so_adam_hparams_default()`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct so_adam_hparams {
-    /// `sizeof(so_adam_hparams)`.
-    pub struct_size: usize,
-    /// One of `so_adam_mode`.
-    pub mode: u32,
-    /// Learning rate, finite and >= 0.
-    pub lr: f64,
-    /// First-moment decay, in [0, 1).
-    pub beta1: f64,
-    /// Second-moment decay, in [0, 1).
-    pub beta2: f64,
-    /// Added to the bias-corrected `sqrt(v)`, finite and >= 0.
-    pub eps: f64,
-    /// Weight decay, finite and >= 0 (0 disables it).
-    pub weight_decay: f64,
-    /// Divide the moments by `1 - beta^t`.
-    pub bias_correction: bool,
-    /// The step being taken (or undone), counting from 1.
-    pub step: u64,
+abi_enum!(so_isa <=> Option<Isa> { Auto = None, Portable = Portable, Avx2 = Avx2, Avx512 = Avx512 });
+
+/// Where `so_session_step` takes the global gradient norm from (`so_step_args.norm_source`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum so_norm_source {
+    /// The square root of the session's own sums of squares (one rank).
+    Local = 1,
+    /// `so_step_args.global_norm`, e.g. all-reduced across ranks from
+    /// `so_session_local_grad_sumsq`; inf or NaN skips the step.
+    Given = 2,
 }
 
-/// The buffers of one Adam step: `numel` elements each, all disjoint.
-/// Initialise with `so_adam_buffers_default()`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct so_adam_buffers {
-    /// `sizeof(so_adam_buffers)`.
-    pub struct_size: usize,
-    /// Elements in every buffer. 0 is a valid no-op (pointers may then be NULL).
-    pub numel: usize,
-    /// Parameter, read and written; `param_dtype`.
-    pub param: *mut c_void,
-    /// Gradient, read only; `grad_dtype`, independent of `param_dtype`.
-    pub grad: *const c_void,
-    /// First moment (`exp_avg`), read and written; `moment_dtype`.
-    pub exp_avg: *mut c_void,
-    /// Second moment (`exp_avg_sq`), read and written; `moment_dtype`.
-    pub exp_avg_sq: *mut c_void,
-    /// Optional low-precision copy of the resulting parameter, write only;
-    /// `param_copy_dtype`. NULL for none.
-    pub param_copy: *mut c_void,
-    /// `SO_DTYPE_F32`, `SO_DTYPE_BF16` or `SO_DTYPE_F16`.
-    pub param_dtype: u32,
-    /// `SO_DTYPE_F32`, `SO_DTYPE_BF16` or `SO_DTYPE_F16`.
-    pub grad_dtype: u32,
-    /// `SO_DTYPE_F32` or `SO_DTYPE_BF16`, for both moments.
-    pub moment_dtype: u32,
-    /// `SO_DTYPE_NONE` (with `param_copy` NULL), `SO_DTYPE_BF16` or `SO_DTYPE_F16`.
-    pub param_copy_dtype: u32,
+abi_enum!(so_norm_source { Local, Given });
+
+/// Why a step was skipped (`so_step_result.skip_reason`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum so_skip_reason {
+    /// The step was not skipped.
+    None = 0,
+    /// The caller reported an overflow (`so_step_args.overflow`).
+    Overflow = 1,
+    /// A gradient element was inf or NaN; with the local norm, `global_norm` is inf or NaN too.
+    NonFiniteGradient = 2,
+    /// The caller-given global norm was inf or NaN.
+    NonFiniteNorm = 3,
+    /// `clip_coef / loss_scale` rounds to 0 or overflows in f32 (e.g. a `max_norm` below the
+    /// f32 range), so no gradient could be stepped with it.
+    UnusableFactor = 4,
 }
 
-/// Options of `so_adam_update`. Initialise with `so_update_options_default()`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct so_update_options {
-    /// `sizeof(so_update_options)`.
-    pub struct_size: usize,
-    /// Multiplies each gradient element as it is loaded (after promotion to f32); finite
-    /// and > 0. A step with scale `s` is bit-identical to a step with scale 1 on the
-    /// gradient multiplied by `s` in f32 beforehand.
-    pub grad_scale: f32,
-    /// Refuse the step, modifying nothing, if any scaled gradient element is inf or NaN
-    /// (`SO_STATUS_NON_FINITE`). Costs one read-only pass over the gradient first.
-    pub check_finite: bool,
+abi_enum!(so_skip_reason <=> SkipReason {
+    None = None,
+    Overflow = Overflow,
+    NonFiniteGradient = NonFiniteGradient,
+    NonFiniteNorm = NonFiniteNorm,
+    UnusableFactor = UnusableFactor,
+});
+
+/// Whether sub-groups are stepped during backward, before `so_session_step` knows the clip
+/// factor (`so_session_options.speculation`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum so_speculation {
+    /// Every sub-group is stepped once, after `so_session_step` decides.
+    Off = 0,
+    /// Every sub-group that can speculate does, as soon as its gradient is complete.
+    On = 1,
+    /// Decided per step and sub-group from earlier steps' measurements: speculate while the
+    /// clip factor mostly stayed unchanged and the sub-group's gradient arrived early enough
+    /// before `so_session_step` (the default).
+    Auto = 2,
 }
 
-/// Options of `so_pool_create`. Initialise with `so_pool_options_default()`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct so_pool_options {
-    /// `sizeof(so_pool_options)`.
-    pub struct_size: usize,
-    /// Threads; 0 means one per listed core, or else one per CPU this process may run on.
-    pub num_threads: usize,
-    /// Optional list of CPU cores (`num_cores` entries): one thread pinned to each, in this
-    /// order. Every core must be in the process's affinity mask, none listed twice. The
-    /// list is copied; NULL for unpinned threads.
-    pub cores: *const u32,
-    /// Entries in `cores`.
-    pub num_cores: usize,
-    /// One of `so_isa`; `SO_ISA_AUTO` picks the widest the CPU supports.
-    pub isa: u32,
+abi_enum!(so_speculation <=> Speculation { Off = Off, On = On, Auto = Auto });
+
+/// Where a sub-group's master weights and moments live and are stepped
+/// (`so_subgroup_desc.placement`, `so_session_set_placement`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum so_placement {
+    /// Host memory, stepped by the CPU kernels.
+    Host = 0,
+    /// GPU memory (CUDA sessions, f32 master weights): stepped by the library's GPU kernel,
+    /// bit-identical to the CPU kernels, after `so_session_step` decides.
+    Device = 1,
 }
 
-/// What a pool runs with (filled by `so_pool_get_info`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct so_pool_info {
-    /// Set by the caller to `sizeof(so_pool_info)` before the call.
-    pub struct_size: usize,
-    /// The pool's instruction set, one of `so_isa` (never `SO_ISA_AUTO`).
-    pub isa: u32,
-    /// Number of worker threads.
-    pub num_threads: usize,
-    /// Whether each thread is pinned to one core.
-    pub pinned: bool,
-}
-
-// SAFETY (all four): `#[repr(C)]` with `struct_size: usize` first.
-unsafe impl WithStructSize for so_adam_hparams {
-    const NAME: &'static str = "so_adam_hparams";
-}
-unsafe impl WithStructSize for so_adam_buffers {
-    const NAME: &'static str = "so_adam_buffers";
-}
-unsafe impl WithStructSize for so_update_options {
-    const NAME: &'static str = "so_update_options";
-}
-unsafe impl WithStructSize for so_pool_options {
-    const NAME: &'static str = "so_pool_options";
-}
-unsafe impl WithStructSize for so_pool_info {
-    const NAME: &'static str = "so_pool_info";
-}
-
-pub(crate) fn dtype_from_raw(raw: u32, field: &str) -> Result<Option<DType>> {
-    match raw {
-        x if x == so_dtype::None as u32 => Ok(None),
-        x if x == so_dtype::F32 as u32 => Ok(Some(DType::F32)),
-        x if x == so_dtype::Bf16 as u32 => Ok(Some(DType::Bf16)),
-        x if x == so_dtype::F16 as u32 => Ok(Some(DType::F16)),
-        _ => Err(Error::invalid(format!("{field} = {raw} is not a so_dtype value"))),
-    }
-}
-
-pub(crate) fn dtype_to_raw(dtype: DType) -> u32 {
-    (match dtype {
-        DType::F32 => so_dtype::F32,
-        DType::Bf16 => so_dtype::Bf16,
-        DType::F16 => so_dtype::F16,
-    }) as u32
-}
-
-pub(crate) fn isa_from_raw(raw: u32) -> Result<Option<Isa>> {
-    match raw {
-        x if x == so_isa::Auto as u32 => Ok(None),
-        x if x == so_isa::Portable as u32 => Ok(Some(Isa::Portable)),
-        x if x == so_isa::Avx2 as u32 => Ok(Some(Isa::Avx2)),
-        x if x == so_isa::Avx512 as u32 => Ok(Some(Isa::Avx512)),
-        _ => Err(Error::invalid(format!("isa = {raw} is not a so_isa value"))),
-    }
-}
-
-pub(crate) fn isa_to_raw(isa: Isa) -> u32 {
-    (match isa {
-        Isa::Portable => so_isa::Portable,
-        Isa::Avx2 => so_isa::Avx2,
-        Isa::Avx512 => so_isa::Avx512,
-    }) as u32
-}
-
-impl so_adam_hparams {
-    pub(crate) fn from_hyper(hp: &AdamHyper) -> Self {
-        so_adam_hparams {
-            struct_size: std::mem::size_of::<Self>(),
-            mode: match hp.mode {
-                AdamMode::AdamW => so_adam_mode::Adamw,
-                AdamMode::L2 => so_adam_mode::L2,
-            } as u32,
-            lr: hp.lr,
-            beta1: hp.beta1,
-            beta2: hp.beta2,
-            eps: hp.eps,
-            weight_decay: hp.weight_decay,
-            bias_correction: hp.bias_correction,
-            step: hp.step,
-        }
-    }
-
-    pub(crate) fn to_hyper(&self) -> Result<AdamHyper> {
-        let mode = match self.mode {
-            x if x == so_adam_mode::Adamw as u32 => AdamMode::AdamW,
-            x if x == so_adam_mode::L2 as u32 => AdamMode::L2,
-            other => return Err(Error::invalid(format!("hparams->mode = {other} is not a so_adam_mode value"))),
-        };
-        let hp = AdamHyper {
-            mode,
-            lr: self.lr,
-            beta1: self.beta1,
-            beta2: self.beta2,
-            eps: self.eps,
-            weight_decay: self.weight_decay,
-            bias_correction: self.bias_correction,
-            step: self.step,
-        };
-        hp.validate().map_err(|e| Error::new(e.status, format!("hparams->{}", e.message)))?;
-        Ok(hp)
-    }
-}
+abi_enum!(so_placement <=> Placement { Host = Host, Device = Device });

@@ -2,7 +2,7 @@
 
 use std::ffi::c_char;
 
-use super::{LAST_ERROR, ffi_boundary};
+use super::boundary::{LAST_ERROR, ffi_boundary};
 use crate::error::Status;
 
 /// The ABI version of this library: `(major << 16) | minor` while the major version is 0
@@ -31,7 +31,7 @@ const fn parse(s: &str) -> u32 {
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn so_abi_version() -> u32 {
-    ffi_boundary!("so_abi_version", fallback = ABI_VERSION, { ABI_VERSION })
+    ffi_boundary!({ Ok(ABI_VERSION) })
 }
 
 /// Returns the library's version as a static string, e.g. "0.1.0".
@@ -44,7 +44,7 @@ pub extern "C" fn so_version_string() -> *const c_char {
             Ok(v) => v,
             Err(_) => panic!("version has an interior NUL"),
         };
-    ffi_boundary!("so_version_string", fallback = VERSION.as_ptr(), { VERSION.as_ptr() })
+    ffi_boundary!({ Ok(VERSION.as_ptr()) })
 }
 
 /// Returns a static, NUL-terminated description of a status value, or "unknown status".
@@ -52,9 +52,7 @@ pub extern "C" fn so_version_string() -> *const c_char {
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn so_status_str(status: u32) -> *const c_char {
-    ffi_boundary!("so_status_str", fallback = c"unknown status".as_ptr(), {
-        Status::from_raw(status).map_or(c"unknown status".as_ptr(), |s| s.description().as_ptr())
-    })
+    ffi_boundary!({ Ok(Status::from_raw(status).map_or(c"unknown status", Status::description).as_ptr()) })
 }
 
 /// @brief Copies the message of the most recent failed call on this thread.
@@ -68,20 +66,24 @@ pub extern "C" fn so_status_str(status: u32) -> *const c_char {
 /// @return The full length of the message, excluding the NUL (as `snprintf`): the message
 ///         was truncated iff the result is >= `len`. 0 if no call has failed on this thread.
 /// @note Thread-safety: the message is thread-local.
+///
+/// # Safety
+/// `buf` is NULL or holds `len` writable bytes.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn so_last_error_message(buf: *mut c_char, len: usize) -> usize {
-    ffi_boundary!("so_last_error_message", fallback = 0, {
-        LAST_ERROR.with(|message| {
+    ffi_boundary!({
+        Ok(LAST_ERROR.with(|message| {
             let message = message.borrow();
             if !buf.is_null() && len > 0 {
                 let n = message.len().min(len - 1);
-                // SAFETY: `buf` holds `len` bytes per the contract; n + 1 <= len.
+                // SAFETY: `buf` holds `len` writable bytes (the contract) and n + 1 <= len; the
+                // message is our own thread-local string, so the two cannot overlap.
                 unsafe {
                     std::ptr::copy_nonoverlapping(message.as_ptr(), buf.cast::<u8>(), n);
                     buf.add(n).write(0);
                 }
             }
             message.len()
-        })
+        }))
     })
 }

@@ -1,0 +1,268 @@
+//! Conversions between the C types and the core types, generated from one field list.
+//!
+//! Each `#[repr(C)]` struct is declared once, with its documentation (cbindgen copies it into
+//! the header; cbindgen does not expand macros, so the declaration itself cannot be
+//! generated). Next to it, one [`abi_struct!`] names the fields it shares with its core type;
+//! the macro writes `to_core` (C to core: each field through [`FromC`], which validates enum
+//! codes) and `from_core` (core to C, `struct_size` set: each field through [`ToC`]). Each
+//! builds its result as a struct literal, so a field added to the struct it builds and not to
+//! the list does not compile; with both directions (`<=>`), that is either side. Fields that
+//! have no counterpart of the same name (pointer + length pairs, tagged values) are written
+//! out in the invocation, in a `to_core` or `to_c` section.
+//!
+//! Enums cross as `uint32_t` and are mapped by [`abi_enum!`] (in `types.rs`).
+
+use std::ffi::c_void;
+use std::fmt;
+
+use crate::error::{Error, Result};
+
+/// How messages name a value: an argument (`grad_dtype`) or a field of one, `arg->field`
+/// (`options->mode`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Field<'a> {
+    arg: &'a str,
+    member: Option<&'static str>,
+}
+
+impl<'a> Field<'a> {
+    pub(crate) fn arg(arg: &'a str) -> Self {
+        Field { arg, member: None }
+    }
+
+    pub(crate) fn member(arg: &'a str, member: &'static str) -> Self {
+        Field { arg, member: Some(member) }
+    }
+}
+
+impl fmt::Display for Field<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.member {
+            Some(member) => write!(f, "{}->{member}", self.arg),
+            None => f.write_str(self.arg),
+        }
+    }
+}
+
+/// The core value a C field's value stands for; fails for a value outside the field's range
+/// (an enum code that is not one of its values).
+pub(crate) trait FromC<C>: Sized {
+    fn from_c(value: C, field: Field<'_>) -> Result<Self>;
+}
+
+/// The C value of a core value.
+pub(crate) trait ToC<C> {
+    fn to_c(self) -> C;
+}
+
+macro_rules! same_in_c {
+    ($($t:ty),+) => {$(
+        impl FromC<$t> for $t {
+            fn from_c(value: $t, _: Field<'_>) -> Result<$t> {
+                Ok(value)
+            }
+        }
+        impl ToC<$t> for $t {
+            fn to_c(self) -> $t {
+                self
+            }
+        }
+    )+};
+}
+same_in_c!(bool, f32, f64, i32, u32, u64, usize);
+
+/// A byte count that is a `uint64_t` in C.
+impl FromC<u64> for usize {
+    fn from_c(value: u64, field: Field<'_>) -> Result<usize> {
+        usize::try_from(value).map_err(|_| Error::invalid(format!("{field} = {value} does not fit in size_t")))
+    }
+}
+
+impl ToC<u64> for usize {
+    fn to_c(self) -> u64 {
+        self as u64
+    }
+}
+
+/// A limit that is a `uint64_t` in C, where 0 means none.
+impl FromC<u64> for Option<usize> {
+    fn from_c(value: u64, field: Field<'_>) -> Result<Option<usize>> {
+        Ok(Some(usize::from_c(value, field)?).filter(|&v| v != 0))
+    }
+}
+
+impl ToC<u64> for Option<usize> {
+    fn to_c(self) -> u64 {
+        self.unwrap_or(0) as u64
+    }
+}
+
+/// A host buffer handed back to the caller.
+impl ToC<*mut c_void> for *mut u8 {
+    fn to_c(self) -> *mut c_void {
+        self.cast()
+    }
+}
+
+/// Declares the conversions of a `#[repr(C)]` struct from the list of fields it shares by
+/// name with its core type (see the module docs).
+///
+/// - `so_x <=> Core { a, b }`: both directions.
+/// - `so_x <=> Core { a, b } to_core |raw, arg| { c: expr } to_c |core| { d: expr }`: both,
+///   with the fields that need an expression (`raw` is the C struct, `arg` its name in
+///   messages, `core` the core value). `to_core (unsafe) |raw, arg|` makes `to_core` an
+///   `unsafe fn`, for structs whose pointers it reads.
+/// - `so_x => Core { a } to_core |raw, arg| { .. }`: C to core only.
+/// - `so_x <= Core { a, b }`: core to C only (results).
+macro_rules! abi_struct {
+    ($c:ident <=> $core:ident { $($f:ident),* $(,)? }) => {
+        $crate::ffi::convert::abi_struct!(@to_core $c $core [$($f)*] |raw, arg| {});
+        $crate::ffi::convert::abi_struct!(@to_c $c $core [$($f)*] |core| {});
+    };
+    (
+        $c:ident <=> $core:ident { $($f:ident),* $(,)? }
+        to_core $(($unsafe:ident))? |$raw:ident, $arg:ident| { $($rf:ident: $re:expr),* $(,)? }
+        to_c |$cv:ident| { $($wf:ident: $we:expr),* $(,)? }
+    ) => {
+        $crate::ffi::convert::abi_struct!(@to_core $c $core [$($f)*] $(($unsafe))? |$raw, $arg| { $($rf: $re),* });
+        $crate::ffi::convert::abi_struct!(@to_c $c $core [$($f)*] |$cv| { $($wf: $we),* });
+    };
+    (
+        $c:ident => $core:ident { $($f:ident),* $(,)? }
+        to_core $(($unsafe:ident))? |$raw:ident, $arg:ident| { $($rf:ident: $re:expr),* $(,)? }
+    ) => {
+        $crate::ffi::convert::abi_struct!(@to_core $c $core [$($f)*] $(($unsafe))? |$raw, $arg| { $($rf: $re),* });
+    };
+    ($c:ident <= $core:ident { $($f:ident),* $(,)? }) => {
+        $crate::ffi::convert::abi_struct!(@to_c $c $core [$($f)*] |core| {});
+    };
+
+    (@to_core $c:ident $core:ident [$($f:ident)*] $(($unsafe:ident))? |$raw:ident, $arg:ident|
+        { $($rf:ident: $re:expr),* }) => {
+        impl $c {
+            /// The core value of the caller's struct, named `arg` in messages; every field
+            /// is validated (enum codes).
+            $(#[doc = concat!(
+                "\n# Safety\nAn `", stringify!($unsafe), " fn` because it reads what the struct's ",
+                "pointers point to: each must be NULL or valid as the header documents for this struct."
+            )])?
+            pub(crate) $($unsafe)? fn to_core(self, arg: &str) -> $crate::error::Result<$core> {
+                let $raw = &self;
+                let $arg = arg;
+                Ok($core {
+                    $($f: $crate::ffi::convert::FromC::from_c(
+                        $raw.$f,
+                        $crate::ffi::convert::Field::member($arg, stringify!($f)),
+                    )?,)*
+                    $($rf: $re,)*
+                })
+            }
+        }
+    };
+    (@to_c $c:ident $core:ident [$($f:ident)*] |$cv:ident| { $($wf:ident: $we:expr),* }) => {
+        impl $c {
+            /// The C struct of a core value, `struct_size` set.
+            pub(crate) fn from_core($cv: &$core) -> $c {
+                $c {
+                    struct_size: ::std::mem::size_of::<$c>(),
+                    $($f: $crate::ffi::convert::ToC::to_c($cv.$f),)*
+                    $($wf: $we,)*
+                }
+            }
+        }
+    };
+}
+pub(crate) use abi_struct;
+
+/// Declares the conversions of a C enum (`#[repr(u32)]`, crossing the ABI as `uint32_t`):
+/// `from_raw` and `parse` (an unknown code is `SO_STATUS_INVALID_ARGUMENT`, naming the field),
+/// and, with a core enum, `From` both ways plus [`FromC`]/[`ToC`] for `u32` fields. Every
+/// variant must be listed: the conversions are exhaustive matches.
+///
+/// - `so_x { A, B }`: C values only.
+/// - `so_x <=> Core { A = CoreA, B = CoreB }`: one C value per core value.
+/// - `so_x <=> Option<Core> { N = None, A = CoreA }`: a C value `N` standing for "none".
+macro_rules! abi_enum {
+    ($c:ident { $($cv:ident),+ $(,)? }) => {
+        impl $c {
+            /// The value of a raw code, if it is one.
+            pub(crate) fn from_raw(raw: u32) -> Option<$c> {
+                // Exhaustive: a variant left out of the list does not compile.
+                let _ = |v: $c| match v { $($c::$cv => ()),+ };
+                [$($c::$cv),+].into_iter().find(|v| *v as u32 == raw)
+            }
+
+            /// The value of a caller's code, or an error naming `field`.
+            pub(crate) fn parse(raw: u32, field: impl ::std::fmt::Display) -> $crate::error::Result<$c> {
+                $c::from_raw(raw).ok_or_else(|| {
+                    $crate::error::Error::invalid(format!("{field} = {raw} is not a {} value", stringify!($c)))
+                })
+            }
+        }
+    };
+    ($c:ident <=> Option<$core:ident> { $none:ident = None, $($cv:ident = $corev:ident),+ $(,)? }) => {
+        $crate::ffi::convert::abi_enum!($c { $none, $($cv),+ });
+
+        impl $c {
+            /// The core value, `None` for the C value that stands for none.
+            pub(crate) fn to_core(self) -> Option<$core> {
+                match self {
+                    $c::$none => None,
+                    $($c::$cv => Some($core::$corev),)+
+                }
+            }
+        }
+        impl From<Option<$core>> for $c {
+            fn from(value: Option<$core>) -> $c {
+                match value {
+                    None => $c::$none,
+                    $(Some($core::$corev) => $c::$cv,)+
+                }
+            }
+        }
+        impl $crate::ffi::convert::FromC<u32> for Option<$core> {
+            fn from_c(raw: u32, field: $crate::ffi::convert::Field<'_>) -> $crate::error::Result<Option<$core>> {
+                Ok($c::parse(raw, field)?.to_core())
+            }
+        }
+        impl $crate::ffi::convert::ToC<u32> for Option<$core> {
+            fn to_c(self) -> u32 {
+                $c::from(self) as u32
+            }
+        }
+        impl $crate::ffi::convert::ToC<u32> for $core {
+            fn to_c(self) -> u32 {
+                $c::from(Some(self)) as u32
+            }
+        }
+    };
+    ($c:ident <=> $core:ident { $($cv:ident = $corev:ident),+ $(,)? }) => {
+        $crate::ffi::convert::abi_enum!($c { $($cv),+ });
+
+        impl From<$c> for $core {
+            fn from(value: $c) -> $core {
+                match value {
+                    $($c::$cv => $core::$corev,)+
+                }
+            }
+        }
+        impl From<$core> for $c {
+            fn from(value: $core) -> $c {
+                match value {
+                    $($core::$corev => $c::$cv,)+
+                }
+            }
+        }
+        impl $crate::ffi::convert::FromC<u32> for $core {
+            fn from_c(raw: u32, field: $crate::ffi::convert::Field<'_>) -> $crate::error::Result<$core> {
+                Ok($c::parse(raw, field)?.into())
+            }
+        }
+        impl $crate::ffi::convert::ToC<u32> for $core {
+            fn to_c(self) -> u32 {
+                $c::from(self) as u32
+            }
+        }
+    };
+}
+pub(crate) use abi_enum;

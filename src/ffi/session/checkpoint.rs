@@ -1,0 +1,50 @@
+//! Checkpoints: `so_session_save`, `so_session_load`.
+
+use std::ffi::c_char;
+
+use super::{session_ref, so_session};
+use crate::error::Status;
+use crate::ffi::args::path_arg;
+use crate::ffi::boundary::ffi_boundary;
+
+/// @brief Saves a checkpoint (safetensors; see the README for the layout), between steps,
+/// after in-flight work. Atomic: the file at `path` is either the old one or the new one.
+/// @return `SO_STATUS_OK`, `SO_STATUS_IO`, or `SO_STATUS_INVALID_STATE` during a step.
+/// @note Thread-safety: see `so_session`.
+///
+/// # Safety
+/// `session` is NULL or a live session handle; `path` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_save(session: *mut so_session, path: *const c_char) -> Status {
+    ffi_boundary!({
+        // SAFETY: `session` is NULL or a live session (this function's contract).
+        let s = unsafe { session_ref(session)? };
+        // SAFETY: `path` is NULL or a NUL-terminated string (this function's contract).
+        s.save(&unsafe { path_arg(path)? })
+    })
+}
+
+/// @brief Loads a checkpoint into the registered sub-groups (which may be partitioned
+/// differently from the saved session), between steps: master weights (written into the
+/// borrowed buffers), moments, step counts, group hyperparameters, loss-scaler state. A CUDA
+/// session also publishes the loaded weights into the sub-groups' device parameters, after
+/// the work queued on the compute stream, and returns once they have landed.
+/// @return `SO_STATUS_OK`; `SO_STATUS_BAD_CHECKPOINT` for a truncated, corrupt or
+///         mismatched file (then nothing changed); `SO_STATUS_IO`; `SO_STATUS_INVALID_STATE`.
+/// @note Thread-safety: see `so_session`.
+///
+/// # Safety
+/// `session` is NULL or a live session handle; `path` is NULL or a NUL-terminated string;
+/// the borrowed master buffers of the sub-groups are valid and left alone during the call.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_load(session: *mut so_session, path: *const c_char) -> Status {
+    ffi_boundary!({
+        // before any change to the session.
+        // SAFETY: `path` is NULL or a NUL-terminated string (this function's contract).
+        let path = unsafe { path_arg(path)? };
+        // SAFETY: `session` is NULL or a live session (this function's contract).
+        unsafe { session_ref(session)? }.load(&path)
+    })
+}

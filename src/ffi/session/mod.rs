@@ -1,0 +1,309 @@
+//! `so_session_*`: the offload session. This file holds the handle, its options, creation
+//! and session-wide queries; the submodules hold param groups, sub-groups, the step and
+//! checkpoints. The CUDA exports are in `ffi/cuda.rs`, tickets in `ffi/tickets.rs`.
+
+// In the order of the header (cbindgen follows it; rustfmt sorts only within a group).
+mod group;
+
+mod subgroup;
+
+mod step;
+
+mod checkpoint;
+
+use std::ffi::c_char;
+
+pub use checkpoint::*;
+pub use group::*;
+pub use step::*;
+pub use subgroup::*;
+
+use super::args::{core_list, non_null, path_arg, read_struct, read_struct_or, with_struct_size, write_out};
+use super::boundary::ffi_boundary;
+use super::convert::abi_struct;
+use super::pool::{pool_arg, so_pool};
+use crate::error::{Result, Status};
+use crate::session::{LossScalerOptions, Session, SessionOptions};
+
+/// An offload session: sub-groups of parameters whose Adam state lives in host memory,
+/// stepped on the session's own CPU-Adam thread.
+///
+/// Thread-safety: a session may be called from several threads at once (calls are
+/// serialised internally); `so_session_destroy` must not race with any other call.
+pub struct so_session {
+    _private: [u8; 0],
+}
+
+/// The session behind a handle.
+///
+/// # Safety
+/// `session` must be NULL or a live handle (a `Box<Session>` pointer from
+/// `so_session_create` or `so_session_create_cuda`, not yet destroyed).
+pub(crate) unsafe fn session_ref<'a>(session: *const so_session) -> Result<&'a Session> {
+    non_null(session, "session")?;
+    // SAFETY: a live handle is a `Box<Session>` pointer, and the session is only dropped by
+    // so_session_destroy, which must not race with other calls (the header's contract).
+    Ok(unsafe { &*session.cast::<Session>() })
+}
+
+/// Built-in dynamic loss scaler (fp16). Initialise with `so_loss_scaler_options_default()`
+/// (torch GradScaler's defaults).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_loss_scaler_options {
+    /// `sizeof(so_loss_scaler_options)`.
+    pub struct_size: usize,
+    /// Scale of the first step.
+    pub init_scale: f32,
+    /// Multiplies the scale after `growth_interval` steps without overflow; > 1.
+    pub growth_factor: f32,
+    /// Multiplies the scale after an overflow exhausts the hysteresis; in (0, 1).
+    pub backoff_factor: f32,
+    /// Steps without overflow before the scale grows; >= 1.
+    pub growth_interval: u32,
+    /// Overflowing steps tolerated before backing off; 1 backs off at once (torch).
+    pub hysteresis: u32,
+    /// The scale never goes below this.
+    pub min_scale: f32,
+}
+
+abi_struct!(so_loss_scaler_options <=> LossScalerOptions {
+    init_scale,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    hysteresis,
+    min_scale,
+});
+
+/// How to create a session. Initialise with `so_session_options_default()`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_session_options {
+    /// `sizeof(so_session_options)`.
+    pub struct_size: usize,
+    /// Pool for the optimizer passes (the session keeps a reference); NULL to build one
+    /// pinned to `cores`, or with no cores to use the default pool.
+    pub pool: *const so_pool,
+    /// CPU cores for a pool of the session's own (one pinned thread each); copied.
+    pub cores: *const u32,
+    /// Entries in `cores`.
+    pub num_cores: usize,
+    /// One of `so_adam_mode`.
+    pub mode: u32,
+    /// Divide the moments by `1 - beta^t`.
+    pub bias_correction: bool,
+    /// `SO_DTYPE_F32` or `SO_DTYPE_BF16` (bf16 moments never speculate: rollback needs f32).
+    pub moment_dtype: u32,
+    /// dtype of the gradients handed to `so_session_grad_copy`.
+    pub grad_dtype: u32,
+    /// dtype of the sub-group gradient buffers, in which micro-steps accumulate.
+    pub accum_dtype: u32,
+    /// One of `so_speculation`: whether sub-groups are stepped during backward.
+    pub speculation: u32,
+    /// Host bytes the session may allocate (moments, gradient buffers, the low-precision copy,
+    /// late-gradient buffers); 0 for no limit.
+    pub host_memory_limit: u64,
+    /// Must be false: AMSGrad cannot be rolled back, so sessions refuse it.
+    pub amsgrad: bool,
+    /// NULL for no built-in loss scaler (the loss scale is given to each
+    /// `so_session_begin_step`, or 1).
+    pub loss_scaler: *const so_loss_scaler_options,
+    /// `SO_DTYPE_NONE`, or `SO_DTYPE_BF16` / `SO_DTYPE_F16` to keep a low-precision copy of
+    /// each sub-group's master weights, written in the same pass as every update (CUDA
+    /// sessions then send the copy to the GPU instead of f32).
+    pub copy_dtype: u32,
+    /// CUDA sessions: device bytes for the automatic split, which places the first
+    /// sub-groups in forward order on the GPU after a few measured steps (see the README);
+    /// 0 turns it off.
+    pub gpu_budget_bytes: u64,
+}
+
+abi_struct! {
+    so_session_options <=> SessionOptions {
+        mode,
+        bias_correction,
+        moment_dtype,
+        grad_dtype,
+        accum_dtype,
+        speculation,
+        host_memory_limit,
+        amsgrad,
+        copy_dtype,
+        gpu_budget_bytes,
+    }
+    to_core (unsafe) |raw, arg| {
+        // SAFETY: `to_core` is unsafe: `pool` is NULL or a live pool.
+        pool: if raw.pool.is_null() { None } else { Some(unsafe { pool_arg(raw.pool)? }) },
+        // SAFETY: as above, `cores` is NULL or holds `num_cores` entries.
+        cores: unsafe { core_list(raw.cores, raw.num_cores, &format!("{arg}->cores"), "num_cores")? },
+        loss_scaler: if raw.loss_scaler.is_null() {
+            None
+        } else {
+            let name = format!("{arg}->loss_scaler");
+            // SAFETY: as above, a non-NULL `loss_scaler` points to a `so_loss_scaler_options`.
+            Some(unsafe { read_struct(raw.loss_scaler, &name)? }.to_core(&name)?)
+        },
+    }
+    // The defaults borrow nothing.
+    to_c |o| { pool: std::ptr::null(), cores: std::ptr::null(), num_cores: 0, loss_scaler: std::ptr::null() }
+}
+
+// SAFETY: both are `#[repr(C)]`, `struct_size` first, the other fields numbers, bools and raw
+// pointers.
+with_struct_size!(unsafe so_loss_scaler_options, so_session_options);
+
+/// Reads and converts the caller's session options (NULL for the defaults).
+///
+/// # Safety
+/// `options` must be NULL or point to a `so_session_options` whose pointers are NULL or
+/// valid as the header documents.
+pub(crate) unsafe fn session_options(options: *const so_session_options) -> Result<SessionOptions> {
+    // SAFETY: the caller's contract, passed on.
+    unsafe {
+        read_struct_or(options, "options", || so_session_options::from_core(&SessionOptions::default()))?
+            .to_core("options")
+    }
+}
+
+/// Returns the built-in loss scaler's defaults (torch GradScaler's: scale 65536, growth 2,
+/// backoff 0.5, interval 2000, hysteresis 1, minimum 1); `struct_size` set.
+///
+/// @note Thread-safety: safe to call from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn so_loss_scaler_options_default() -> so_loss_scaler_options {
+    ffi_boundary!({ Ok(so_loss_scaler_options::from_core(&LossScalerOptions::default())) })
+}
+
+/// Returns session options: default pool, AdamW with bias correction, f32 moments,
+/// gradients and accumulation, speculation on, no memory limit, no loss scaler;
+/// `struct_size` set.
+///
+/// @note Thread-safety: safe to call from any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn so_session_options_default() -> so_session_options {
+    ffi_boundary!({ Ok(so_session_options::from_core(&SessionOptions::default())) })
+}
+
+/// @brief Creates a session and starts its CPU-Adam thread.
+///
+/// @param options NULL for `so_session_options_default()`.
+/// @param out_session Receives the session; the caller owns it (`so_session_destroy`).
+/// @return `SO_STATUS_OK`; `SO_STATUS_UNSUPPORTED` for AMSGrad or f16 moments;
+///         `SO_STATUS_INVALID_ARGUMENT` for bad options (a pool and cores both given, bad
+///         cores, bad loss-scaler settings); `SO_STATUS_OUT_OF_RESOURCES` if threads cannot
+///         start.
+/// @note Thread-safety: safe to call from any thread.
+///
+/// # Safety
+/// `options` is NULL or points to a `so_session_options` whose `pool` is NULL or a live
+/// pool, whose `cores` is NULL or holds `num_cores` entries and whose `loss_scaler` is NULL
+/// or points to a `so_loss_scaler_options`; `out_session` is NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_create(
+    options: *const so_session_options,
+    out_session: *mut *mut so_session,
+) -> Status {
+    ffi_boundary!({
+        non_null(out_session, "out_session")?;
+        // SAFETY: `options` is NULL or valid as documented.
+        let options = unsafe { session_options(options)? };
+        let session = Box::new(Session::new(options)?);
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { write_out(out_session, "out_session", Box::into_raw(session).cast()) }
+    })
+}
+
+/// @brief Destroys a session: waits for every queued step to finish, stops the CPU-Adam
+/// thread, frees the session's memory and releases its pool reference. NULL is a no-op.
+/// Borrowed buffers are not used after this returns. A CUDA session's copy streams are not
+/// destroyed (an allocator may still record events on them, after `record_stream`): a later
+/// CUDA session on the same device reuses them. Its device word for GPU-side ticket waits is
+/// freed, so no stream may still be waiting on one of its tickets.
+///
+/// @note Thread-safety: must not race with other calls on the session.
+///
+/// # Safety
+/// `session` is NULL or a live session, not used again after this call, and no other call
+/// on it is running.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn so_session_destroy(session: *mut so_session) {
+    ffi_boundary!({
+        if !session.is_null() {
+            // SAFETY: a live handle owns its `Box<Session>`, which the caller gives up here.
+            drop(unsafe { Box::from_raw(session.cast::<Session>()) });
+        }
+        Ok(())
+    })
+}
+
+/// @brief Host bytes the session allocated (moments, gradient buffers, late gradients).
+/// @note Thread-safety: see `so_session`.
+///
+/// # Safety
+/// `session` is NULL or a live session handle; `out_bytes` is NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_host_bytes(session: *const so_session, out_bytes: *mut usize) -> Status {
+    ffi_boundary!({
+        // SAFETY: per the contract below.
+        let n = unsafe { session_ref(session)? }.host_bytes();
+        // SAFETY: `out_bytes` is NULL or writable (this function's contract).
+        unsafe { write_out(out_bytes, "out_bytes", n) }
+    })
+}
+
+/// @brief GPU bytes the session allocated (device-placed state, staging buffers, sums of
+/// squares, ticket words); 0 for a host session.
+/// @note Thread-safety: see `so_session`.
+///
+/// # Safety
+/// `session` is NULL or a live session handle; `out_bytes` is NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_device_bytes(session: *const so_session, out_bytes: *mut usize) -> Status {
+    ffi_boundary!({
+        // SAFETY: per the contract below.
+        let n = unsafe { session_ref(session)? }.device_bytes();
+        // SAFETY: `out_bytes` is NULL or writable (this function's contract).
+        unsafe { write_out(out_bytes, "out_bytes", n) }
+    })
+}
+
+/// @brief Starts recording a timeline of the session's work (clearing an earlier one) when
+/// `enable`, or stops recording: gradient hand-offs and waits of the calling threads, and
+/// the CPU-Adam thread's speculative steps, sums of squares, decisions and per-sub-group
+/// finalization (kept, rescaled, rolled back, redone, stepped), and its waits for gradient
+/// copies. Costs one clock read per event while on, nothing while off.
+/// @note Thread-safety: see `so_session`.
+///
+/// # Safety
+/// `session` is NULL or a live session handle.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_trace(session: *mut so_session, enable: bool) -> Status {
+    ffi_boundary!({
+        // SAFETY: per the contract below.
+        unsafe { session_ref(session)? }.trace(enable);
+        Ok(())
+    })
+}
+
+/// @brief Writes the recorded timeline to `path` as Chrome trace-event JSON (open it in
+/// Perfetto or chrome://tracing, or render it with `bench/trace_plot.py`).
+/// @return `SO_STATUS_OK` or `SO_STATUS_IO`.
+/// @note Thread-safety: see `so_session`.
+///
+/// # Safety
+/// `session` is NULL or a live session handle; `path` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_trace_save(session: *const so_session, path: *const c_char) -> Status {
+    ffi_boundary!({
+        // SAFETY: per the contract below.
+        let s = unsafe { session_ref(session)? };
+        // SAFETY: `path` is NULL or a NUL-terminated string (this function's contract).
+        s.save_trace(&unsafe { path_arg(path)? })
+    })
+}
