@@ -199,6 +199,8 @@ fn bad_checkpoints_are_refused_and_change_nothing() {
     other.add_group(GroupHparams::default()).unwrap();
     other.add_group(GroupHparams::default()).unwrap();
     let mut w = vec![0.0f32; 10];
+    // SAFETY: `w` lives until the end of the test, after `drop(other)`, and nothing else
+    // touches it meanwhile.
     let master = unsafe { Borrowed::new("w", w.as_mut_ptr().cast(), 10, DType::F32) }.unwrap();
     let slices = vec![SliceDesc { name: "unrelated".into(), offset: 0, numel: 10 }];
     other.add_subgroup(SubGroupDesc::new(0, master, slices)).unwrap();
@@ -233,6 +235,7 @@ fn misuse_gets_a_status_and_changes_nothing() {
     assert_eq!(err(s.grad_written(2)), Status::InvalidArgument, "session-owned buffer written in place");
     assert_eq!(s.slice_id("nope").unwrap_err().status, Status::NotFound);
     let mut w = vec![0.0f32; 100];
+    // SAFETY: `w` is never registered: every `add_subgroup` below with it is refused.
     let master = unsafe { Borrowed::new("w", w.as_mut_ptr().cast(), 100, DType::F32) }.unwrap();
     let desc = |slices: Vec<SliceDesc>| SubGroupDesc::new(0, master, slices);
     let sl = |name: &str, offset, numel| SliceDesc { name: name.into(), offset, numel };
@@ -250,6 +253,7 @@ fn misuse_gets_a_status_and_changes_nothing() {
         s.add_subgroup(SubGroupDesc { group: 7, ..desc(vec![sl("x", 0, 1)]) }).unwrap_err().status,
         Status::NotFound
     );
+    // SAFETY: `m.masters[0]` is alive (the model owns it) and this registration is refused.
     let taken = unsafe { Borrowed::new("m", m.masters[0].as_ptr().cast_mut().cast(), 10, DType::F32) }.unwrap();
     let overlapping = SubGroupDesc::new(0, taken, vec![sl("x", 0, 10)]);
     assert_eq!(
@@ -283,6 +287,8 @@ fn sub_groups_that_cannot_speculate_step_at_step_time() {
     let mut b = vec![0.25f32; 300];
     let mut c = vec![0.75f32; 300];
     let reg = |buf: *mut f32, dtype, group, name: &str| {
+        // SAFETY: `a`, `b`, `c` hold 300 elements of their dtype and stay alive while the session
+        // works on them: the step's result is awaited before the end of the test.
         let master = unsafe { Borrowed::new(name, buf.cast(), 300, dtype) }.unwrap();
         s.add_subgroup(SubGroupDesc::new(group, master, vec![SliceDesc { name: name.into(), offset: 0, numel: 300 }]))
             .unwrap()
@@ -324,6 +330,8 @@ fn tickets_report_progress_errors_and_timeouts() {
     let mut small = vec![0.5f32; 16];
     for (name, buf) in [("big", &mut big), ("small", &mut small)] {
         let len = buf.len();
+        // SAFETY: `big` and `small` stay alive while the session works on them: the last step's
+        // result is awaited before the end of the test.
         let master = unsafe { Borrowed::new(name, buf.as_mut_ptr().cast(), len, DType::F32) }.unwrap();
         s.add_subgroup(SubGroupDesc::new(0, master, vec![SliceDesc { name: name.into(), offset: 0, numel: len }]))
             .unwrap();
@@ -368,7 +376,11 @@ fn in_place_gradients_equal_copied_ones() {
         s.add_group(GroupHparams::default()).unwrap();
         let master = Box::leak(vec![0.5f32; 1000].into_boxed_slice());
         let grad = Box::leak(vec![0.0f32; 1000].into_boxed_slice());
+        // SAFETY: `master` and `grad` are leaked, so valid for the rest of the process; the test
+        // writes `grad` only while the session does not read it (after a step's wait, before the
+        // hand-off of the last micro-step).
         let m = unsafe { Borrowed::new("m", master.as_mut_ptr().cast(), 1000, DType::F32) }.unwrap();
+        // SAFETY: as for `m`.
         let g = in_place.then(|| unsafe { Borrowed::new("g", grad.as_mut_ptr().cast(), 1000, DType::F32) }.unwrap());
         let slices = vec![
             SliceDesc { name: "a".into(), offset: 0, numel: 600 },
@@ -414,6 +426,7 @@ fn destroying_a_session_with_work_in_flight_completes_it() {
                 .unwrap();
         s.add_group(GroupHparams::default()).unwrap();
         let len = master.len();
+        // SAFETY: `master` outlives the session, which is dropped at the end of this block.
         let m = unsafe { Borrowed::new("m", master.as_mut_ptr().cast(), len, DType::F32) }.unwrap();
         s.add_subgroup(SubGroupDesc::new(0, m, vec![SliceDesc { name: "w".into(), offset: 0, numel: len }])).unwrap();
         s.begin_step(None, 1).unwrap();

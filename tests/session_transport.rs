@@ -89,6 +89,8 @@ fn build(transport: Option<Arc<DelayedCopies>>) -> (Session, Vec<Vec<f32>>) {
     let mut masters: Vec<Vec<f32>> =
         SIZES.iter().map(|&n| (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-3).collect()).collect();
     for (k, m) in masters.iter_mut().enumerate() {
+        // SAFETY: the heap buffer of `m` is returned with the session and outlives its work (each
+        // test waits for every step).
         let master = unsafe { Borrowed::new("m", m.as_mut_ptr().cast(), m.len(), DType::F32) }.unwrap();
         let slices = vec![SliceDesc { name: format!("sg{k}"), offset: 0, numel: m.len() }];
         s.add_subgroup(SubGroupDesc::new(0, master, slices)).unwrap();
@@ -186,6 +188,7 @@ fn the_low_precision_copy_follows_the_master() {
     let s = Session::with_transport(opts, Some(checker.clone() as Arc<dyn Transport>)).unwrap();
     s.add_group(GroupHparams::default()).unwrap();
     let mut master: Vec<f32> = (0..5000).map(|i| (i as f32 * 0.37).sin()).collect();
+    // SAFETY: `master` is dropped after the session (the explicit drops at the end).
     let m = unsafe { Borrowed::new("m", master.as_mut_ptr().cast(), master.len(), DType::F32) }.unwrap();
     s.add_subgroup(SubGroupDesc::new(0, m, vec![SliceDesc { name: "w".into(), offset: 0, numel: 5000 }])).unwrap();
     for (step, max_norm) in [(1, 0.0), (2, 1e-3), (3, 0.0)] {

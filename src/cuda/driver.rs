@@ -51,6 +51,8 @@ pub(crate) struct Context {
 
 // SAFETY: a CUcontext handle may be used from any thread (it is made current per thread).
 unsafe impl Send for Context {}
+// SAFETY: `&Context` gives only copies of the two handles (the fields are private and never
+// change after `primary`); the driver serialises what it does with them itself.
 unsafe impl Sync for Context {}
 
 impl Context {
@@ -149,12 +151,15 @@ pub(crate) fn stream_wait_event(stream: CUstream, event: CUevent) -> Result<()> 
 pub(crate) fn memcpy_dtoh_async(dst: *mut u8, src: CUdeviceptr, bytes: usize, stream: CUstream) -> Result<()> {
     // SAFETY: the caller guarantees both ranges stay valid until the copy completes.
     let dst = unsafe { std::slice::from_raw_parts_mut(dst, bytes) };
+    // SAFETY: `dst` is `bytes` bytes of host memory and `src` a device range of as many bytes,
+    // both kept valid by the caller until `stream` has passed the copy.
     check(unsafe { result::memcpy_dtoh_async(dst, src, stream) }, "cuMemcpyDtoHAsync")
 }
 
 pub(crate) fn memcpy_htod_async(dst: CUdeviceptr, src: *const u8, bytes: usize, stream: CUstream) -> Result<()> {
     // SAFETY: as above.
     let src = unsafe { std::slice::from_raw_parts(src, bytes) };
+    // SAFETY: as in `memcpy_dtoh_async`, with the directions swapped.
     check(unsafe { result::memcpy_htod_async(dst, src, stream) }, "cuMemcpyHtoDAsync")
 }
 
@@ -253,6 +258,8 @@ pub(crate) struct Kernels {
 
 // SAFETY: module and function handles may be used from any thread with the context current.
 unsafe impl Send for Kernels {}
+// SAFETY: the handles are set once by `load` and only read afterwards; launching one function
+// from several threads at once is allowed by the driver.
 unsafe impl Sync for Kernels {}
 
 impl Kernels {

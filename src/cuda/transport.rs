@@ -51,8 +51,11 @@ impl CopyFaults {
 /// A raw driver handle that may cross threads (the driver allows it; we serialise use).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Raw<T>(pub T);
-// SAFETY: CUDA stream and event handles are usable from any thread.
+// SAFETY: CUDA stream and event handles are usable from any thread. `Raw` is crate-private and
+// wraps nothing else (`CUstream`, `CUevent`: pointers to driver objects, never dereferenced here).
 unsafe impl<T> Send for Raw<T> {}
+// SAFETY: as for `Send`: sharing a `Raw` only copies the handle, and the driver accepts the
+// same stream or event from several threads.
 unsafe impl<T> Sync for Raw<T> {}
 
 /// Elements per partial of a sum of squares (the CPU kernels' block).

@@ -38,41 +38,59 @@ impl Simd for Avx2 {
 
     #[inline(always)]
     fn splat(self, x: f32) -> __m256 {
+        // SAFETY: `self` exists only where AVX2, FMA and F16C is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm256_set1_ps(x) }
     }
     #[inline(always)]
     fn add(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: `self` exists only where AVX2, FMA and F16C is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm256_add_ps(a, b) }
     }
     #[inline(always)]
     fn sub(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: `self` exists only where AVX2, FMA and F16C is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm256_sub_ps(a, b) }
     }
     #[inline(always)]
     fn mul(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: `self` exists only where AVX2, FMA and F16C is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm256_mul_ps(a, b) }
     }
     #[inline(always)]
     fn div(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: `self` exists only where AVX2, FMA and F16C is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm256_div_ps(a, b) }
     }
     #[inline(always)]
     fn sqrt(self, a: __m256) -> __m256 {
+        // SAFETY: `self` exists only where AVX2, FMA and F16C is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm256_sqrt_ps(a) }
     }
     #[inline(always)]
     fn mul_add(self, a: __m256, b: __m256, c: __m256) -> __m256 {
+        // SAFETY: `self` exists only where AVX2, FMA and F16C is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm256_fmadd_ps(a, b, c) }
     }
     #[inline(always)]
     fn max0(self, a: __m256) -> __m256 {
         // MAXPS returns its second operand when either is NaN or both are zeros.
+        // SAFETY: `self` exists only where AVX2, FMA and F16C is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm256_max_ps(_mm256_setzero_ps(), a) }
     }
 
     #[inline(always)]
     fn load<E: Elem>(self, src: &[E]) -> __m256 {
         assert!(src.len() >= 8);
+        // SAFETY: AVX2, FMA and F16C is present (`self`); after the assert `src` holds at least 8
+        // elements, exactly what the unaligned load reads.
         unsafe {
             match E::DTYPE {
                 DType::F32 => _mm256_loadu_ps(src.as_ptr().cast()),
@@ -88,6 +106,8 @@ impl Simd for Avx2 {
     #[inline(always)]
     fn store<E: Elem>(self, dst: &mut [E], v: __m256) {
         assert!(dst.len() >= 8);
+        // SAFETY: AVX2, FMA and F16C is present (`self`); after the assert `dst` holds at least 8
+        // elements, exactly what the unaligned store writes.
         unsafe {
             match E::DTYPE {
                 DType::F32 => _mm256_storeu_ps(dst.as_mut_ptr().cast(), v),
@@ -114,11 +134,15 @@ impl Simd for Avx2 {
 
     #[inline(always)]
     fn acc_zero(self) -> Avx2Acc {
+        // SAFETY: `self` exists only where AVX2, FMA and F16C is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { Avx2Acc { lo: _mm256_setzero_pd(), hi: _mm256_setzero_pd() } }
     }
 
     #[inline(always)]
     fn acc_add_squares(self, acc: Avx2Acc, x: __m256) -> Avx2Acc {
+        // SAFETY: `self` exists only where AVX2, FMA and F16C is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe {
             let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
             let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x));
@@ -132,6 +156,7 @@ impl Simd for Avx2 {
     #[inline(always)]
     fn acc_total(self, acc: Avx2Acc) -> f64 {
         let mut lanes = [0.0f64; 8];
+        // SAFETY: AVX2, FMA and F16C is present (`self`); `lanes` holds the 8 f64 the two stores write.
         unsafe {
             _mm256_storeu_pd(lanes.as_mut_ptr(), acc.lo);
             _mm256_storeu_pd(lanes.as_mut_ptr().add(4), acc.hi);

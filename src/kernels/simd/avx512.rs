@@ -29,41 +29,59 @@ impl Simd for Avx512 {
 
     #[inline(always)]
     fn splat(self, x: f32) -> __m512 {
+        // SAFETY: `self` exists only where AVX-512F is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm512_set1_ps(x) }
     }
     #[inline(always)]
     fn add(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: `self` exists only where AVX-512F is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm512_add_ps(a, b) }
     }
     #[inline(always)]
     fn sub(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: `self` exists only where AVX-512F is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm512_sub_ps(a, b) }
     }
     #[inline(always)]
     fn mul(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: `self` exists only where AVX-512F is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm512_mul_ps(a, b) }
     }
     #[inline(always)]
     fn div(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: `self` exists only where AVX-512F is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm512_div_ps(a, b) }
     }
     #[inline(always)]
     fn sqrt(self, a: __m512) -> __m512 {
+        // SAFETY: `self` exists only where AVX-512F is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm512_sqrt_ps(a) }
     }
     #[inline(always)]
     fn mul_add(self, a: __m512, b: __m512, c: __m512) -> __m512 {
+        // SAFETY: `self` exists only where AVX-512F is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm512_fmadd_ps(a, b, c) }
     }
     #[inline(always)]
     fn max0(self, a: __m512) -> __m512 {
         // MAXPS returns its second operand when either is NaN or both are zeros.
+        // SAFETY: `self` exists only where AVX-512F is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm512_max_ps(_mm512_setzero_ps(), a) }
     }
 
     #[inline(always)]
     fn load<E: Elem>(self, src: &[E]) -> __m512 {
         assert!(src.len() >= 16);
+        // SAFETY: AVX-512F is present (`self`); after the assert `src` holds at least 16
+        // elements, exactly what the unaligned load reads.
         unsafe {
             match E::DTYPE {
                 DType::F32 => _mm512_loadu_ps(src.as_ptr().cast()),
@@ -79,6 +97,8 @@ impl Simd for Avx512 {
     #[inline(always)]
     fn store<E: Elem>(self, dst: &mut [E], v: __m512) {
         assert!(dst.len() >= 16);
+        // SAFETY: AVX-512F is present (`self`); after the assert `dst` holds at least 16
+        // elements, exactly what the unaligned store writes.
         unsafe {
             match E::DTYPE {
                 DType::F32 => _mm512_storeu_ps(dst.as_mut_ptr().cast(), v),
@@ -102,11 +122,15 @@ impl Simd for Avx512 {
 
     #[inline(always)]
     fn acc_zero(self) -> __m512d {
+        // SAFETY: `self` exists only where AVX-512F is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe { _mm512_setzero_pd() }
     }
 
     #[inline(always)]
     fn acc_add_squares(self, acc: __m512d, x: __m512) -> __m512d {
+        // SAFETY: `self` exists only where AVX-512F is present (see `detect`); the
+        // intrinsics work on registers only.
         unsafe {
             let lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
             let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x))));
@@ -118,6 +142,7 @@ impl Simd for Avx512 {
     #[inline(always)]
     fn acc_total(self, acc: __m512d) -> f64 {
         let mut lanes = [0.0f64; 8];
+        // SAFETY: AVX-512F is present (`self`); `lanes` holds the 8 f64 the store writes.
         unsafe { _mm512_storeu_pd(lanes.as_mut_ptr(), acc) };
         super::reduce_lanes(lanes)
     }

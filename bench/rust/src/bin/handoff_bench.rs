@@ -57,17 +57,22 @@ fn note_alloc() {
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         note_alloc();
+        // SAFETY: our caller meets `GlobalAlloc::alloc`'s contract, which is `System`'s too.
         unsafe { System.alloc(layout) }
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         note_alloc();
+        // SAFETY: as in `alloc`.
         unsafe { System.alloc_zeroed(layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         note_alloc();
+        // SAFETY: `ptr` came from `System` through this allocator, with `layout` (the caller's
+        // contract of `realloc`).
         unsafe { System.realloc(ptr, layout, new_size) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: as in `realloc`.
         unsafe { System.dealloc(ptr, layout) }
     }
 }
@@ -299,6 +304,7 @@ impl Api {
         let mut hp = c::so_group_hparams_default();
         hp.lr = 1e-5;
         let mut group = 0u32;
+        // SAFETY: a live session, a valid struct and out-pointer.
         c_check("so_session_add_group", unsafe { c::so_session_add_group(session, &hp, &mut group) })?;
         let mut masters: Vec<Vec<f32>> = m.sg_numel.iter().map(|&n| vec![0.01; n]).collect();
         let names: Vec<std::ffi::CString> =
@@ -318,10 +324,13 @@ impl Api {
             d.slices = slices.as_ptr();
             d.num_slices = slices.len();
             let mut id = 0u32;
+            // SAFETY: `d`'s master (kept in `masters`, which `api` keeps alive) and slices (with
+            // their names) are valid for the call and the master for the session's life.
             c_check("so_session_add_subgroup", unsafe { c::so_session_add_subgroup(session, &d, &mut id) })?;
         }
         for name in &names {
             let mut id = 0u32;
+            // SAFETY: a live session, a NUL-terminated name and a valid out-pointer.
             c_check("so_session_slice_id", unsafe { c::so_session_slice_id(session, name.as_ptr(), &mut id) })?;
             api.ids.push(id);
         }
@@ -355,6 +364,7 @@ impl Api {
     fn begin(&self) -> Result<(), String> {
         match &self.rust {
             Some(s) => s.begin_step(Some(1.0), 1).map_err(|e| e.to_string()),
+            // SAFETY: `c_session` is live while `self` is.
             None => c_check("so_session_begin_step", unsafe { c::so_session_begin_step(self.c_session, 1.0, 1) }),
         }
     }
@@ -388,10 +398,12 @@ impl Api {
             None => {
                 let args = c::so_step_args_default();
                 let mut ticket = 0u64;
+                // SAFETY: a live session, valid args and out-pointer.
                 c_check("so_session_step", unsafe { c::so_session_step(self.c_session, &args, &mut ticket) })?;
                 // SAFETY: so_step_result is plain data; all-zero is a valid value.
                 let mut r: c::so_step_result = unsafe { std::mem::zeroed() };
                 r.struct_size = std::mem::size_of::<c::so_step_result>();
+                // SAFETY: a live session and a result struct with its struct_size set.
                 c_check("so_session_step_result", unsafe {
                     c::so_session_step_result(self.c_session, ticket, -1, &mut r)
                 })?;
