@@ -3,8 +3,8 @@
 #
 #   0. the device kernels (PTX text) assembled with ptxas from NVIDIA's pip wheel, no GPU
 #      needed (scripts/check_ptx.sh);
-#   1. style: `cargo fmt --check` and the C/C++ sources against .clang-format
-#      (scripts/check_format.sh);
+#   1. style: `cargo fmt --check`, `cargo clippy --workspace --all-targets -D warnings` and
+#      the C/C++ sources against .clang-format (scripts/check_format.sh);
 #   2. `cargo test --workspace` (the library and the benchmark crate);
 #   3. the CMake build and the ctest suite in c_tests/;
 #   4. the install (stripped) into <build>/install, with its size;
@@ -26,7 +26,7 @@
 #   SO_JOBS             parallel build and test jobs (default: the number of CPUs)
 #   SO_SKIP_CARGO_TEST=1  skip `cargo test` (only the CMake/ctest parts)
 #   SO_INSTALL_TOOLS=0  install no optional tool (valgrind, clang-format-14)
-#   SO_SKIP=LIST        skip parts, a comma list of: ptx, style, valgrind, sanitize
+#   SO_SKIP=LIST        skip parts, a comma list of: ptx, style, clippy, valgrind, sanitize
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
@@ -94,7 +94,22 @@ if wanted style; then
     else
         skip "cargo fmt --check: rustfmt is not installed (rustup component add rustfmt)"
     fi
+fi
 
+# The lints are the [workspace.lints] table of Cargo.toml; every warning is an error.
+if wanted clippy; then
+    section "Lint: cargo clippy --workspace --all-targets -D warnings"
+    if cargo clippy --version >/dev/null 2>&1; then
+        cargo clippy --workspace --all-targets --locked -j "$jobs" -- -D warnings
+        echo "cargo clippy: clean"
+    else
+        skip "cargo clippy: clippy is not installed (rustup component add clippy)"
+    fi
+else
+    skip "cargo clippy (SO_SKIP)"
+fi
+
+if wanted style; then
     section "Style: clang-format (scripts/check_format.sh)"
     rc=0
     bash scripts/check_format.sh || rc=$?
