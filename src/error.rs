@@ -121,3 +121,23 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {}
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn raw_values_map_back_to_their_status() {
+        let mut known = 0;
+        for raw in 0..1000u32 {
+            if let Some(status) = Status::from_raw(raw) {
+                assert_eq!(status as u32, raw);
+                assert!(!status.description().is_empty());
+                known += 1;
+            }
+        }
+        assert!(known >= 18, "{known}");
+        assert_eq!(Status::from_raw(99), Some(Status::Panic));
+        assert_eq!(Status::from_raw(8), None);
+    }
+}

@@ -317,3 +317,54 @@ pub(crate) unsafe fn core_list(ptr: *const u32, len: usize, name: &str, count: &
     let cores = unsafe { optional_array(ptr, len, name, count)? };
     Ok(cores.map(|cores| cores.iter().map(|&c| c as usize).collect()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_check_for_every_buffer_argument() {
+        let data = [0.0f32; 4];
+        let ptr = data.as_ptr().cast::<c_void>();
+        let buf = RawBuf::new("grad", "numel", ptr, 4, DType::F32).unwrap();
+        assert_eq!(buf.end() - buf.addr, 16);
+
+        let e = RawBuf::new("grad", "numel", std::ptr::null(), 4, DType::F32).unwrap_err();
+        assert_eq!((e.status, e.message.as_str()), (Status::NullArgument, "grad is NULL"));
+        // SAFETY: only the address is used; nothing is read.
+        let odd = unsafe { ptr.byte_add(2) };
+        let e = RawBuf::new("desc->master", "desc->numel", odd, 1, DType::F32).unwrap_err();
+        assert!(e.message.starts_with("desc->master (0x") && e.message.contains("not aligned"), "{}", e.message);
+        assert!(RawBuf::new("desc->master", "desc->numel", odd, 1, DType::Bf16).is_ok());
+        let e = RawBuf::new("buffers->param", "buffers->numel", ptr, usize::MAX / 2, DType::F32).unwrap_err();
+        assert!(e.message.starts_with("buffers->numel = ") && e.message.contains("too large"), "{}", e.message);
+
+        let a = RawBuf::new("a", "n", ptr, 2, DType::F32).unwrap();
+        // SAFETY: as above.
+        let b = RawBuf::new("b", "n", unsafe { ptr.byte_add(4) }, 2, DType::F32).unwrap();
+        let e = check_disjoint(&[a, b]).unwrap_err();
+        assert_eq!(
+            (e.status, e.message.as_str()),
+            (Status::Aliasing, "a and b overlap; every buffer must be distinct")
+        );
+        // SAFETY: as above.
+        let c = RawBuf::new("c", "n", unsafe { ptr.byte_add(8) }, 2, DType::F32).unwrap();
+        assert!(check_disjoint(&[a, c]).is_ok(), "adjacent buffers do not overlap");
+    }
+
+    #[test]
+    fn arrays_given_as_pointer_and_count() {
+        let cores = [3u32, 1];
+        // SAFETY: `cores` holds 2 entries; NULL is never read.
+        unsafe {
+            assert_eq!(core_list(cores.as_ptr(), 2, "cores", "num_cores").unwrap(), Some(vec![3, 1]));
+            assert_eq!(core_list(std::ptr::null(), 0, "cores", "num_cores").unwrap(), None);
+            let e = core_list(std::ptr::null(), 2, "cores", "num_cores").unwrap_err();
+            assert_eq!((e.status, e.message.as_str()), (Status::NullArgument, "cores is NULL but num_cores is not 0"));
+            let e = core_list(cores.as_ptr(), 0, "cores", "num_cores").unwrap_err();
+            assert_eq!((e.status, e.message.as_str()), (Status::InvalidArgument, "cores is set but num_cores is 0"));
+            let e = required_array(cores.as_ptr(), 0, "slices", "num_slices").unwrap_err();
+            assert_eq!(e.status, Status::NullArgument);
+        }
+    }
+}

@@ -266,3 +266,66 @@ macro_rules! abi_enum {
     };
 }
 pub(crate) use abi_enum;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ffi::session::{so_group_hparams, so_session_options, so_step_args, so_step_result};
+    use crate::ffi::types::{so_dtype, so_skip_reason};
+    use crate::kernels::{DType, Isa};
+    use crate::session::{GroupHparams, NormSource, SessionOptions, SkipReason, Speculation, StepArgs, StepResult};
+
+    #[test]
+    fn enum_codes_map_both_ways_and_unknown_ones_are_refused() {
+        for raw in 0..64u32 {
+            assert_eq!(so_dtype::from_raw(raw).map(|d| d as u32), (raw <= 3).then_some(raw));
+        }
+        assert_eq!(Option::<DType>::from_c(0, Field::arg("d")).unwrap(), None);
+        assert_eq!(DType::from_c(2, Field::arg("d")).unwrap(), DType::Bf16);
+        let e = DType::from_c(0, Field::member("desc", "master_dtype")).unwrap_err();
+        assert_eq!(e.message, "desc->master_dtype is SO_DTYPE_NONE");
+        let e = Speculation::from_c(7, Field::member("options", "speculation")).unwrap_err();
+        assert_eq!(e.message, "options->speculation = 7 is not a so_speculation value");
+        for s in [Speculation::Off, Speculation::On, Speculation::Auto] {
+            assert_eq!(Speculation::from_c(s.to_c(), Field::arg("s")).unwrap(), s);
+        }
+        for isa in [None, Some(Isa::Portable), Some(Isa::Avx2), Some(Isa::Avx512)] {
+            assert_eq!(Option::<Isa>::from_c(isa.to_c(), Field::arg("isa")).unwrap(), isa);
+        }
+    }
+
+    #[test]
+    fn structs_survive_a_trip_through_c() {
+        let g = GroupHparams { lr: 0.5, beta1: 0.8, beta2: 0.9, eps: 1e-6, weight_decay: 0.1 };
+        let c = so_group_hparams::from_core(&g);
+        assert_eq!(c.struct_size, size_of::<so_group_hparams>());
+        assert_eq!(c.to_core("hparams").unwrap(), g);
+
+        for norm in [NormSource::Local, NormSource::Given(3.0)] {
+            let args = StepArgs { max_norm: 1.0, norm, overflow: true };
+            assert_eq!(so_step_args::from_core(&args).to_core("args").unwrap(), args);
+        }
+
+        let options = SessionOptions {
+            speculation: Speculation::On,
+            host_memory_limit: Some(4096),
+            copy_dtype: Some(DType::Bf16),
+            gpu_budget_bytes: 1 << 30,
+            ..SessionOptions::default()
+        };
+        let c = so_session_options::from_core(&options);
+        assert!(c.pool.is_null() && c.cores.is_null() && c.loss_scaler.is_null());
+        // SAFETY: `from_core` left every pointer NULL.
+        let back = unsafe { c.to_core("options") }.unwrap();
+        assert_eq!(format!("{back:?}"), format!("{options:?}"));
+
+        let r = StepResult {
+            serial: 3,
+            skip_reason: SkipReason::NonFiniteNorm,
+            forward_wait_s: 0.25,
+            ..StepResult::default()
+        };
+        let c = so_step_result::from_core(&r);
+        assert_eq!((c.serial, c.skip_reason, c.forward_wait_s), (3, so_skip_reason::NonFiniteNorm as u32, 0.25));
+    }
+}
