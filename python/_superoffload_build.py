@@ -104,6 +104,8 @@ class BdistWheel(_bdist_wheel):
     """Platform wheel, any Python 3: py3-none-<platform>."""
 
     def finalize_options(self):
+        # The package carries a native library: a platlib (non-pure) wheel.
+        self.distribution.has_ext_modules = lambda: True
         super().finalize_options()
         self.root_is_pure = False
 
