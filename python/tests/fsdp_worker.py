@@ -6,8 +6,8 @@ or CUDA with nccl (--device cuda, one GPU per rank).
   parity   SuperOffloadAdamW on fully_shard'ed TinyGPT vs torch.optim.AdamW on an unsharded copy
            (each rank trains on its slice of the global batch): mean relative loss difference
            <= 1e-3, the same global norms.
-  dcp      torch.distributed.checkpoint.save of {"model": model.state_dict(), "optim":
-           opt.state_dict()} (sharded DTensors) half-way, dcp.load into a fresh sharded model and
+  dcp      torch.distributed.checkpoint: get_state_dict(model, opt) (FQN-keyed, sharded DTensors)
+           saved half-way with dcp.save, dcp.load + set_state_dict into a fresh sharded model and
            optimizer: the second half resumes bit for bit.
   cores    each rank's optimizer pool got its own share of the CPUs.
 """
@@ -125,19 +125,20 @@ def main():
         o1 = make_opt(m1, args.clip)
         s1 = torch.optim.lr_scheduler.LambdaLR(o1, lr_lambda)
         run(m1, o1, s1, data[:half], device, rank, world)
-        osd = o1.state_dict()
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        msd, osd = get_state_dict(m1, o1)  # FQN-keyed, sharded (DTensor) state
         dtensor_state = sum(type(v).__name__ == "DTensor" for st in osd["state"].values() for v in st.values())
-        dcp.save({"model": m1.state_dict(), "optim": osd}, checkpoint_id=ckdir)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckdir)
         sched_state = s1.state_dict()
         l1, _ = run(m1, o1, s1, data[half:], device, rank, world)
         w1 = [p.to_local().detach().clone() for p in m1.parameters()]
         m2 = sharded(5, device, dtype, mesh)
         o2 = make_opt(m2, args.clip)
         s2 = torch.optim.lr_scheduler.LambdaLR(o2, lr_lambda)
-        sd = {"model": m2.state_dict(), "optim": o2.state_dict()}
+        msd2, osd2 = get_state_dict(m2, o2)  # the template (a fresh optimizer: torch's lr-0 init step)
+        sd = {"model": msd2, "optim": osd2}
         dcp.load(sd, checkpoint_id=ckdir)
-        m2.load_state_dict(sd["model"])
-        o2.load_state_dict(sd["optim"])
+        set_state_dict(m2, o2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         s2.load_state_dict(sched_state)
         l2, _ = run(m2, o2, s2, data[half:], device, rank, world)
         w2 = [p.to_local().detach().clone() for p in m2.parameters()]

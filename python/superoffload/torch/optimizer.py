@@ -210,6 +210,8 @@ class SuperOffloadAdamW(Optimizer):
         self._ticket = None
         self._result = None
         self._nsteps = 0
+        self._loaded = False
+        self._saved_meta = None
         self._hooks = []
         self._pending = set()
         self._unowned = []
@@ -680,6 +682,7 @@ class SuperOffloadAdamW(Optimizer):
             self._in_step = False
             self._result = None
             self._nsteps += 1
+            self._mark_state()
             for info in self._infos:
                 info.count = 0
             if self.wait_mode == "module":
@@ -834,6 +837,7 @@ class SuperOffloadAdamW(Optimizer):
         tensors viewing the host state: the moment buffers themselves (caller-owned moments, ABI 2)
         or a mapped checkpoint file the session wrote (ABI 1); plus the loss scaler's metadata."""
         out, scaler = {}, None
+        self._saved_meta = None
         if self._own_moments and not self._loss_scaler:
             for sg in self._subgroups:
                 st = self.session.get_subgroup_state(sg.id)
@@ -852,6 +856,7 @@ class SuperOffloadAdamW(Optimizer):
                                   tensors[f"exp_avg_sq/{info.name}"], int(meta[f"slice.{info.name}.step"]))
         if meta.get("loss_scaler") == "dynamic":
             scaler = {k: v for k, v in meta.items() if k.startswith("loss_scaler")}
+        self._saved_meta = meta
         return out, scaler
 
     def state_dict(self):
@@ -863,6 +868,21 @@ class SuperOffloadAdamW(Optimizer):
         (it ignores "master"); `load_state_dict` takes it or a torch AdamW state dict."""
         self._check_idle("state_dict")
         self.synchronize(host=True)
+        index, groups = 0, []
+        for g in self.param_groups:
+            entry = dict(_TORCH_ADAMW_KEYS)
+            entry.update({k: v for k, v in g.items() if k != "params"})
+            entry["params"] = list(range(index, index + len(g["params"])))
+            index += len(g["params"])
+            groups.append(entry)
+        so = {"format": 2, "library_version": _core.version(), "steps": self._nsteps,
+              "moment_dtype": self.moment_dtype,
+              "names": {i.index: i.name for i in self._infos},
+              "gpu_resident": [i.name for i in self._gpu_infos]}
+        if self._nsteps == 0 and not self._loaded:
+            # Like torch: no per-parameter state before the first step (and nothing to copy
+            # when a wrapper round-trips the state dict, as accelerate's device placement does).
+            return {"state": {}, "param_groups": groups, "superoffload": so}
         slices, scaler = self._slice_states()
         state = {}
         for info in self._infos:
@@ -883,20 +903,19 @@ class SuperOffloadAdamW(Optimizer):
                 step = self._nsteps_taken()
             state[info.index] = {"step": torch.tensor(float(step)), "exp_avg": self._wrap(info, m),
                                  "exp_avg_sq": self._wrap(info, v), "master": self._wrap(info, master)}
-        index, groups = 0, []
-        for g in self.param_groups:
-            entry = dict(_TORCH_ADAMW_KEYS)
-            entry.update({k: v for k, v in g.items() if k != "params"})
-            entry["params"] = list(range(index, index + len(g["params"])))
-            index += len(g["params"])
-            groups.append(entry)
-        so = {"format": 2, "library_version": _core.version(), "steps": self._nsteps,
-              "moment_dtype": self.moment_dtype,
-              "names": {i.index: i.name for i in self._infos},
-              "gpu_resident": [i.name for i in self._gpu_infos]}
         if scaler:
             so["loss_scaler"] = scaler
+        if self._saved_meta:
+            so["checkpoint_meta"] = dict(self._saved_meta)  # lets a load skip recomputing the checksum
         return {"state": state, "param_groups": groups, "superoffload": so}
+
+    def _mark_state(self):
+        """Optimizer.state gets one entry per parameter once there is state (its tensors live in
+        the library; state_dict() has them): tools that test `optimizer.state` for emptiness,
+        such as torch.distributed.checkpoint's state-dict helpers, see an initialised optimizer."""
+        if not self.state:
+            for info in self._infos:
+                self.state[info.param] = {"superoffload": "state in state_dict()"}
 
     def _nsteps_taken(self):
         for sg in self._subgroups:
@@ -918,7 +937,24 @@ class SuperOffloadAdamW(Optimizer):
                                                         for a, b in zip(groups, self.param_groups)):
             raise ValueError("the state dict's param groups do not match this optimizer's (same groups, same "
                              "number of parameters in each, as torch.optim.AdamW requires)")
-        saved_state = {int(k): v for k, v in state_dict["state"].items()}
+        by_name = {i.name: i.index for i in self._infos}
+        saved_state = {}
+        for k, v in state_dict["state"].items():
+            if isinstance(k, str) and not k.isdigit():  # keyed by parameter name (FQN)
+                if k not in by_name:
+                    raise ValueError(f"the state dict has state for {k!r}, which is not a parameter of this optimizer")
+                saved_state[by_name[k]] = v
+            else:
+                saved_state[int(k)] = v
+        if not saved_state and self._nsteps == 0 and not self._loaded:
+            # Nothing to restore into a fresh optimizer (torch's state dict before a first step,
+            # or accelerate's device-placement round trip): the hyperparameters only.
+            for g, saved in zip(self.param_groups, groups):
+                for k, v in saved.items():
+                    if k != "params" and k in g:
+                        g[k] = tuple(v) if k == "betas" else v
+            self._sync_groups()
+            return
         if so is not None:
             gpu_saved = so.get("gpu_resident", [])
             if gpu_saved != [i.name for i in self._gpu_infos]:
@@ -991,9 +1027,30 @@ class SuperOffloadAdamW(Optimizer):
                     meta[f"slice.{info.name}.step"] = str(step)
             with tempfile.TemporaryDirectory(prefix="superoffload-") as d:
                 path = os.path.join(d, "state.safetensors")
-                _checkpoint.write(path, tensors, meta)
+                saved = (so or {}).get("checkpoint_meta")
+                if saved and {k: v for k, v in saved.items() if k.startswith("slice.")} == \
+                        {k: v for k, v in meta.items() if k.startswith("slice.")}:
+                    # Our own state dict, same slices and steps: the file the library wrote had
+                    # exactly these tensors and metadata, so its checksum holds unless a tensor
+                    # changed (the library checks; then the checksum is computed here).
+                    try:
+                        _checkpoint.write(path, tensors, saved, known_checksum=saved["checksum"])
+                        self.session.load(path)
+                        saved = True
+                    except _core.SuperOffloadError as e:
+                        if e.status != _abi.Status.BAD_CHECKPOINT:
+                            raise
+                        logger.info("load_state_dict: the state changed since it was saved; recomputing the "
+                                    "checkpoint checksum")
+                        saved = None
+                else:
+                    saved = None
+                if saved is None:
+                    _checkpoint.write(path, tensors, meta)
+                    self.session.load(path)  # CUDA: also publishes the loaded weights
                 del tensors
-                self.session.load(path)  # CUDA: also publishes the loaded weights
+            self._group_hp = [None] * len(self.param_groups)
+            self._sync_groups()  # the file carried the saved session's values; param_groups win
 
         if self._gpu_infos:
             gpu_state = {}
@@ -1016,6 +1073,8 @@ class SuperOffloadAdamW(Optimizer):
             torch.cuda.synchronize(self.device)
         steps = [s for _, s, _ in plan]
         self._nsteps = int(so.get("steps", 0)) if so else (max(steps) if steps else 0)
+        self._loaded = True
+        self._mark_state()
         self._pending.clear()
 
     def _checkpoint_meta(self, so):
