@@ -13,7 +13,7 @@ the whole global batch (each rank takes its slice of the batch; FSDP averages th
   python3 test_fsdp.py                               # world size 1 (gloo on the CPU, nccl on a GPU)
   torchrun --nproc_per_node N test_fsdp.py           # N ranks (one GPU each with nccl)
 
-Needs SUPEROFFLOAD_PREFIX. Exits 1 if a check fails on any rank.
+Needs the superoffload package. Exits 1 if a check fails on any rank.
 """
 import argparse
 import io
@@ -49,7 +49,7 @@ def sharded_model(seed, device, dtype, mesh):
 
 
 def make_opt(model, clip):
-    from superoffload_torch import SuperOffloadAdamW
+    from superoffload.torch import SuperOffloadAdamW
     return SuperOffloadAdamW(param_groups(list(model.named_parameters()), WD), lr=LR, betas=BETAS, eps=EPS,
                              max_grad_norm=clip, model=model)
 

@@ -827,6 +827,10 @@ class SuperOffloadAdamW(Optimizer):
         """A per-parameter state tensor shaped like the parameter (a DTensor like it under FSDP2)."""
         local = t.view(self._param_shape(info))
         if info.dtensor:
+            if self._saved_meta is not None:
+                # A view of the mapped file cannot be pickled inside a DTensor (torch.save refuses
+                # its storage): the rank-local shard is copied.
+                local = local.clone()
             p = info.param
             return DTensor.from_local(local, device_mesh=p.device_mesh, placements=p.placements, run_check=False,
                                       shape=p.shape, stride=p.stride())
@@ -946,6 +950,11 @@ class SuperOffloadAdamW(Optimizer):
                 saved_state[by_name[k]] = v
             else:
                 saved_state[int(k)] = v
+        if so is not None:
+            gpu_saved = so.get("gpu_resident", [])
+            if gpu_saved != [i.name for i in self._gpu_infos]:
+                raise ValueError(f"the state dict keeps {len(gpu_saved)} parameters on the GPU and this optimizer "
+                                 f"{len(self._gpu_infos)} (gpu_fraction must match the saving optimizer's)")
         if not saved_state and self._nsteps == 0 and not self._loaded:
             # Nothing to restore into a fresh optimizer (torch's state dict before a first step,
             # or accelerate's device-placement round trip): the hyperparameters only.
@@ -955,11 +964,6 @@ class SuperOffloadAdamW(Optimizer):
                         g[k] = tuple(v) if k == "betas" else v
             self._sync_groups()
             return
-        if so is not None:
-            gpu_saved = so.get("gpu_resident", [])
-            if gpu_saved != [i.name for i in self._gpu_infos]:
-                raise ValueError(f"the state dict keeps {len(gpu_saved)} parameters on the GPU and this optimizer "
-                                 f"{len(self._gpu_infos)} (gpu_fraction must match the saving optimizer's)")
         mdt = _TORCH[self.moment_dtype]
 
         def local(x):
