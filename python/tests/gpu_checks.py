@@ -14,6 +14,7 @@ CUDA mode, SuperOffloadAdamW on a tiny GPT (python/tests/_models.py), determinis
   cuda_gpu_fraction    gpu_fraction=0.3: parity with clipping, resume bit for bit
   cuda_bf16_moments    moment_dtype="bf16": parity within 1e-2, 12 B/param less 4
   cuda_direct_read     after step() + synchronize() the parameters equal the masters bit for bit
+  cuda_state_dict_read model.state_dict() read right after each step (no other host wait)
 Hugging Face Trainer on a LlamaConfig-built model (f32 parameters, bf16 autocast, full_determinism):
   trainer_parity       SuperOffloadTrainer vs Trainer's AdamW, max_grad_norm active, >= 30 steps:
                        mean relative loss difference <= 1e-3
@@ -40,6 +41,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 RESULTS = []
+ONLY = set()
 
 
 def check(name, ok, **detail):
@@ -203,7 +205,7 @@ def torch_checks(dev):
 
     def direct_read():
         m = make_model(0, dev, dt)
-        opt = ours(m, copy_dtype="none")  # the device parameter is published from the f32 master
+        opt = ours(m, copy_dtype=os.environ.get("SO_GPU_CHECKS_COPY_DTYPE", "auto"))
         x, y = data[0][0].to(dev), data[0][1].to(dev)
         loss_fn(m, x, y).backward()
         opt.step()
@@ -215,10 +217,26 @@ def torch_checks(dev):
         check("cuda_direct_read", same, params_equal_published_masters=same)
         opt.close()
 
-    for name, fn in (("cuda_parity", parity), ("cuda_speculation", speculation), ("cuda_resume", resume_check),
+    def state_dict_read():
+        # model.state_dict() (its hook synchronizes) and a read right after every step, no other
+        # host wait: the pattern of a checkpoint save or an EMA between steps
+        m = make_model(0, dev, dt)
+        opt = ours(m)
+        sums = []
+        for x, y in data[:8]:
+            loss_fn(m, x.to(dev), y.to(dev)).backward()
+            opt.step()
+            sd = m.state_dict()
+            sums.append(float(sd["head.weight"].float().cpu().sum()))
+        n = opt.last_step_result()["step"]
+        check("cuda_state_dict_read", n == 8 and all(math.isfinite(v) for v in sums), steps=n)
+        opt.close()
+
+    for name, fn in (("cuda_state_dict_read", state_dict_read), ("cuda_parity", parity), ("cuda_speculation", speculation), ("cuda_resume", resume_check),
                      ("cuda_accumulation", accumulation), ("cuda_gpu_fraction", gpu_fraction),
                      ("cuda_bf16_moments", bf16_moments), ("cuda_direct_read", direct_read)):
-        guarded(name, fn)
+        if name in ONLY or "torch" in ONLY:
+            guarded(name, fn)
 
 
 # ---- Hugging Face Trainer ---------------------------------------------------------------------
@@ -335,7 +353,8 @@ def main():
     print(f"superoffload {superoffload.__version__} ({superoffload.library_path()}); torch {torch.__version__}; "
           f"{torch.cuda.get_device_name(dev)}; library CUDA: {superoffload.cuda_available()}", flush=True)
     only = args.only.split(",")
-    if "torch" in only:
+    ONLY.update(only)
+    if "torch" in only or any(o.startswith("cuda_") for o in only):
         torch_checks(dev)
     if "trainer" in only:
         try:

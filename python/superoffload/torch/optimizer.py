@@ -732,23 +732,27 @@ class SuperOffloadAdamW(Optimizer):
             info.count = 0
 
     def synchronize(self, host=False):
-        """Makes the weights of the latest step visible: CUDA, the current stream waits for
-        them (on the GPU; with `host=True` this also waits on the host until the step is done
-        and the current stream has passed the wait); host mode, this waits. Call it before
-        reading parameters outside a forward."""
+        """Makes the weights of the latest step final and visible: waits on the host until the
+        step is done (every sub-group final), and in CUDA mode makes the current stream wait for
+        the publication of the weights (with `host=True`, also until the current stream has
+        passed that point). Call it before reading parameters outside a forward.
+
+        The host wait comes first on purpose: a read on the legacy default stream right behind a
+        GPU-side wait for a ticket that is not complete yet (so_ticket_enqueue_wait) was seen to
+        deadlock with the session's publication (python/tests/gpu_wait_repro.py)."""
         self._check_open()
+        if self._ticket is not None:
+            t0 = time.perf_counter()
+            self.session.wait(self._ticket)
+            self._times["wait_s"] += time.perf_counter() - t0
         if self._pending:
             todo = sorted(self._pending)
             self._pending.clear()
             self._wait_subgroups(todo)
-        if self._ticket is None:
-            return
-        if not self.cuda:
-            self.session.wait(self._ticket)
+        if self._ticket is None or not self.cuda:
             return
         self.session.enqueue_wait_final(self._all_sgs, self._stream())
         if host:
-            self.session.wait(self._ticket)
             torch.cuda.current_stream(self.device).synchronize()
 
     @torch.no_grad()
