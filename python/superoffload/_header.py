@@ -45,8 +45,13 @@ def parse(text):
             decl = " ".join(decl.split())
             if not decl:
                 continue
-            fm = re.match(r"(.*?)(\w+)$", decl)
-            fields.append((fm.group(2), " ".join(fm.group(1).replace("*", " * ").split())))
+            first, *more = [d.strip() for d in decl.split(",")]  # "double a, b, c" declares three
+            fm = re.match(r"(.*?)(\w+)$", first)
+            base = fm.group(1)
+            fields.append((fm.group(2), " ".join(base.replace("*", " * ").split())))
+            for d in more:
+                stars, name = re.match(r"(\**)\s*(\w+)$", d).groups()
+                fields.append((name, " ".join((base.replace("*", "") + " *" * len(stars)).split())))
         structs[m.group(1)] = fields
     opaque = set(re.findall(r"typedef\s+struct\s+(\w+)\s+\1\s*;", src))
     typedefs = {}
@@ -65,11 +70,16 @@ def parse(text):
         ret = " ".join(m.group(1).replace("*", " * ").split())
         args = []
         raw = " ".join(m.group(3).split())
+        ok = True
         if raw and raw != "void":
             for a in raw.split(","):
-                am = re.match(r"(.*?)(\w+)$", a.strip())
+                am = re.match(r"([\w\s\*]*?[\s\*])(\w+)$", a.strip())
+                if am is None:  # not a declaration (C++ code in a source file)
+                    ok = False
+                    break
                 args.append(" ".join(am.group(1).replace("*", " * ").split()))
-        functions[m.group(2)] = (ret, args)
+        if ok:
+            functions[m.group(2)] = (ret, args)
     return {"enums": enums, "structs": structs, "opaque": opaque, "typedefs": typedefs, "functions": functions}
 
 
@@ -167,6 +177,26 @@ def compare(parsed, abi):
     for fname in abi.FUNCTIONS:
         if fname not in parsed["functions"]:
             problems.append(f"function {fname}: mirrored but not in the header")
+    return problems
+
+
+def compare_structs(parsed, mirrors):
+    """Differences between the structs of a parsed C source and ctypes mirrors {C name: class}
+    (for other C ABIs, such as an example's own structs)."""
+    problems = []
+    for cname, cls in mirrors.items():
+        if cname not in parsed["structs"]:
+            problems.append(f"struct {cname}: not in the source")
+            continue
+        want = [(n, ctype_of(t, parsed, mirrors)) for n, t in parsed["structs"][cname]]
+        have = list(cls._fields_)
+        if [n for n, _ in want] != [n for n, _ in have]:
+            problems.append(f"struct {cname}: fields {[n for n, _ in want]} in the source, {[n for n, _ in have]} "
+                            "in the mirror")
+            continue
+        for (n, wt), (_, ht) in zip(want, have):
+            if wt is not ht:
+                problems.append(f"struct {cname}.{n}: source type {_tname(wt)}, mirror {_tname(ht)}")
     return problems
 
 
