@@ -8,7 +8,7 @@ here fails CI. Enum classes drop the C prefix (`SO_STATUS_OK` -> `Status.OK`).
 import ctypes as C
 import enum
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 c_size_t, c_u32, c_u64, c_i32, c_i64 = C.c_size_t, C.c_uint32, C.c_uint64, C.c_int32, C.c_int64
 c_f64, c_f32, c_bool, c_void_p, c_char_p = C.c_double, C.c_float, C.c_bool, C.c_void_p, C.c_char_p
@@ -76,6 +76,17 @@ class SkipReason(enum.IntEnum):
     UNUSABLE_FACTOR = 4
 
 
+class Speculation(enum.IntEnum):
+    OFF = 0
+    ON = 1
+    AUTO = 2
+
+
+class Placement(enum.IntEnum):
+    HOST = 0
+    DEVICE = 1
+
+
 ENUMS = {
     "so_status": Status,
     "so_dtype": DType,
@@ -83,6 +94,8 @@ ENUMS = {
     "so_isa": Isa,
     "so_norm_source": NormSource,
     "so_skip_reason": SkipReason,
+    "so_speculation": Speculation,
+    "so_placement": Placement,
 }
 
 
@@ -129,8 +142,8 @@ class LossScalerOptions(_Struct):
 class SessionOptions(_Struct):
     _fields_ = [("struct_size", c_size_t), ("pool", c_void_p), ("cores", P(c_u32)), ("num_cores", c_size_t),
                 ("mode", c_u32), ("bias_correction", c_bool), ("moment_dtype", c_u32), ("grad_dtype", c_u32),
-                ("accum_dtype", c_u32), ("speculation", c_bool), ("host_memory_limit", c_u64), ("amsgrad", c_bool),
-                ("loss_scaler", P(LossScalerOptions)), ("copy_dtype", c_u32)]
+                ("accum_dtype", c_u32), ("speculation", c_u32), ("host_memory_limit", c_u64), ("amsgrad", c_bool),
+                ("loss_scaler", P(LossScalerOptions)), ("copy_dtype", c_u32), ("gpu_budget_bytes", c_u64)]
 
 
 class GroupHparams(_Struct):
@@ -145,7 +158,8 @@ class SliceDesc(_Struct):
 class SubgroupDesc(_Struct):
     _fields_ = [("struct_size", c_size_t), ("group", c_u32), ("master", c_void_p), ("master_dtype", c_u32),
                 ("numel", c_size_t), ("grad", c_void_p), ("slices", P(SliceDesc)), ("num_slices", c_size_t),
-                ("device_param", so_device_ptr), ("device_param_dtype", c_u32)]
+                ("device_param", so_device_ptr), ("device_param_dtype", c_u32), ("exp_avg", c_void_p),
+                ("exp_avg_sq", c_void_p), ("placement", c_u32)]
 
 
 class StepArgs(_Struct):
@@ -161,7 +175,15 @@ class StepResult(_Struct):
     _fields_ = [("struct_size", c_size_t), ("serial", c_u64), ("skipped", c_bool), ("global_norm", c_f64),
                 ("clip_coef", c_f64), ("grad_factor", c_f32), ("loss_scale", c_f32), ("next_loss_scale", c_f32),
                 ("speculative", c_u32), ("late_gradients", c_u32), ("kept", c_u32), ("rescaled", c_u32),
-                ("rolled_back", c_u32), ("redone", c_u32), ("stepped", c_u32), ("skip_reason", c_u32)]
+                ("rolled_back", c_u32), ("redone", c_u32), ("stepped", c_u32), ("skip_reason", c_u32),
+                ("cancelled", c_u32), ("device_stepped", c_u32), ("device_subgroups", c_u32),
+                ("final_pass_elements", c_u64), ("forward_wait_s", c_f64)]
+
+
+class SubgroupState(_Struct):
+    _fields_ = [("struct_size", c_size_t), ("placement", c_u32), ("numel", c_size_t), ("master", c_void_p),
+                ("exp_avg", c_void_p), ("exp_avg_sq", c_void_p), ("master_dtype", c_u32), ("moment_dtype", c_u32),
+                ("step_count", c_u64)]
 
 
 STRUCTS = {
@@ -178,6 +200,7 @@ STRUCTS = {
     "so_step_args": StepArgs,
     "so_cuda_options": CudaOptions,
     "so_step_result": StepResult,
+    "so_subgroup_state": SubgroupState,
 }
 
 
@@ -239,6 +262,10 @@ FUNCTIONS = {
     "so_session_pinned_bytes": (so_status, [_session, P(c_size_t)]),
     "so_session_trace": (so_status, [_session, c_bool]),
     "so_session_trace_save": (so_status, [_session, c_char_p]),
+    "so_session_get_subgroup_state": (so_status, [_session, c_u32, P(SubgroupState)]),
+    "so_session_set_step_count": (so_status, [_session, c_u32, c_u64]),
+    "so_session_set_placement": (so_status, [_session, c_u32, c_u32]),
+    "so_session_device_bytes": (so_status, [_session, P(c_size_t)]),
     "so_abi_version": (c_u32, []),
     "so_version_string": (c_char_p, []),
     "so_status_str": (c_char_p, [c_u32]),

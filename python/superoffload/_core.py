@@ -514,19 +514,24 @@ class Session:
 
     # -- newer ABI (present when the library has them)
     def get_subgroup_state(self, sg):
-        """so_session_get_subgroup_state as a dict, or None when the library lacks it."""
+        """so_session_get_subgroup_state as a dict (addresses as integers)."""
         L = lib()
-        if not hasattr(L, "so_session_get_subgroup_state") or not hasattr(_abi, "SubgroupState"):
-            return None
         s = _abi.new(_abi.SubgroupState)
         check(L.so_session_get_subgroup_state(self.handle, sg, C.byref(s)), "so_session_get_subgroup_state")
         return s.as_dict()
 
     def set_step_count(self, sg, count):
-        L = lib()
-        if not hasattr(L, "so_session_set_step_count") or "so_session_set_step_count" not in _abi.FUNCTIONS:
-            raise SuperOffloadError(Status.UNSUPPORTED, "so_session_set_step_count: not in this library's ABI")
-        check(L.so_session_set_step_count(self.handle, sg, int(count)), "so_session_set_step_count")
+        check(lib().so_session_set_step_count(self.handle, sg, int(count)), "so_session_set_step_count")
+
+    def set_placement(self, sg, placement):
+        """Moves a sub-group between host and GPU memory ("host" / "device"), between steps."""
+        p = _abi.Placement[placement.upper()] if isinstance(placement, str) else _abi.Placement(placement)
+        check(lib().so_session_set_placement(self.handle, sg, int(p)), "so_session_set_placement")
+
+    def device_bytes(self):
+        out = C.c_size_t()
+        check(lib().so_session_device_bytes(self.handle, C.byref(out)), "so_session_device_bytes")
+        return out.value
 
 
 def _set_speculation(o, speculation):

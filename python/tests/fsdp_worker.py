@@ -38,10 +38,10 @@ def sharded(seed, device, dtype, mesh):
     return m
 
 
-def make_opt(model, clip):
+def make_opt(model, clip, **kw):
     from superoffload.torch import SuperOffloadAdamW
     return SuperOffloadAdamW(param_groups(list(model.named_parameters()), WD), lr=LR, betas=BETAS, eps=EPS,
-                             max_grad_norm=clip, model=model)
+                             max_grad_norm=clip, model=model, **kw)
 
 
 def run(model, opt, sched, data, device, rank, world):
@@ -122,7 +122,7 @@ def main():
         dist.broadcast_object_list(box)
         ckdir = box[0]
         m1 = sharded(0, device, dtype, mesh)
-        o1 = make_opt(m1, args.clip)
+        o1 = make_opt(m1, args.clip, speculation=False)  # clipped + bit for bit: every step exact
         s1 = torch.optim.lr_scheduler.LambdaLR(o1, lr_lambda)
         run(m1, o1, s1, data[:half], device, rank, world)
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -133,7 +133,7 @@ def main():
         l1, _ = run(m1, o1, s1, data[half:], device, rank, world)
         w1 = [p.to_local().detach().clone() for p in m1.parameters()]
         m2 = sharded(5, device, dtype, mesh)
-        o2 = make_opt(m2, args.clip)
+        o2 = make_opt(m2, args.clip, speculation=False)
         s2 = torch.optim.lr_scheduler.LambdaLR(o2, lr_lambda)
         msd2, osd2 = get_state_dict(m2, o2)  # the template (a fresh optimizer: torch's lr-0 init step)
         sd = {"model": msd2, "optim": osd2}

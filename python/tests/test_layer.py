@@ -55,11 +55,13 @@ def test_version():
     if os.path.isfile(cargo):
         m = re.search(r'^version\s*=\s*"([^"]+)"', open(cargo).read(), re.M)
         assert so.__version__ == m.group(1)
+    from importlib.metadata import PackageNotFoundError, distribution
     try:
-        from importlib.metadata import PackageNotFoundError, version
-        assert version("superoffload") == so.__version__
+        dist = distribution("superoffload")
     except PackageNotFoundError:
-        pass
+        return
+    if os.path.realpath(str(dist.locate_file("superoffload/__init__.py"))) == os.path.realpath(so.__file__):
+        assert dist.version == so.__version__  # the installed package's metadata
 
 
 def _floats(values):
@@ -87,7 +89,8 @@ def test_host_session_matches_the_kernel():
         norm = math.sqrt(sum(float(x) * float(x) for x in buf))  # the f32 gradient, summed in double
         assert r["global_norm"] == pytest.approx(norm, rel=1e-12)
         assert r["clip_coef"] == pytest.approx(min(1.0, 2.0 / (norm + 1e-6)), rel=1e-12)
-        assert r["speculative"] == 1 and r["kept"] + r["rescaled"] == 1 and not r["skipped"]
+        # ABI 2: a speculative step not started at step() is cancelled and folded into the exact pass
+        assert r["speculative"] == 1 and r["kept"] + r["rescaled"] + r.get("cancelled", 0) == 1 and not r["skipped"]
         so.adam_update(C.addressof(p), C.addressof(buf), C.addressof(m), C.addressof(v), n, lr=1e-2, beta1=0.9,
                        beta2=0.99, eps=1e-8, weight_decay=0.1, step=step, grad_scale=r["grad_factor"])
         assert s.step_count(sg) == step
@@ -109,7 +112,7 @@ def test_speculation_bit_identical_without_clipping():
             s.begin_step()
             s.grad_copy(ids[0], C.addressof(buf), n)
             r = s.step_result(s.step(0.0))
-            assert (r["kept"], r["stepped"]) == ((1, 0) if spec else (0, 1))
+            assert r["kept"] + r["stepped"] == 1 and (spec or r["stepped"] == 1)
         out.append(bytes(master))
         s.close()
     assert out[0] == out[1]

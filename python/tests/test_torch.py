@@ -87,8 +87,9 @@ def test_speculation_bit_identical(data):
         opt = ours(m, speculation=spec, max_grad_norm=1e6)
         losses, res = train(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), data[:12])
         n = len(opt.subgroups())
-        if spec:
-            assert all(r["kept"] == n and r["redone"] == 0 and r["rescaled"] == 0 for r in res)
+        if spec:  # kept, or (not started at step(): ABI 2) cancelled and stepped exactly
+            assert all(r["kept"] + r["stepped"] == n and r["redone"] == 0 and r["rescaled"] == 0 for r in res)
+            assert sum(r["kept"] for r in res) > 0
         else:
             assert all(r["stepped"] == n for r in res)
         out.append((losses, weights(m)))
@@ -97,10 +98,15 @@ def test_speculation_bit_identical(data):
     assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
 
 
-def test_state_dict_is_torch_shaped_and_resumes_bit_for_bit(data):
+# Resuming is bit for bit when every step is exact the same way in both runs: without clipping
+# (a speculative step is then kept or, not started at step(), stepped exactly: the same bits), or
+# with speculation off. With clipping and speculation, whether a speculative step was rescaled or
+# cancelled and stepped exactly depends on timing (ABI 2), and the two differ by rounding.
+@pytest.mark.parametrize("kw", [dict(max_grad_norm=0.0), dict(speculation=False)], ids=["no_clip", "clip_no_spec"])
+def test_state_dict_is_torch_shaped_and_resumes_bit_for_bit(data, kw):
     half = 8
     m = make_model(0, "cpu", torch.float32)
-    opt = ours(m)
+    opt = ours(m, **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     train(m, opt, sched, data[:half])
     sd = opt.state_dict()
@@ -119,7 +125,7 @@ def test_state_dict_is_torch_shaped_and_resumes_bit_for_bit(data):
     buf.seek(0)
     ck = torch.load(buf, weights_only=True)  # loadable the way Trainer loads optimizer.pt
     m2 = make_model(7, "cpu", torch.float32)
-    opt2 = ours(m2)
+    opt2 = ours(m2, **kw)
     s2 = torch.optim.lr_scheduler.LambdaLR(opt2, lr_lambda)
     m2.load_state_dict(ck["model"])
     opt2.load_state_dict(ck["opt"])

@@ -431,16 +431,14 @@ class SuperOffloadAdamW(Optimizer):
         n = bufs[0].numel()
         ch = min(n, _TOUCH_CHUNK)
         grad = torch.zeros(ch, dtype=torch.bfloat16)
-        mdt = bufs[1].dtype if len(bufs) > 1 else torch.float32
-        scratch = None if len(bufs) > 1 else (torch.empty(ch, dtype=mdt), torch.empty(ch, dtype=mdt))
+        mdt = bufs[-1].dtype if len(bufs) > 1 else torch.float32
+        scratch = [torch.empty(ch, dtype=mdt) for _ in range(3 - len(bufs))]
         for start in range(0, n, ch):
             k = min(ch, n - start)
-            p = bufs[0][start:start + k]
-            m, v = (bufs[1][start:start + k], bufs[2][start:start + k]) if scratch is None else (scratch[0][:k],
-                                                                                                  scratch[1][:k])
+            p, m, v = [b[start:start + k] for b in bufs] + [t[:k] for t in scratch]
             _core.adam_update(p.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), k, lr=0.0, beta1=0.5,
                               beta2=0.5, weight_decay=0.0, pool=self._pool, param_dtype=_DTYPES[p.dtype],
-                              grad_dtype="bf16", moment_dtype=_DTYPES[mdt])
+                              grad_dtype="bf16", moment_dtype=_DTYPES[m.dtype])
 
     def _register(self, align_bytes):
         """Master buffers (one page-aligned f32 arena), moment buffers (ABI 2), device buffers,
