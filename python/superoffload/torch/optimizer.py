@@ -27,8 +27,10 @@ Modes (picked from where the parameters are):
 
 GPU-resident parameters (CUDA mode, `gpu_fraction > 0`; SuperOffload's `ratio < 1`): the first
 parameters in forward order, up to that fraction of the elements, keep f32 master weights and
-moments on the GPU. With this library (ABI 1) torch's fused AdamW steps them after the checks,
-with the session's clip coefficient and skip verdict; the global norm covers both parts.
+moments on the GPU: their sub-groups are registered with SO_PLACEMENT_DEVICE and the library's
+GPU kernel steps them with the same decisions (`gpu_resident="torch"` keeps the earlier path:
+torch's fused AdamW on GPU masters, with the session's clip coefficient and skip verdict).
+`gpu_budget_bytes` passes through to the library's automatic split.
 
 When are the weights final? The next forward of a module waits for its own sub-groups
 (`wait="module"`); `model.state_dict()` / `load_state_dict()`, `state_dict()`, `synchronize()`
@@ -131,10 +133,11 @@ class _ParamInfo:
 
 
 class _SubGroup:
-    __slots__ = ("id", "group", "params", "numel", "master", "device_param", "exp_avg", "exp_avg_sq")
+    __slots__ = ("id", "group", "params", "numel", "master", "device_param", "exp_avg", "exp_avg_sq", "device")
 
     def __init__(self, group):
         self.group, self.params, self.numel = group, [], 0
+        self.device = False  # SO_PLACEMENT_DEVICE
         self.id = self.master = self.device_param = self.exp_avg = self.exp_avg_sq = None
 
 
@@ -159,7 +162,12 @@ class SuperOffloadAdamW(Optimizer):
             or "bf16" (12 bytes; those sub-groups are stepped at step(), without speculation).
         gpu_fraction: CUDA mode: keep the first parameters in forward order, up to this fraction
             of the trainable elements, on the GPU (f32 masters and moments there). 0: everything
-            offloaded. Needs bias correction and no loss scaler.
+            offloaded. gpu_resident="library" (default): sub-groups placed on the GPU by the
+            library (SO_PLACEMENT_DEVICE, stepped by its GPU kernel after each decision);
+            "torch": the earlier path, torch's fused AdamW on GPU masters (needs bias correction
+            and no loss scaler).
+        gpu_budget_bytes: CUDA mode: device bytes for the library's automatic split (it places
+            the first sub-groups on the GPU after a few measured steps); 0: off.
         model: the module holding the parameters: gives the forward order and names, and lets
             each module's forward wait only for its own sub-groups' weights (`wait="module"`).
         wait: "module" (per-module forward pre-hooks; needs `model`), "step" (everything waited
@@ -184,7 +192,7 @@ class SuperOffloadAdamW(Optimizer):
                  speculation=True, sub_group_numel=1 << 25, cores=None, cores_fraction=1.0, model=None, wait="auto",
                  copy_dtype="auto", moment_dtype="f32", accumulation_steps=1, distributed="auto", process_group=None,
                  loss_scaler=None, piece_bytes=16 << 20, host_memory_limit=0, bias_correction=True, align_bytes=256,
-                 gpu_fraction=0.0, nvtx=None, first_touch=True):
+                 gpu_fraction=0.0, gpu_budget_bytes=0, gpu_resident="library", nvtx=None, first_touch=True):
         if not 0.0 <= lr:
             raise ValueError(f"invalid learning rate {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -274,7 +282,16 @@ class SuperOffloadAdamW(Optimizer):
             raise ValueError("SuperOffloadAdamW: some parameters are DTensors (FSDP2) and some are not; apply "
                              "fully_shard to the root module too so every parameter is sharded")
         self._setup_distributed(distributed, process_group)
-        infos = self._split_gpu_resident(infos, float(gpu_fraction), loss_scaler, bias_correction)
+        if gpu_resident not in ("library", "torch"):
+            raise ValueError(f'gpu_resident must be "library" or "torch", not {gpu_resident!r}')
+        self._device_infos = []  # first parameters placed on the GPU by the library (ABI 2 placement)
+        if gpu_resident == "library" and gpu_fraction > 0:
+            self._gpu_infos, self._gpu_opt, self._gpu_groups = [], None, []
+            self._device_infos = self._pick_gpu_prefix(infos, float(gpu_fraction))
+        else:
+            infos = self._split_gpu_resident(infos, float(gpu_fraction), loss_scaler, bias_correction)
+        if gpu_budget_bytes and not self.cuda:
+            raise ValueError("SuperOffloadAdamW: gpu_budget_bytes needs CUDA parameters")
 
         if cores is None:
             cores = _cores.rank_cores(cores_fraction, self.device.index if self.cuda else None)
@@ -289,7 +306,8 @@ class SuperOffloadAdamW(Optimizer):
             cuda=self.cuda, device=(self.device.index or 0) if self.cuda else 0, speculation=speculation,
             mode="adamw", bias_correction=bias_correction, grad_dtype=dt, accum_dtype=dt, moment_dtype=moment_dtype,
             copy_dtype=copy_dtype, pool=self._pool, host_memory_limit=int(host_memory_limit),
-            piece_bytes=int(piece_bytes), loss_scaler=loss_scaler)
+            piece_bytes=int(piece_bytes), loss_scaler=loss_scaler,
+            **({"gpu_budget_bytes": int(gpu_budget_bytes)} if gpu_budget_bytes else {}))
         self._accum_torch = _TORCH[dt]
         self._group_hp = [None] * len(self.param_groups)
         for gi, g in enumerate(self.param_groups):
@@ -363,6 +381,22 @@ class SuperOffloadAdamW(Optimizer):
         backend = dist.get_backend(process_group)
         self._comm_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
+    def _pick_gpu_prefix(self, infos, fraction):
+        """The first parameters in forward order, up to `fraction` of the elements (SuperOffload's
+        ratio = 1 - fraction): their gradients arrive last in backward and their weights are needed
+        first, so they are the ones worth keeping on the GPU."""
+        if not self.cuda or self.fsdp:
+            raise ValueError("SuperOffloadAdamW: gpu_fraction needs CUDA parameters without FSDP2")
+        budget, acc, out = fraction * sum(i.numel for i in infos), 0, []
+        for info in infos:
+            if acc + info.numel > budget:
+                break
+            acc += info.numel
+            out.append(info)
+        if len(out) == len(infos):
+            raise ValueError(f"SuperOffloadAdamW: gpu_fraction={fraction} leaves no parameter to offload")
+        return out
+
     def _split_gpu_resident(self, infos, fraction, loss_scaler, bias_correction):
         """Picks the GPU-resident parameters (a prefix in forward order) and sets up their f32
         masters and torch optimizer; returns the offloaded ones.
@@ -408,14 +442,17 @@ class SuperOffloadAdamW(Optimizer):
         finalization order stays the forward order even when param groups interleave (e.g.
         weights with decay, biases and norms without)."""
         out, open_ = [], {}
+        device = {id(i) for i in self._device_infos}
         for info in infos:
             if info.numel == 0:  # an empty FSDP shard on this rank: nothing to step
                 continue
-            cur = open_.get(info.group)
+            key = (info.group, id(info) in device)  # device-placed and host sub-groups never mix
+            cur = open_.get(key)
             if cur is None or limit <= 0 or cur.numel + info.numel > limit:
                 cur = _SubGroup(info.group)
+                cur.device = id(info) in device
                 out.append(cur)
-                open_[info.group] = cur
+                open_[key] = cur
             cur.params.append(info)
             cur.numel += info.numel
         return out
@@ -491,6 +528,8 @@ class SuperOffloadAdamW(Optimizer):
                     sg.exp_avg.zero_()
                     sg.exp_avg_sq.zero_()
                     extra = dict(exp_avg=sg.exp_avg.data_ptr(), exp_avg_sq=sg.exp_avg_sq.data_ptr())
+                if sg.device:
+                    extra["placement"] = int(_abi.Placement.DEVICE)
                     keep += [sg.exp_avg, sg.exp_avg_sq]
                 if self.cuda:
                     if self.fsdp:
@@ -782,7 +821,7 @@ class SuperOffloadAdamW(Optimizer):
             if r is None:
                 return None
             r["step"] = self._nsteps
-            r["gpu_resident_stepped"] = 0 if r["skipped"] else len(self._gpu_infos)
+            r["gpu_resident_stepped"] = 0 if r["skipped"] else len(self._gpu_infos) + r.get("device_stepped", 0)
             self._result = r
         return dict(self._result)
 
@@ -800,7 +839,7 @@ class SuperOffloadAdamW(Optimizer):
         out = {k: r.get(k) for k in ("global_norm", "clip_coef", "skipped", "skip_reason", "kept", "rescaled",
                                       "rolled_back", "redone", "stepped", "speculative", "late_gradients", "loss_scale")}
         out["cancelled"] = r.get("cancelled", 0)
-        out["device_stepped"] = r.get("device_stepped", 0) + r.get("gpu_resident_stepped", 0)
+        out["device_stepped"] = r.get("gpu_resident_stepped", 0)
         out.update(t)
         out["forward_wait_s"] = r.get("forward_wait_s", t["wait_s"] if not self.cuda else None)
         out["exposed_s"] = t["handoff_s"] + t["step_call_s"] + t["wait_s"] + (
@@ -884,7 +923,8 @@ class SuperOffloadAdamW(Optimizer):
         so = {"format": 2, "library_version": _core.version(), "steps": self._nsteps,
               "moment_dtype": self.moment_dtype,
               "names": {i.index: i.name for i in self._infos},
-              "gpu_resident": [i.name for i in self._gpu_infos]}
+              "gpu_resident": [i.name for i in self._gpu_infos],
+              "device_placed": [i.name for i in self._device_infos]}
         if self._nsteps == 0 and not self._loaded:
             # Like torch: no per-parameter state before the first step (and nothing to copy
             # when a wrapper round-trips the state dict, as accelerate's device placement does).
@@ -1008,6 +1048,8 @@ class SuperOffloadAdamW(Optimizer):
 
         if self._own_moments and not self._loss_scaler:
             for sg, step, entries in plan:
+                if sg.device:  # the host buffers become authoritative, then go back to the GPU
+                    self.session.set_placement(sg.id, "host")
                 for info, master, m, v in entries:
                     sl = slice(info.offset, info.offset + info.numel)
                     if master is not None:
@@ -1017,6 +1059,8 @@ class SuperOffloadAdamW(Optimizer):
                     sg.exp_avg[sl].copy_(m if m is not None else torch.zeros(()))
                     sg.exp_avg_sq[sl].copy_(v if v is not None else torch.zeros(()))
                 self.session.set_step_count(sg.id, step)
+                if sg.device:
+                    self.session.set_placement(sg.id, "device")
                 if self.cuda:  # publish the loaded masters into the model's parameters
                     sg.device_param.copy_(sg.master.to(self.device, non_blocking=False).to(self.param_dtype))
         else:
@@ -1165,13 +1209,15 @@ class SuperOffloadAdamW(Optimizer):
         return sum(sg.master.numel() * 4 for sg in self._subgroups)
 
     def _device_state_bytes(self):
+        if self.cuda and self.session is not None and not self.session.closed:
+            return self.session.device_bytes() + sum(i.numel for i in self._gpu_infos) * 12
         return sum(i.numel for i in self._gpu_infos) * 12
 
     def memory(self):
         """Host bytes: the session's allocations (moments, gradient buffers, copies), the master
         weights and moments this optimizer allocated, page-locked bytes, and bytes per offloaded
         parameter; GPU-resident parameters and their f32 master and moment bytes on the GPU."""
-        gpu = sum(i.numel for i in self._gpu_infos)
+        gpu = sum(i.numel for i in self._gpu_infos) + sum(i.numel for i in self._device_infos)
         numel = sum(i.numel for i in self._infos) - gpu
         master = self._master_bytes()
         moments = sum(sg.exp_avg.numel() * sg.exp_avg.element_size() * 2 for sg in self._subgroups
@@ -1188,7 +1234,7 @@ class SuperOffloadAdamW(Optimizer):
 
     def gpu_resident(self):
         """Names of the GPU-resident parameters (see gpu_fraction)."""
-        return [i.name for i in self._gpu_infos]
+        return [i.name for i in self._gpu_infos] + [i.name for i in self._device_infos]
 
     def close(self):
         """Removes the hooks and destroys the session (waiting for its work). The parameters keep
