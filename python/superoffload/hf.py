@@ -15,7 +15,11 @@ What it does:
   `optimizer_exposed_s` (seconds the training loop spent in the optimizer's hand-offs, step()
   and waits since the step before) and, on a skipped step, `optimizer_skipped`;
 - checkpoints and resumes through Trainer's own `save_steps` / `resume_from_checkpoint`
-  (`optimizer.pt` holds the torch-native state dict; it is loaded memory-mapped);
+  (`optimizer.pt` holds the torch-native state dict; it is loaded memory-mapped); the resumed run
+  equals the uninterrupted one bit for bit without clipping or with
+  `superoffload_kwargs=dict(speculation=False)`; with clipping and speculation, to rounding (a
+  speculative step is rescaled or, not started at step(), cancelled and stepped exactly, which
+  depends on timing);
 - weights are final whenever Trainer or a callback reads them at an event that does not cost
   overlap: `on_log`, `on_save`, `on_evaluate`, `on_epoch_end`, `on_train_end` (Trainer's own
   reads, model.state_dict() for saving and forwards for evaluation, wait by themselves).
