@@ -26,10 +26,12 @@ rm -rf "$work"
 mkdir -p "$work/dist"
 
 section "wheel"
-prebuilt="${SO_BUILD_DIR:-build}/cargo/release/libsuperoffload.so"
+build_dir="${SO_BUILD_DIR:-build}"
+case "$build_dir" in /*) ;; *) build_dir="$root/$build_dir" ;; esac
+prebuilt="$build_dir/cargo/release/libsuperoffload.so"
 if [ "${SO_PY_REBUILD:-0}" != 1 ] && [ -f "$prebuilt" ]; then
     echo "library from the CMake build: $prebuilt"
-    export SUPEROFFLOAD_PREBUILT_LIBRARY="$root/$prebuilt"
+    export SUPEROFFLOAD_PREBUILT_LIBRARY="$prebuilt"
 fi
 "$py" -m pip wheel --no-deps -q -w "$work/dist" .
 unset SUPEROFFLOAD_PREBUILT_LIBRARY
