@@ -92,7 +92,8 @@ pub unsafe extern "C" fn so_session_create_cuda(
         // SAFETY: `options` is NULL or points to a `so_session_options` whose pointers are valid
         // (this function's contract, as so_session_create's).
         let options = unsafe { session_options(options)? };
-        // SAFETY: `cuda` is NULL or points to a readable struct of its type (this function's contract).
+        // SAFETY: `cuda` is NULL or points to a readable struct of its type (this function's
+        // contract).
         let cuda = unsafe { read_struct_or(cuda, "cuda", || so_cuda_options::from_core(&CudaOptions::default()))? };
         let session = Box::new(cuda::create_session(options, cuda.to_core("cuda")?)?);
         // SAFETY: checked non-NULL; writable per the contract.
@@ -166,7 +167,7 @@ pub unsafe extern "C" fn so_session_grad_device(
 #[must_use]
 pub unsafe extern "C" fn so_session_set_compute_stream(session: *mut so_session, stream: so_cuda_stream_t) -> Status {
     ffi_boundary!({
-        // SAFETY: per the contract below.
+        // SAFETY: `session` is NULL or a live session (this function's contract).
         let s = unsafe { session_ref(session)? };
         cuda::transport_of(s, "so_session_set_compute_stream")?.set_compute_stream(stream_arg(stream))
     })
@@ -195,7 +196,7 @@ pub unsafe extern "C" fn so_ticket_enqueue_wait(
     stream: so_cuda_stream_t,
 ) -> Status {
     ffi_boundary!({
-        // SAFETY: per the contract below.
+        // SAFETY: `session` is NULL or a live session (this function's contract).
         cuda::enqueue_wait(unsafe { session_ref(session)? }, ticket, stream_arg(stream))
     })
 }

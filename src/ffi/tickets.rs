@@ -23,7 +23,7 @@ pub type so_ticket = u64;
 #[must_use]
 pub unsafe extern "C" fn so_ticket_query(session: *const so_session, ticket: so_ticket) -> Status {
     ffi_boundary!({
-        // SAFETY: per the contract below.
+        // SAFETY: `session` is NULL or a live session (this function's contract).
         match unsafe { session_ref(session)? }.ticket_state(ticket)? {
             TicketState::Done => Ok(()),
             TicketState::Pending => Err(Error::new(Status::Pending, format!("ticket {ticket} has not completed yet"))),
@@ -44,7 +44,7 @@ pub unsafe extern "C" fn so_ticket_query(session: *const so_session, ticket: so_
 #[must_use]
 pub unsafe extern "C" fn so_ticket_wait(session: *const so_session, ticket: so_ticket, timeout_ns: i64) -> Status {
     ffi_boundary!({
-        // SAFETY: per the contract below.
+        // SAFETY: `session` is NULL or a live session (this function's contract).
         unsafe { session_ref(session)? }.wait(ticket, timeout(timeout_ns))
     })
 }
@@ -62,7 +62,7 @@ pub unsafe extern "C" fn so_ticket_wait(session: *const so_session, ticket: so_t
 #[must_use]
 pub unsafe extern "C" fn so_ticket_wait_all(session: *const so_session, ticket: so_ticket, timeout_ns: i64) -> Status {
     ffi_boundary!({
-        // SAFETY: per the contract below.
+        // SAFETY: `session` is NULL or a live session (this function's contract).
         unsafe { session_ref(session)? }.wait_all(ticket, timeout(timeout_ns))
     })
 }

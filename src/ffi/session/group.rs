@@ -58,7 +58,8 @@ pub unsafe extern "C" fn so_session_add_group(
         // SAFETY: `session` is NULL or a live session (this function's contract).
         let s = unsafe { session_ref(session)? };
         non_null(out_group, "out_group")?;
-        // SAFETY: `hparams` is NULL or points to a readable struct of its type (this function's contract).
+        // SAFETY: `hparams` is NULL or points to a readable struct of its type (this function's
+        // contract).
         let hp = unsafe { read_struct(hparams, "hparams")? }.to_core("hparams")?;
         let id = s.add_group(hp)?;
         // SAFETY: `out_group` is NULL or writable (this function's contract).
@@ -85,7 +86,8 @@ pub unsafe extern "C" fn so_session_set_group(
     ffi_boundary!({
         // SAFETY: `session` is NULL or a live session (this function's contract).
         let s = unsafe { session_ref(session)? };
-        // SAFETY: `hparams` is NULL or points to a readable struct of its type (this function's contract).
+        // SAFETY: `hparams` is NULL or points to a readable struct of its type (this function's
+        // contract).
         let hp = unsafe { read_struct(hparams, "hparams")? }.to_core("hparams")?;
         s.set_group_hparams(group, hp)
     })
@@ -108,7 +110,8 @@ pub unsafe extern "C" fn so_session_get_group(
     ffi_boundary!({
         // SAFETY: `session` is NULL or a live session (this function's contract).
         let s = unsafe { session_ref(session)? };
-        // SAFETY: `out_hparams` is NULL or points to a writable struct of its type (this function's contract).
+        // SAFETY: `out_hparams` is NULL or points to a writable struct of its type (this
+        // function's contract).
         unsafe { check_out_struct(out_hparams, "out_hparams")? };
         let g = s.group_hparams(group)?;
         // SAFETY: `out_hparams` is NULL or writable (this function's contract).

@@ -247,7 +247,7 @@ pub unsafe extern "C" fn so_session_destroy(session: *mut so_session) {
 #[must_use]
 pub unsafe extern "C" fn so_session_host_bytes(session: *const so_session, out_bytes: *mut usize) -> Status {
     ffi_boundary!({
-        // SAFETY: per the contract below.
+        // SAFETY: `session` is NULL or a live session (this function's contract).
         let n = unsafe { session_ref(session)? }.host_bytes();
         // SAFETY: `out_bytes` is NULL or writable (this function's contract).
         unsafe { write_out(out_bytes, "out_bytes", n) }
@@ -264,7 +264,7 @@ pub unsafe extern "C" fn so_session_host_bytes(session: *const so_session, out_b
 #[must_use]
 pub unsafe extern "C" fn so_session_device_bytes(session: *const so_session, out_bytes: *mut usize) -> Status {
     ffi_boundary!({
-        // SAFETY: per the contract below.
+        // SAFETY: `session` is NULL or a live session (this function's contract).
         let n = unsafe { session_ref(session)? }.device_bytes();
         // SAFETY: `out_bytes` is NULL or writable (this function's contract).
         unsafe { write_out(out_bytes, "out_bytes", n) }
@@ -284,7 +284,7 @@ pub unsafe extern "C" fn so_session_device_bytes(session: *const so_session, out
 #[must_use]
 pub unsafe extern "C" fn so_session_trace(session: *mut so_session, enable: bool) -> Status {
     ffi_boundary!({
-        // SAFETY: per the contract below.
+        // SAFETY: `session` is NULL or a live session (this function's contract).
         unsafe { session_ref(session)? }.trace(enable);
         Ok(())
     })
@@ -301,7 +301,7 @@ pub unsafe extern "C" fn so_session_trace(session: *mut so_session, enable: bool
 #[must_use]
 pub unsafe extern "C" fn so_session_trace_save(session: *const so_session, path: *const c_char) -> Status {
     ffi_boundary!({
-        // SAFETY: per the contract below.
+        // SAFETY: `session` is NULL or a live session (this function's contract).
         let s = unsafe { session_ref(session)? };
         // SAFETY: `path` is NULL or a NUL-terminated string (this function's contract).
         s.save_trace(&unsafe { path_arg(path)? })

@@ -161,7 +161,7 @@ pub extern "C" fn so_step_args_default() -> so_step_args {
 #[must_use]
 pub unsafe extern "C" fn so_session_begin_step(session: *mut so_session, loss_scale: f32, micro_steps: u32) -> Status {
     ffi_boundary!({
-        // SAFETY: per the contract below.
+        // SAFETY: `session` is NULL or a live session (this function's contract).
         let s = unsafe { session_ref(session)? };
         s.begin_step((loss_scale != 0.0).then_some(loss_scale), micro_steps)
     })
@@ -176,7 +176,7 @@ pub unsafe extern "C" fn so_session_begin_step(session: *mut so_session, loss_sc
 #[must_use]
 pub unsafe extern "C" fn so_session_next_micro_step(session: *mut so_session) -> Status {
     ffi_boundary!({
-        // SAFETY: per the contract below.
+        // SAFETY: `session` is NULL or a live session (this function's contract).
         unsafe { session_ref(session)? }.next_micro_step()
     })
 }
@@ -315,7 +315,8 @@ pub unsafe extern "C" fn so_session_step(
         // SAFETY: `session` is NULL or a live session (this function's contract).
         let s = unsafe { session_ref(session)? };
         non_null(out_ticket, "out_ticket")?;
-        // SAFETY: `args` is NULL or points to a readable struct of its type (this function's contract).
+        // SAFETY: `args` is NULL or points to a readable struct of its type (this function's
+        // contract).
         let args = unsafe { read_struct_or(args, "args", || so_step_args::from_core(&DEFAULT_STEP_ARGS))? };
         let ticket = s.step(args.to_core("args")?)?;
         // SAFETY: `out_ticket` is NULL or writable (this function's contract).
@@ -344,7 +345,8 @@ pub unsafe extern "C" fn so_session_step_result(
     ffi_boundary!({
         // SAFETY: `session` is NULL or a live session (this function's contract).
         let s = unsafe { session_ref(session)? };
-        // SAFETY: `out_result` is NULL or points to a writable struct of its type (this function's contract).
+        // SAFETY: `out_result` is NULL or points to a writable struct of its type (this
+        // function's contract).
         unsafe { check_out_struct(out_result, "out_result")? };
         let result = s.step_result(ticket, timeout(timeout_ns))?;
         // SAFETY: `out_result` is NULL or writable (this function's contract).

@@ -208,7 +208,8 @@ pub unsafe extern "C" fn so_session_add_subgroup(
         // SAFETY: `session` is NULL or a live session (this function's contract).
         let s = unsafe { session_ref(session)? };
         non_null(out_subgroup, "out_subgroup")?;
-        // SAFETY: `desc` is NULL or points to a readable struct of its type (this function's contract).
+        // SAFETY: `desc` is NULL or points to a readable `so_subgroup_desc` whose buffers, slices
+        // and names are valid as `to_core` requires (this function's contract).
         let desc = unsafe { read_struct(desc, "desc")?.to_core(s.options())? };
         let id = s.add_subgroup(desc)?;
         // SAFETY: `out_subgroup` is NULL or writable (this function's contract).
@@ -226,7 +227,7 @@ pub unsafe extern "C" fn so_session_add_subgroup(
 #[must_use]
 pub unsafe extern "C" fn so_session_remove_subgroup(session: *mut so_session, subgroup: u32) -> Status {
     ffi_boundary!({
-        // SAFETY: per the contract below.
+        // SAFETY: `session` is NULL or a live session (this function's contract).
         unsafe { session_ref(session)? }.remove_subgroup(subgroup)
     })
 }
@@ -321,7 +322,8 @@ pub unsafe extern "C" fn so_session_get_subgroup_state(
     ffi_boundary!({
         // SAFETY: `session` is NULL or a live session (this function's contract).
         let s = unsafe { session_ref(session)? };
-        // SAFETY: `out_state` is NULL or points to a writable struct of its type (this function's contract).
+        // SAFETY: `out_state` is NULL or points to a writable struct of its type (this
+        // function's contract).
         unsafe { check_out_struct(out_state, "out_state")? };
         let st = s.subgroup_state(subgroup)?;
         let out = so_subgroup_state {
@@ -351,7 +353,7 @@ pub unsafe extern "C" fn so_session_get_subgroup_state(
 #[must_use]
 pub unsafe extern "C" fn so_session_set_step_count(session: *mut so_session, subgroup: u32, count: u64) -> Status {
     ffi_boundary!({
-        // SAFETY: per the contract below.
+        // SAFETY: `session` is NULL or a live session (this function's contract).
         unsafe { session_ref(session)? }.set_step_count(subgroup, count)
     })
 }
@@ -372,7 +374,7 @@ pub unsafe extern "C" fn so_session_set_step_count(session: *mut so_session, sub
 pub unsafe extern "C" fn so_session_set_placement(session: *mut so_session, subgroup: u32, placement: u32) -> Status {
     ffi_boundary!({
         let placement = Placement::from_c(placement, Field::arg("placement"))?;
-        // SAFETY: per the contract below.
+        // SAFETY: `session` is NULL or a live session (this function's contract).
         unsafe { session_ref(session)? }.set_placement(subgroup, placement)
     })
 }
