@@ -1171,8 +1171,8 @@ struct so_loss_scaler_options so_loss_scaler_options_default(void);
 
 /**
  * Returns session options: default pool, AdamW with bias correction, f32 moments,
- * gradients and accumulation, speculation on, no memory limit, no loss scaler;
- * `struct_size` set.
+ * gradients and accumulation, automatic speculation (`SO_SPECULATION_AUTO`), no memory
+ * limit, no loss scaler, no GPU budget; `struct_size` set.
  *
  * @note Thread-safety: safe to call from any thread.
  */
