@@ -41,6 +41,11 @@ pub fn transport_of<'a>(session: &'a Session, what: &str) -> Result<&'a CudaTran
     })
 }
 
+/// Host bytes the session page-locked; 0 for a host session.
+pub fn pinned_bytes(session: &Session) -> usize {
+    session.transport_as::<CudaTransport>().map_or(0, CudaTransport::pinned_bytes)
+}
+
 /// "The gradient of `slice` is ready at `grad` (`numel` elements of `dtype`) on `stream`":
 /// queues its sum of squares and its copy to the host (in pieces, on the session's copy
 /// streams); returns at once. The device gradient must stay valid until the copy stream

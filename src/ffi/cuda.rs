@@ -5,9 +5,10 @@
 use super::args::{non_null, read_struct_or, with_struct_size, write_opt, write_out};
 use super::boundary::ffi_boundary;
 use super::convert::{Field, FromC, abi_struct};
+use super::handle::into_handle;
 use super::session::{session_options, session_ref, so_session, so_session_options};
 use super::tickets::so_ticket;
-use crate::cuda::{self, CudaOptions, CudaTransport};
+use crate::cuda::{self, CudaOptions};
 use crate::error::Status;
 use crate::kernels::DType;
 
@@ -97,7 +98,7 @@ pub unsafe extern "C" fn so_session_create_cuda(
         let cuda = unsafe { read_struct_or(cuda, "cuda", || so_cuda_options::from_core(&CudaOptions::default()))? };
         let session = Box::new(cuda::create_session(options, cuda.to_core("cuda")?)?);
         // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { write_out(out_session, "out_session", Box::into_raw(session).cast()) }
+        unsafe { write_out(out_session, "out_session", into_handle::<so_session>(session)) }
     })
 }
 
@@ -233,8 +234,7 @@ pub unsafe extern "C" fn so_session_copy_stream(
 pub unsafe extern "C" fn so_session_pinned_bytes(session: *const so_session, out_bytes: *mut usize) -> Status {
     ffi_boundary!({
         // SAFETY: `session` is NULL or a live session (this function's contract).
-        let s = unsafe { session_ref(session)? };
-        let n = s.transport_as::<CudaTransport>().map_or(0, CudaTransport::pinned_bytes);
+        let n = cuda::pinned_bytes(unsafe { session_ref(session)? });
         // SAFETY: `out_bytes` is NULL or writable (this function's contract).
         unsafe { write_out(out_bytes, "out_bytes", n) }
     })

@@ -6,9 +6,10 @@
 //! [`kernels`] (`so_adam_*`), [`pool`], [`session`] (a folder: the handle and its options,
 //! groups, sub-groups, the step, checkpoints), [`tickets`], [`cuda`] (CUDA sessions, device
 //! gradients, streams) and [`version`] (versions, status strings, the last error); the enums
-//! are in [`types`]. The machinery they share: `boundary` (the panic boundary), `args`
-//! (every check of a pointer, struct, buffer, array or string argument) and `convert`
-//! (C struct and enum ⇄ core type, generated from one field list).
+//! are in [`types`]. The machinery they share: `boundary` (the panic boundary), `handle`
+//! (opaque handle ⇄ the Rust value behind it), `args` (every check of a pointer, struct,
+//! buffer, array or string argument) and `convert` (C struct and enum ⇄ core type,
+//! generated from one field list).
 //!
 //! Conventions (see the header for the caller's side):
 //! - every export is `#[unsafe(no_mangle)] pub extern "C"` and its body is
@@ -23,6 +24,7 @@
 mod args;
 mod boundary;
 mod convert;
+mod handle;
 
 // In the order of the header (cbindgen follows it; rustfmt sorts only within a group).
 pub mod types;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use super::args::{check_out_struct, core_list, non_null, read_struct_or, with_struct_size, write_out};
 use super::boundary::ffi_boundary;
 use super::convert::{ToC, abi_struct};
+use super::handle::{free_handle, handle, handle_arc, into_handle};
 use super::types::so_isa;
 use crate::error::{Result, Status};
 use crate::kernels::{Pool, PoolOptions};
@@ -66,6 +67,8 @@ pub struct so_pool {
     _private: [u8; 0],
 }
 
+handle!(so_pool => Arc<Pool>);
+
 /// The pool a call runs on: the caller's, or the process-wide default for NULL.
 ///
 /// # Safety
@@ -74,14 +77,8 @@ pub(crate) unsafe fn pool_arg(pool: *const so_pool) -> Result<Arc<Pool>> {
     if pool.is_null() {
         return Pool::default_pool();
     }
-    let pool = pool.cast::<Pool>();
-    // SAFETY: a live handle is a pointer from `Arc::into_raw` (so_pool_create) whose
-    // reference the caller still holds; adding one first means the `Arc` made here owns
-    // only its own reference.
-    unsafe {
-        Arc::increment_strong_count(pool);
-        Ok(Arc::from_raw(pool))
-    }
+    // SAFETY: the caller's contract, passed on.
+    unsafe { handle_arc(pool, "pool") }
 }
 
 /// Returns pool options: as many threads as CPUs this process may run on, unpinned, widest
@@ -124,7 +121,7 @@ pub unsafe extern "C" fn so_pool_create(options: *const so_pool_options, out_poo
         };
         let pool = Arc::new(Pool::new(&options)?);
         // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { write_out(out_pool, "out_pool", Arc::into_raw(pool).cast_mut().cast()) }
+        unsafe { write_out(out_pool, "out_pool", into_handle(pool)) }
     })
 }
 
@@ -140,11 +137,9 @@ pub unsafe extern "C" fn so_pool_create(options: *const so_pool_options, out_poo
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn so_pool_destroy(pool: *mut so_pool) {
     ffi_boundary!({
-        if !pool.is_null() {
-            // SAFETY: a live handle owns one reference from `Arc::into_raw`, which the caller
-            // gives up here.
-            drop(unsafe { Arc::from_raw(pool.cast_const().cast::<Pool>()) });
-        }
+        // SAFETY: `pool` is NULL or a live handle whose reference the caller gives up here
+        // (this function's contract).
+        unsafe { free_handle(pool) };
         Ok(())
     })
 }

@@ -21,6 +21,7 @@ pub use subgroup::*;
 use super::args::{core_list, non_null, path_arg, read_struct, read_struct_or, with_struct_size, write_out};
 use super::boundary::ffi_boundary;
 use super::convert::abi_struct;
+use super::handle::{free_handle, handle, handle_ref, into_handle};
 use super::pool::{pool_arg, so_pool};
 use crate::error::{Result, Status};
 use crate::session::{LossScalerOptions, Session, SessionOptions};
@@ -34,16 +35,17 @@ pub struct so_session {
     _private: [u8; 0],
 }
 
-/// The session behind a handle.
+handle!(so_session => Box<Session>);
+
+/// The session behind a `session` argument.
 ///
 /// # Safety
-/// `session` must be NULL or a live handle (a `Box<Session>` pointer from
-/// `so_session_create` or `so_session_create_cuda`, not yet destroyed).
+/// `session` must be NULL or a live handle (from `so_session_create` or
+/// `so_session_create_cuda`, not yet destroyed); so_session_destroy must not race with the
+/// call using it (the header's contract).
 pub(crate) unsafe fn session_ref<'a>(session: *const so_session) -> Result<&'a Session> {
-    non_null(session, "session")?;
-    // SAFETY: a live handle is a `Box<Session>` pointer, and the session is only dropped by
-    // so_session_destroy, which must not race with other calls (the header's contract).
-    Ok(unsafe { &*session.cast::<Session>() })
+    // SAFETY: the caller's contract, passed on.
+    unsafe { handle_ref(session, "session") }
 }
 
 /// Built-in dynamic loss scaler (fp16). Initialise with `so_loss_scaler_options_default()`
@@ -211,7 +213,7 @@ pub unsafe extern "C" fn so_session_create(
         let options = unsafe { session_options(options)? };
         let session = Box::new(Session::new(options)?);
         // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { write_out(out_session, "out_session", Box::into_raw(session).cast()) }
+        unsafe { write_out(out_session, "out_session", into_handle(session)) }
     })
 }
 
@@ -230,10 +232,9 @@ pub unsafe extern "C" fn so_session_create(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn so_session_destroy(session: *mut so_session) {
     ffi_boundary!({
-        if !session.is_null() {
-            // SAFETY: a live handle owns its `Box<Session>`, which the caller gives up here.
-            drop(unsafe { Box::from_raw(session.cast::<Session>()) });
-        }
+        // SAFETY: `session` is NULL or a live handle that the caller gives up here, with no
+        // other call on it running (this function's contract).
+        unsafe { free_handle(session) };
         Ok(())
     })
 }
