@@ -13,7 +13,7 @@ fn main() {
         println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libsuperoffload.so.{major}");
     }
 
-    let abi = if major == "0" { format!("{minor}") } else { format!("({major} << 16)") };
+    let abi = if major == "0" { minor.to_string() } else { format!("({major} << 16)") };
     let after_includes = format!(
         r#"
 /** Version of the header, from Cargo.toml. */

@@ -62,7 +62,7 @@ fn events(step: u64, n_slices: usize, rng: &mut Rng) -> Events {
         late: (step % 6 == 2).then(|| (step as usize * 5) % n_slices),
         changed_group: (step % 8 == 5).then_some((step % 2) as u32),
         overflow: step % 13 == 11,
-        given_norm: step % 3 == 0,
+        given_norm: step.is_multiple_of(3),
         magnitude: rng.range(0.002, 0.03),
     }
 }
@@ -149,7 +149,7 @@ fn session_matches_the_reference_trainer() {
         // The reference starts from the session's state.
         let loss_scale = session.loss_scale();
         assert_eq!(loss_scale, ref_scaler.scale, "step {step}: loss scale");
-        let before: Vec<(Vec<f32>, Vec<f32>, Vec<f32>, u64)> = (0..MODEL.len())
+        let before: Vec<_> = (0..MODEL.len())
             .map(|sg| {
                 let (m, v) = session.moments(sg as u32).unwrap();
                 (masters[sg].clone(), m, v, session.step_count(sg as u32).unwrap())

@@ -29,7 +29,7 @@ impl Borrowed {
         if addr == 0 {
             return Err(Error::new(Status::NullArgument, format!("{name} is NULL")));
         }
-        if addr % dtype.size() != 0 {
+        if !addr.is_multiple_of(dtype.size()) {
             return Err(Error::invalid(format!("{name} ({addr:#x}) is not aligned to {} bytes", dtype.size())));
         }
         len.checked_mul(dtype.size())

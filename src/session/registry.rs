@@ -471,10 +471,10 @@ fn check_slices(slices: &[SliceDesc], numel: usize, names: &HashMap<String, u32>
         if names.contains_key(&s.name) || slices.iter().filter(|o| o.name == s.name).count() > 1 {
             return Err(Error::invalid(format!("slice name {:?} is used twice", s.name)));
         }
-        if let Some(next) = order.get(i + 1) {
-            if s.offset + s.numel > next.offset {
-                return Err(Error::new(Status::Aliasing, format!("slices {:?} and {:?} overlap", s.name, next.name)));
-            }
+        if let Some(next) = order.get(i + 1)
+            && s.offset + s.numel > next.offset
+        {
+            return Err(Error::new(Status::Aliasing, format!("slices {:?} and {:?} overlap", s.name, next.name)));
         }
     }
     Ok(())

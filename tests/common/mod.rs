@@ -31,7 +31,7 @@ impl Rng {
     /// Roughly normal (sum of uniforms), scaled, with an occasional wide exponent.
     pub fn normalish(&mut self, scale: f64) -> f64 {
         let x: f64 = (0..4).map(|_| self.unit()).sum::<f64>() - 2.0;
-        let spread = if self.next_u64() % 16 == 0 { 2f64.powi(self.range(-12.0, 6.0) as i32) } else { 1.0 };
+        let spread = if self.next_u64().is_multiple_of(16) { 2f64.powi(self.range(-12.0, 6.0) as i32) } else { 1.0 };
         x * scale * spread
     }
     pub fn below(&mut self, n: usize) -> usize {
