@@ -735,10 +735,13 @@ typedef struct so_subgroup_desc {
    */
   uint32_t device_param_dtype;
   /**
-   * NULL (the session allocates them) or caller buffers of `numel` elements of the
-   * session's moment dtype, borrowed like `master`: the first and second moments.
+   * NULL (the session allocates it) or a caller buffer of `numel` elements of the
+   * session's moment dtype, borrowed like `master`: the first moment.
    */
   void *exp_avg;
+  /**
+   * As `exp_avg`, for the second moment.
+   */
   void *exp_avg_sq;
   /**
    * One of `so_placement`. `SO_PLACEMENT_DEVICE` (CUDA sessions, f32 master) keeps the
@@ -772,17 +775,26 @@ typedef struct so_subgroup_state {
    */
   size_t numel;
   /**
-   * Host buffers of the master weights and both moments (the caller's borrowed buffers,
-   * or the session's own). For a device-placed sub-group they were brought up to date by
-   * the call.
+   * Host buffer of the master weights (the caller's `so_subgroup_desc.master`). For a
+   * device-placed sub-group it was brought up to date by the call.
    */
   void *master;
+  /**
+   * Host buffer of the first moment (the caller's borrowed buffer, or the session's
+   * own); brought up to date as `master`.
+   */
   void *exp_avg;
+  /**
+   * Host buffer of the second moment, as `exp_avg`.
+   */
   void *exp_avg_sq;
   /**
-   * `SO_DTYPE_*` of `master` and of both moments.
+   * `SO_DTYPE_*` of `master`.
    */
   uint32_t master_dtype;
+  /**
+   * `SO_DTYPE_*` of both moments.
+   */
   uint32_t moment_dtype;
   /**
    * Steps the sub-group has taken.

@@ -270,10 +270,13 @@ pub(crate) use abi_enum;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ffi::session::{so_group_hparams, so_session_options, so_step_args, so_step_result};
-    use crate::ffi::types::{so_dtype, so_skip_reason};
+    use crate::ffi::session::{so_group_hparams, so_session_options, so_step_args, so_step_result, so_subgroup_state};
+    use crate::ffi::types::{so_dtype, so_placement, so_skip_reason};
     use crate::kernels::{DType, Isa};
-    use crate::session::{GroupHparams, NormSource, SessionOptions, SkipReason, Speculation, StepArgs, StepResult};
+    use crate::session::{
+        GroupHparams, NormSource, Placement, SessionOptions, SkipReason, Speculation, StepArgs, StepResult,
+        SubGroupState,
+    };
 
     #[test]
     fn enum_codes_map_both_ways_and_unknown_ones_are_refused() {
@@ -327,5 +330,23 @@ mod tests {
         };
         let c = so_step_result::from_core(&r);
         assert_eq!((c.serial, c.skip_reason, c.forward_wait_s), (3, so_skip_reason::NonFiniteNorm as u32, 0.25));
+
+        let mut master = [0u8; 8];
+        let s = SubGroupState {
+            placement: Placement::Device,
+            numel: 4,
+            master: master.as_mut_ptr(),
+            exp_avg: std::ptr::null_mut(),
+            exp_avg_sq: std::ptr::null_mut(),
+            master_dtype: DType::Bf16,
+            moment_dtype: DType::F32,
+            step_count: 9,
+        };
+        let c = so_subgroup_state::from_core(&s);
+        assert_eq!(c.struct_size, size_of::<so_subgroup_state>());
+        assert_eq!(
+            (c.placement, c.numel, c.master.cast::<u8>(), c.master_dtype, c.moment_dtype, c.step_count),
+            (so_placement::Device as u32, 4, master.as_mut_ptr(), so_dtype::Bf16 as u32, so_dtype::F32 as u32, 9)
+        );
     }
 }

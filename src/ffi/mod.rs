@@ -19,7 +19,7 @@
 //! - every `unsafe` export says in a `# Safety` section what the caller guarantees, which is
 //!   what the header documents for it.
 
-#![allow(non_camel_case_types)]
+#![allow(non_camel_case_types, reason = "the C names (so_session, so_dtype, ...) are the ABI")]
 
 mod args;
 mod boundary;

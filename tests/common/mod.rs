@@ -1,6 +1,6 @@
 //! Shared test support: a deterministic RNG, typed buffers of any dtype, and an f64
 //! reference of the kernels that carries a rigorous first-order bound of f32 rounding.
-#![allow(dead_code)]
+#![allow(dead_code, reason = "every test file includes this module and uses a different part of it")]
 
 use half::{bf16, f16};
 use superoffload::kernels::{

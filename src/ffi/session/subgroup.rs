@@ -9,12 +9,12 @@ use crate::ffi::args::{
     RawBuf, c_str, check_out_struct, non_null, read_struct, required_array, with_struct_size, write_out,
 };
 use crate::ffi::boundary::ffi_boundary;
-use crate::ffi::convert::{Field, FromC, ToC, abi_struct};
+use crate::ffi::convert::{Field, FromC, abi_struct};
 use crate::ffi::cuda::so_device_ptr;
 use crate::ffi::tickets::so_ticket;
 use crate::ffi::types::{so_dtype, so_placement};
 use crate::kernels::DType;
-use crate::session::{Borrowed, DeviceParam, Placement, SessionOptions, SliceDesc, SubGroupDesc};
+use crate::session::{Borrowed, DeviceParam, Placement, SessionOptions, SliceDesc, SubGroupDesc, SubGroupState};
 
 /// One named param slice of a sub-group (an element of `so_subgroup_desc.slices`).
 #[repr(C)]
@@ -64,9 +64,10 @@ pub struct so_subgroup_desc {
     pub device_param: so_device_ptr,
     /// `SO_DTYPE_F32`, `SO_DTYPE_BF16` or `SO_DTYPE_F16` (CUDA sessions).
     pub device_param_dtype: u32,
-    /// NULL (the session allocates them) or caller buffers of `numel` elements of the
-    /// session's moment dtype, borrowed like `master`: the first and second moments.
+    /// NULL (the session allocates it) or a caller buffer of `numel` elements of the
+    /// session's moment dtype, borrowed like `master`: the first moment.
     pub exp_avg: *mut c_void,
+    /// As `exp_avg`, for the second moment.
     pub exp_avg_sq: *mut c_void,
     /// One of `so_placement`. `SO_PLACEMENT_DEVICE` (CUDA sessions, f32 master) keeps the
     /// master weights and moments in GPU memory (`master` gives their initial values and
@@ -129,18 +130,26 @@ pub struct so_subgroup_state {
     pub placement: u32,
     /// Elements of the sub-group.
     pub numel: usize,
-    /// Host buffers of the master weights and both moments (the caller's borrowed buffers,
-    /// or the session's own). For a device-placed sub-group they were brought up to date by
-    /// the call.
+    /// Host buffer of the master weights (the caller's `so_subgroup_desc.master`). For a
+    /// device-placed sub-group it was brought up to date by the call.
     pub master: *mut c_void,
+    /// Host buffer of the first moment (the caller's borrowed buffer, or the session's
+    /// own); brought up to date as `master`.
     pub exp_avg: *mut c_void,
+    /// Host buffer of the second moment, as `exp_avg`.
     pub exp_avg_sq: *mut c_void,
-    /// `SO_DTYPE_*` of `master` and of both moments.
+    /// `SO_DTYPE_*` of `master`.
     pub master_dtype: u32,
+    /// `SO_DTYPE_*` of both moments.
     pub moment_dtype: u32,
     /// Steps the sub-group has taken.
     pub step_count: u64,
 }
+
+abi_struct!(
+    so_subgroup_state
+        <= SubGroupState { placement, numel, master, exp_avg, exp_avg_sq, master_dtype, moment_dtype, step_count }
+);
 
 // SAFETY: both are `#[repr(C)]`, `struct_size` first, the other fields numbers and raw
 // pointers.
@@ -325,18 +334,7 @@ pub unsafe extern "C" fn so_session_get_subgroup_state(
         // SAFETY: `out_state` is NULL or points to a writable struct of its type (this
         // function's contract).
         unsafe { check_out_struct(out_state, "out_state")? };
-        let st = s.subgroup_state(subgroup)?;
-        let out = so_subgroup_state {
-            struct_size: size_of::<so_subgroup_state>(),
-            placement: st.placement.to_c(),
-            numel: st.numel,
-            master: st.master.to_c(),
-            exp_avg: st.exp_avg.to_c(),
-            exp_avg_sq: st.exp_avg_sq.to_c(),
-            master_dtype: st.master_dtype.to_c(),
-            moment_dtype: st.moment_dtype.to_c(),
-            step_count: st.step_count,
-        };
+        let out = so_subgroup_state::from_core(&s.subgroup_state(subgroup)?);
         // SAFETY: `out_state` is NULL or writable (this function's contract).
         unsafe { write_out(out_state, "out_state", out) }
     })
