@@ -41,7 +41,7 @@ pub unsafe extern "C" fn so_session_save(session: *mut so_session, path: *const 
 #[must_use]
 pub unsafe extern "C" fn so_session_load(session: *mut so_session, path: *const c_char) -> Status {
     ffi_boundary!({
-        // before any change to the session.
+        // The path is checked first, before any change to the session.
         // SAFETY: `path` is NULL or a NUL-terminated string (this function's contract).
         let path = unsafe { path_arg(path)? };
         // SAFETY: `session` is NULL or a live session (this function's contract).
