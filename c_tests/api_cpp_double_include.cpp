@@ -43,8 +43,8 @@ int main() {
         std::fprintf(stderr, "p after the step %g, copy %#x for p %g\n", p_after_update, copy[0].bits, p[0]);
         ++failures;
     }
-    if (h.to_float() <= 0.0f || pool.info().threads != 1 || so::last_error_message().size() > 100000) {
-        std::fprintf(stderr, "f16 %g, pool threads %zu\n", h.to_float(), pool.info().threads);
+    if (h.to_float() <= 0.0f || pool.info().num_threads != 1 || so::last_error_message().size() > 100000) {
+        std::fprintf(stderr, "f16 %g, pool threads %zu\n", h.to_float(), pool.info().num_threads);
         ++failures;
     }
     try {
