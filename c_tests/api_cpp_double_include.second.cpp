@@ -21,7 +21,8 @@ int second_unit() {
     so::Pool pool = so::Pool::create(options);
     so::Pool moved = std::move(pool);
     const so::PoolInfo info = so::PoolRef(moved).info();
-    if (info.num_threads != 2 || info.isa != so::Isa::Portable || std::string(so::isa_name(info.isa)) != info.isa_name()) {
+    if (info.num_threads != 2 || info.isa != so::Isa::Portable ||
+        std::string(so::isa_name(info.isa)) != info.isa_name()) {
         ++failures;
     }
     std::vector<so::bf16> p(100, so::bf16::from_float(1.0f)), g(100, so::bf16::from_float(-1.0f));

@@ -133,8 +133,8 @@ void test_timeout() {
 void test_options() {
     const so_session_options c = so_session_options_default();
     const so::SessionOptions o;
-    EXPECT(o.struct_size == sizeof(so_session_options) && o.pool == nullptr && o.cores == nullptr &&
-           o.num_cores == 0 && o.loss_scaler == nullptr);
+    EXPECT(o.struct_size == sizeof(so_session_options) && o.pool == nullptr && o.cores == nullptr && o.num_cores == 0 &&
+           o.loss_scaler == nullptr);
     EXPECT(o.mode == c.mode && o.mode == so::Mode::AdamW && o.bias_correction == c.bias_correction);
     EXPECT(o.moment_dtype == c.moment_dtype && o.grad_dtype == c.grad_dtype && o.accum_dtype == c.accum_dtype &&
            o.copy_dtype == c.copy_dtype && o.grad_dtype == so::DType::F32 && o.copy_dtype == so::DType::None);
@@ -158,7 +158,8 @@ void test_options() {
     EXPECT(owner.cores == nullptr && owner.num_cores == 0 && owner.loss_scaler == nullptr);
     EXPECT(copied.cores[1] == 1 && moved.cores[0] == 3 && copied.loss_scaler->init_scale == 8.0f);
     so::Pool one = so::Pool::create({1});
-    EXPECT(so::SessionOptions().set_pool(one).pool == one.raw() && so::SessionOptions().set_pool(nullptr).pool == nullptr);
+    EXPECT(so::SessionOptions().set_pool(one).pool == one.raw() &&
+           so::SessionOptions().set_pool(nullptr).pool == nullptr);
     const so::SessionOptions from_c(c);
     EXPECT(from_c.grad_dtype == c.grad_dtype && from_c.struct_size == sizeof(so_session_options));
 

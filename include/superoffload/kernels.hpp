@@ -151,10 +151,10 @@ template <class PC, class GC, class MC1, class MC2>
                    std::remove_pointer_t<decltype(exp_avg.data())>> {
     const std::size_t n = param.size();
     if (grad.size() != n || exp_avg.size() != n || exp_avg_sq.size() != n) {
-        throw Error(SO_STATUS_INVALID_ARGUMENT,
-                    "superoffload::make_adam_buffers: sizes differ: param " + std::to_string(n) + ", grad " +
-                        std::to_string(grad.size()) + ", exp_avg " + std::to_string(exp_avg.size()) +
-                        ", exp_avg_sq " + std::to_string(exp_avg_sq.size()));
+        throw Error(SO_STATUS_INVALID_ARGUMENT, "superoffload::make_adam_buffers: sizes differ: param " +
+                                                    std::to_string(n) + ", grad " + std::to_string(grad.size()) +
+                                                    ", exp_avg " + std::to_string(exp_avg.size()) + ", exp_avg_sq " +
+                                                    std::to_string(exp_avg_sq.size()));
     }
     return {param.data(), grad.data(), exp_avg.data(), exp_avg_sq.data(), n};
 }

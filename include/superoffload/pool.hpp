@@ -175,8 +175,9 @@ public:
      */
     PoolRef(const Pool& pool) : raw_(pool.raw()) { // NOLINT(google-explicit-constructor)
         if (raw_ == nullptr) {
-            throw Error(SO_STATUS_NULL_ARGUMENT, "superoffload::PoolRef: the Pool is empty (default-constructed or "
-                                                 "moved from); pass nullptr to mean the default pool");
+            throw Error(SO_STATUS_NULL_ARGUMENT,
+                        "superoffload::PoolRef: the Pool is empty (default-constructed or "
+                        "moved from); pass nullptr to mean the default pool");
         }
     }
 

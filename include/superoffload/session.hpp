@@ -82,7 +82,7 @@ struct SessionOptions : so_session_options {
     /**
      * The pool for the optimizer passes (`pool`); nullptr (the default) for the default
      * pool or, with cores, a pool of the session's own.
-     * @return *this. @throws Error `SO_STATUS_NULL_ARGUMENT` for an empty Pool (from PoolRef).
+     * @return *this. @note Never throws (an empty Pool is refused by its conversion to PoolRef).
      */
     SessionOptions& set_pool(PoolRef ref) noexcept {
         pool = ref.raw();
@@ -398,9 +398,9 @@ public:
      * same size (else `SO_STATUS_INVALID_ARGUMENT`, from the wrapper).
      * @throws Error as the pointer form.
      */
-    template <class C, class GC,
-              std::enable_if_t<is_element_v<detail::data_element_t<C>> && is_element_v<detail::data_element_t<GC>>,
-                               int> = 0>
+    template <
+        class C, class GC,
+        std::enable_if_t<is_element_v<detail::data_element_t<C>> && is_element_v<detail::data_element_t<GC>>, int> = 0>
     std::uint32_t add_subgroup(std::uint32_t group, C& master, const std::vector<Slice>& slices, GC& grad) {
         if (grad.size() != master.size()) {
             throw Error(SO_STATUS_INVALID_ARGUMENT, "superoffload::Session::add_subgroup: the gradient buffer has " +
@@ -484,10 +484,9 @@ public:
      */
     Ticket grad_copy(std::uint32_t slice, const void* grad, DType dtype, std::size_t numel) {
         if (handle_ && dtype != grad_dtype_) {
-            throw Error(SO_STATUS_INVALID_ARGUMENT, std::string("superoffload::Session::grad_copy: the gradient is ") +
-                                                        detail::dtype_name(dtype) +
-                                                        " but the session's grad_dtype is " +
-                                                        detail::dtype_name(grad_dtype_));
+            throw Error(SO_STATUS_INVALID_ARGUMENT,
+                        std::string("superoffload::Session::grad_copy: the gradient is ") + detail::dtype_name(dtype) +
+                            " but the session's grad_dtype is " + detail::dtype_name(grad_dtype_));
         }
         Ticket ticket = no_ticket;
         check(so_session_grad_copy(handle_.get(), slice, grad, numel, &ticket));
@@ -753,7 +752,7 @@ public:
 
     // ---- checkpoints and state (defined in superoffload/checkpoint.hpp) ---------------
 
-    /** Saves a checkpoint between steps (`so_session_save`). @throws Error `SO_STATUS_IO`, `SO_STATUS_INVALID_STATE`. */
+    /** Saves a checkpoint between steps, after in-flight work (`so_session_save`). */
     void save(const std::string& path);
 
     /** Loads a checkpoint into the registered sub-groups, between steps (`so_session_load`). */

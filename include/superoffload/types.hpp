@@ -273,8 +273,8 @@ using data_element_t = std::remove_pointer_t<decltype(std::declval<C&>().data())
 /** Throws Error(`SO_STATUS_INVALID_ARGUMENT`) if `s` holds a NUL character (C would truncate it). */
 inline void check_c_string(const std::string& s, const char* what, const char* where) {
     if (s.find('\0') != std::string::npos) {
-        throw Error(SO_STATUS_INVALID_ARGUMENT, std::string("superoffload::") + where + ": " + what +
-                                                    " contains a NUL character");
+        throw Error(SO_STATUS_INVALID_ARGUMENT,
+                    std::string("superoffload::") + where + ": " + what + " contains a NUL character");
     }
 }
 
