@@ -542,9 +542,9 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
                 slices.push_back({p.name, static_cast<size_t>(p.offset), static_cast<size_t>(p.numel)});
             float* master = sg.master.data_ptr<float>();
             const size_t n = static_cast<size_t>(sg.numel);
+            const so_device_ptr flat = reinterpret_cast<so_device_ptr>(sg.flat.data_ptr());
             const uint32_t id =
-                c.cuda ? session.add_subgroup_cuda(sg.group, master, n, slices,
-                                                   reinterpret_cast<so_device_ptr>(sg.flat.data_ptr()), o.accum_dtype,
+                c.cuda ? session.add_subgroup_cuda(sg.group, master, n, slices, flat, session.accum_dtype(),
                                                    k < spec.gpu_subgroups ? so::Placement::Device : so::Placement::Host)
                        : session.add_subgroup(sg.group, master, n, slices);
             if (id != k) throw std::logic_error("unexpected sub-group id");
@@ -552,7 +552,7 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
         }
         hooks->session = &session;
         hooks->cuda = c.cuda;
-        hooks->dtype = o.accum_dtype;
+        hooks->dtype = session.accum_dtype();
         hooks->torch_dtype = model_dtype;
         if (c.cuda) {
 #if SO_TRAINER_CUDA
@@ -733,10 +733,7 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
         if (c.cuda) torch::cuda::synchronize();
         for (size_t k = 0; k < spec.gpu_subgroups; k++) {
             // A GPU-resident sub-group's master lives on the GPU: bring it into its host buffer.
-            so_subgroup_state st{};
-            st.struct_size = sizeof st;
-            if (so_session_get_subgroup_state(session.raw(), static_cast<uint32_t>(k), &st) != SO_STATUS_OK)
-                throw std::runtime_error("so_session_get_subgroup_state failed");
+            (void)session.subgroup_state(static_cast<uint32_t>(k));
         }
         for (auto& sg : sgs) out.masters.push_back(sg.master.clone());
         if (!c.cuda) { // the last step's weights into the model, as the next forward would
