@@ -246,7 +246,10 @@ def overlap(lib, torch, args):
         ("after_backward", "off", 0.0, 0), ("after_backward_clip", "off", 1e-3, 0),
         ("auto_split", "auto", 0.0, budget), ("auto_split_clip", "auto", 1e-3, budget),
     ]
+    print(f"overlap: GPU forward+backward {ms(t_gpu)} ms, CPU Adam {ms(t_adam)} ms", file=sys.stderr, flush=True)
     for name, spec, clip, gpu_budget in modes:
+        if args.modes and name not in args.modes:
+            continue
         s = Session(lib, masters, params, speculation=spec, cores=args.cores, gpu_budget=gpu_budget)
         s.set_compute_stream(compute.cuda_stream)
         copy_stream = torch.cuda.ExternalStream(s.copy_stream_ptr)
@@ -282,9 +285,13 @@ def overlap(lib, torch, args):
             "forward_wait_ms_mean": ms(statistics.mean(x.forward_wait_s for x in timed)) if timed else None,
             "device_bytes": dev_bytes.value,
         }
+        print(f"overlap {name}: {results[name]}", file=sys.stderr, flush=True)
     for name in ("auto", "on", "auto_split"):
+        clipped = f"{name}_clip_every_step" if name != "auto_split" else "auto_split_clip"
+        if not all(m in results for m in (name, clipped, "after_backward", "after_backward_clip")):
+            continue
         results[f"{name}_clip_over_after_backward_clip"] = round(
-            results[f"{name}_clip_every_step" if name != "auto_split" else "auto_split_clip"]["step_ms"] /
+            results[clipped]["step_ms"] /
             results["after_backward_clip"]["step_ms"], 3)
         results[f"{name}_over_after_backward"] = round(results[name]["step_ms"] / results["after_backward"]["step_ms"], 3)
     return results
@@ -330,6 +337,8 @@ def main():
     ap.add_argument("--fwd-mm", type=int, default=3)
     ap.add_argument("--bwd-mm", type=int, default=6)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=None,
+                    help="comma-separated overlap modes to run (default: all)")
     ap.add_argument("--cores", type=lambda s: [int(c) for c in s.split(",")] if s else None, default=None,
                     help="comma-separated cores for the session's pool (default: the default pool)")
     args = ap.parse_args()

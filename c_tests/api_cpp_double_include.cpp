@@ -43,8 +43,8 @@ int main() {
         std::fprintf(stderr, "p after the step %g, copy %#x for p %g\n", p_after_update, copy[0].bits, p[0]);
         ++failures;
     }
-    if (h.to_float() <= 0.0f || pool.info().threads != 1 || so::last_error_message().size() > 100000) {
-        std::fprintf(stderr, "f16 %g, pool threads %zu\n", h.to_float(), pool.info().threads);
+    if (h.to_float() <= 0.0f || pool.info().num_threads != 1 || so::last_error_message().size() > 100000) {
+        std::fprintf(stderr, "f16 %g, pool threads %zu\n", h.to_float(), pool.info().num_threads);
         ++failures;
     }
     try {
@@ -54,6 +54,27 @@ int main() {
     } catch (const so::Error& e) {
         failures += e.status() == SO_STATUS_INVALID_ARGUMENT ? 0 : 1;
     }
+    // Sessions, their options and the out-of-class members of checkpoint.hpp and cuda.hpp.
+    so::SessionOptions so_opts;
+    so_opts.set_pool(pool).set_loss_scaler(so::LossScalerOptions());
+    so_opts.speculation = so::Speculation::Off;
+    so::Session session = so::Session::create(so_opts);
+    std::vector<float> w(32, 0.5f);
+    session.add_subgroup(session.add_group(so::GroupHparams()), w, {so::Slice("w", 0, w.size())});
+    session.begin_step();
+    (void)session.grad_copy(0, g.data(), 32);
+    so::StepArgs args;
+    args.set_global_norm(1.0);
+    const so::StepResult r = session.step_result(session.step(args));
+    const so::SubgroupState st = session.subgroup_state(0);
+    session.set_step_count(0, st.step_count);
+    if (r.stepped != 1 || st.step_count != 1 || st.master != w.data() || session.device_bytes() != 0) {
+        std::fprintf(stderr, "session: stepped %u, step count %llu\n", r.stepped,
+                     static_cast<unsigned long long>(st.step_count));
+        ++failures;
+    }
+    const so::CudaOptions cuda;
+    if (cuda.device != 0 || (so::cuda_available() && so::Session::create_cuda().raw() == nullptr)) ++failures;
     failures += second_unit();
     if (failures != 0) {
         std::fprintf(stderr, "api_cpp_double_include: %d failure(s)\n", failures);

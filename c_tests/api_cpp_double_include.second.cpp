@@ -16,12 +16,13 @@ int second_unit() {
         ++failures;
     }
     so::PoolOptions options;
-    options.threads = 2;
+    options.num_threads = 2;
     options.isa = so::Isa::Portable;
     so::Pool pool = so::Pool::create(options);
     so::Pool moved = std::move(pool);
     const so::PoolInfo info = so::PoolRef(moved).info();
-    if (info.threads != 2 || info.isa != so::Isa::Portable || std::string(so::isa_name(info.isa)) != info.isa_name) {
+    if (info.num_threads != 2 || info.isa != so::Isa::Portable ||
+        std::string(so::isa_name(info.isa)) != info.isa_name()) {
         ++failures;
     }
     std::vector<so::bf16> p(100, so::bf16::from_float(1.0f)), g(100, so::bf16::from_float(-1.0f));
@@ -47,6 +48,24 @@ int second_unit() {
         ++failures;
     } catch (const so::Error& e) {
         failures += e.status() == SO_STATUS_UNSUPPORTED ? 0 : 1;
+    }
+    // Sessions, their options and the out-of-class members of checkpoint.hpp and cuda.hpp.
+    so::SessionOptions so_opts;
+    so_opts.set_cores({}).clear_loss_scaler();
+    so_opts.grad_dtype = so::DType::Bf16;
+    so::Session session = so::Session::create(so_opts);
+    std::vector<so::bf16> w(8, so::bf16::from_float(1.0f));
+    session.add_subgroup(session.add_group(), w, {{"w", 0, 8}});
+    if ((session.*(&so::Session::subgroup_state))(0).master != w.data() ||
+        (session.*(&so::Session::pinned_bytes))() != 0 || so::StepArgs().global_norm()) {
+        ++failures;
+    }
+    if (!session) { // never: the calls make this unit use the members of cuda.hpp too
+        session.set_placement(0, so::Placement::Host);
+        (void)session.grad_device(0, 0, 0, so::DType::F32, nullptr);
+        session.set_compute_stream(session.copy_stream());
+        session.enqueue_wait(so::no_ticket, nullptr);
+        session.load(std::string());
     }
     if (failures != 0) {
         std::fprintf(stderr, "api_cpp_double_include.second: %d failure(s)\n", failures);

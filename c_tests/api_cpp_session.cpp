@@ -133,14 +133,35 @@ void test_timeout() {
 void test_options() {
     const so_session_options c = so_session_options_default();
     const so::SessionOptions o;
-    EXPECT(o.pool.is_default() && o.cores.empty() && !o.loss_scaler.has_value());
-    EXPECT(static_cast<std::uint32_t>(o.mode) == c.mode && o.bias_correction == c.bias_correction);
-    EXPECT(static_cast<std::uint32_t>(o.moment_dtype) == c.moment_dtype &&
-           static_cast<std::uint32_t>(o.grad_dtype) == c.grad_dtype &&
-           static_cast<std::uint32_t>(o.accum_dtype) == c.accum_dtype &&
-           static_cast<std::uint32_t>(o.copy_dtype) == c.copy_dtype);
-    EXPECT(static_cast<std::uint32_t>(o.speculation) == c.speculation && o.host_memory_limit == c.host_memory_limit &&
-           o.amsgrad == c.amsgrad && o.gpu_budget_bytes == c.gpu_budget_bytes);
+    EXPECT(o.struct_size == sizeof(so_session_options) && o.pool == nullptr && o.cores == nullptr && o.num_cores == 0 &&
+           o.loss_scaler == nullptr);
+    EXPECT(o.mode == c.mode && o.mode == so::Mode::AdamW && o.bias_correction == c.bias_correction);
+    EXPECT(o.moment_dtype == c.moment_dtype && o.grad_dtype == c.grad_dtype && o.accum_dtype == c.accum_dtype &&
+           o.copy_dtype == c.copy_dtype && o.grad_dtype == so::DType::F32 && o.copy_dtype == so::DType::None);
+    EXPECT(o.speculation == c.speculation && o.speculation == so::Speculation::Auto &&
+           o.host_memory_limit == c.host_memory_limit && o.amsgrad == c.amsgrad &&
+           o.gpu_budget_bytes == c.gpu_budget_bytes);
+    EXPECT(&o.to_c() == static_cast<const so_session_options*>(&o));
+
+    // The owned pointers stay valid in copies, and in a moved-from object.
+    so::SessionOptions owner;
+    so::LossScalerOptions settings;
+    settings.init_scale = 8.0f;
+    owner.set_cores({3, 1}).set_loss_scaler(settings);
+    EXPECT(owner.num_cores == 2 && owner.cores[0] == 3 && owner.cores[1] == 1);
+    EXPECT(owner.loss_scaler != nullptr && owner.loss_scaler->init_scale == 8.0f &&
+           owner.loss_scaler->struct_size == sizeof(so_loss_scaler_options));
+    so::SessionOptions copied = owner;
+    so::SessionOptions moved = std::move(owner);
+    EXPECT(owner.cores[0] == 3 && owner.loss_scaler->init_scale == 8.0f); // NOLINT(bugprone-use-after-move)
+    owner.set_cores({}).clear_loss_scaler();
+    EXPECT(owner.cores == nullptr && owner.num_cores == 0 && owner.loss_scaler == nullptr);
+    EXPECT(copied.cores[1] == 1 && moved.cores[0] == 3 && copied.loss_scaler->init_scale == 8.0f);
+    so::Pool one = so::Pool::create({1});
+    EXPECT(so::SessionOptions().set_pool(one).pool == one.raw() &&
+           so::SessionOptions().set_pool(nullptr).pool == nullptr);
+    const so::SessionOptions from_c(c);
+    EXPECT(from_c.grad_dtype == c.grad_dtype && from_c.struct_size == sizeof(so_session_options));
 
     const so_group_hparams gc = so_group_hparams_default();
     so::GroupHparams g;
@@ -159,10 +180,13 @@ void test_options() {
     so::StepArgs a;
     so_step_args ac = a.to_c();
     EXPECT(ac.struct_size == sizeof ac && ac.max_norm == 0.0 && ac.norm_source == SO_NORM_SOURCE_LOCAL && !ac.overflow);
-    a.global_norm = 2.5;
-    a.overflow = true;
+    EXPECT(!a.global_norm().has_value() && a.norm_source == so::NormSource::Local);
+    a.set_global_norm(2.5).overflow = true;
     ac = a.to_c();
     EXPECT(ac.norm_source == SO_NORM_SOURCE_GIVEN && ac.global_norm == 2.5 && ac.overflow);
+    EXPECT(a.global_norm() == 2.5 && so::StepArgs(ac).global_norm() == 2.5);
+    a.set_global_norm(std::nullopt);
+    EXPECT(a.to_c().norm_source == SO_NORM_SOURCE_LOCAL && !a.global_norm().has_value());
 
     so_step_result rc;
     std::memset(&rc, 0, sizeof rc);
@@ -171,6 +195,17 @@ void test_options() {
     rc.grad_factor = 0.25f;
     const so::StepResult r(rc);
     EXPECT(r.serial == 7 && r.rescaled == 3 && r.grad_factor == 0.25f && !r.skipped);
+    EXPECT(r.struct_size == sizeof(so_step_result) && r.skip_reason == so::SkipReason::None);
+    const so::StepResult zero;
+    EXPECT(zero.serial == 0 && zero.clip_coef == 1.0 && zero.struct_size == sizeof(so_step_result));
+
+    const so::Slice sl("w", 4, 6);
+    const so::Slice sl_copy = sl;
+    EXPECT(std::string(sl_copy.name) == "w" && sl_copy.name == sl.name && sl.offset == 4 && sl.numel == 6);
+    EXPECT(sl.name_string() == "w");
+
+    so::SubgroupState state;
+    EXPECT(state.struct_size == sizeof(so_subgroup_state) && state.master == nullptr);
 }
 
 // What the session must have done with a sub-group (as predicted by the test).
@@ -180,7 +215,7 @@ void test_training_loop() {
     so::Pool pool = so::Pool::create({2});
     so::Pool ref_pool = so::Pool::create({1});
     so::SessionOptions opts;
-    opts.pool = pool;
+    opts.set_pool(pool);
     opts.grad_dtype = so::DType::Bf16;
     opts.speculation = so::Speculation::On; // the paths predicted below are the speculative ones
     so::Session s = so::Session::create(opts);
@@ -302,7 +337,7 @@ void test_training_loop() {
         if (ev.given_norm) {
             const double sumsq = s.local_grad_sumsq();
             EXPECT(sumsq == local);
-            args.global_norm = std::sqrt(sumsq);
+            args.set_global_norm(std::sqrt(sumsq));
         }
         const so::Ticket st = s.step(args);
         const so::StepResult r = s.step_result(st);
@@ -445,12 +480,13 @@ void test_exceptions() {
     EXPECT(contains(msg, "so_session_create") && contains(msg, "AMSGrad") && msg == so::last_error_message());
     so::SessionOptions both;
     so::Pool pool = so::Pool::create({1});
-    both.pool = pool;
-    both.cores = {0};
+    both.set_pool(pool);
+    both.set_cores({0});
     EXPECT_ERROR(SO_STATUS_INVALID_ARGUMENT, (void)so::Session::create(both));
     so::SessionOptions scaler;
-    scaler.loss_scaler = so::LossScalerOptions();
-    scaler.loss_scaler->growth_factor = 0.5f;
+    so::LossScalerOptions shrinking;
+    shrinking.growth_factor = 0.5f;
+    scaler.set_loss_scaler(shrinking);
     msg = EXPECT_ERROR(SO_STATUS_INVALID_ARGUMENT, (void)so::Session::create(scaler));
     EXPECT(contains(msg, "growth_factor"));
 
@@ -564,11 +600,11 @@ void test_timeouts() {
     // A large sub-group on one portable thread: its steps take tens of milliseconds, and
     // everything queued behind it is pending meanwhile.
     so::PoolOptions po;
-    po.threads = 1;
+    po.num_threads = 1;
     po.isa = so::Isa::Portable;
     so::SessionOptions o;
     so::Pool pool = so::Pool::create(po);
-    o.pool = pool;
+    o.set_pool(pool);
     so::Session s = so::Session::create(o);
     s.add_group();
     std::vector<float> big(std::size_t(1) << 22, 0.5f), small(16, 0.5f);
@@ -610,9 +646,10 @@ void test_checkpoint_resume() {
         // Clipping triggers: bit for bit needs the same path in both runs, which cancelled or
         // preempted speculation (timing) does not promise.
         o.speculation = so::Speculation::Off;
-        o.loss_scaler = so::LossScalerOptions();
-        o.loss_scaler->init_scale = 256.0f;
-        o.loss_scaler->growth_interval = 2;
+        so::LossScalerOptions scaler;
+        scaler.init_scale = 256.0f;
+        scaler.growth_interval = 2;
+        o.set_loss_scaler(scaler);
         so::Session s = so::Session::create(o);
         s.add_group();
         Rng rng{seed};
@@ -647,6 +684,31 @@ void test_checkpoint_resume() {
     run(resumed, 4, 8);
     EXPECT(same_bits(w1, w3) && straight.loss_scale() == resumed.loss_scale());
     EXPECT(straight.step_count(0) == 7 && resumed.step_count(0) == 7);
+
+    // The state in place: the borrowed master weights, the session's moments, the step count.
+    const so::SubgroupState st = resumed.subgroup_state(0);
+    EXPECT(st.placement == so::Placement::Host && st.numel == 512 && st.master == w3.data());
+    EXPECT(st.master_dtype == so::DType::F32 && st.moment_dtype == so::DType::F32 && st.step_count == 7);
+    EXPECT(st.exp_avg != nullptr && st.exp_avg_sq != nullptr);
+    resumed.set_step_count(0, 9);
+    EXPECT(resumed.step_count(0) == 9 && resumed.subgroup_state(0).step_count == 9);
+    resumed.set_step_count(0, 7);
+    EXPECT_ERROR(SO_STATUS_NOT_FOUND, (void)resumed.subgroup_state(4));
+
+    // A sub-group from a C description, with caller moment buffers.
+    std::vector<float> w4(64, 0.5f), m4(64, 0.0f), v4(64, 0.0f);
+    const so::Slice z("z", 0, 64);
+    so_subgroup_desc desc = so_subgroup_desc_default();
+    desc.group = 0;
+    desc.master = w4.data();
+    desc.master_dtype = so::DType::F32;
+    desc.numel = w4.size();
+    desc.slices = &z;
+    desc.num_slices = 1;
+    desc.exp_avg = m4.data();
+    desc.exp_avg_sq = v4.data();
+    EXPECT(resumed.add_subgroup(desc) == 1);
+    EXPECT(resumed.subgroup_state(1).exp_avg == m4.data() && resumed.slice_id("z") == 2);
     const std::vector<SliceInfo> slices = {{"x", 0, 0, 300}, {"y", 0, 300, 212}};
     const std::vector<SgState> a = read_state(straight, {&w1}, slices, path);
     const std::vector<SgState> b = read_state(resumed, {&w3}, slices, path);

@@ -162,57 +162,57 @@ void test_pool() {
     const so::PoolRef default_ref;
     EXPECT(default_ref.is_default() && default_ref.raw() == nullptr);
     const so::PoolInfo dinfo = default_ref.info();
-    EXPECT(dinfo.threads >= 1);
+    EXPECT(dinfo.num_threads >= 1);
     EXPECT(dinfo.isa != so::Isa::Auto);
-    EXPECT(std::string(dinfo.isa_name) == so::isa_name(dinfo.isa));
+    EXPECT(std::string(dinfo.isa_name()) == so::isa_name(dinfo.isa));
     EXPECT(!dinfo.pinned);
     EXPECT(so::PoolRef(nullptr).is_default());
 
     // Explicit options.
     so::PoolOptions two;
-    two.threads = 2;
+    two.num_threads = 2;
     so::Pool pool = so::Pool::create(two);
     EXPECT(static_cast<bool>(pool) && pool.raw() != nullptr);
     so::PoolInfo info = pool.info();
-    EXPECT(info.threads == 2 && !info.pinned && info.isa == dinfo.isa);
+    EXPECT(info.num_threads == 2 && !info.pinned && info.isa == dinfo.isa);
     EXPECT(so::PoolRef(pool).raw() == pool.raw());
-    EXPECT(so::PoolRef::from_raw(pool.raw()).info().threads == 2);
+    EXPECT(so::PoolRef::from_raw(pool.raw()).info().num_threads == 2);
 
     // Aggregate initialisation, default options.
     so::Pool one = so::Pool::create({1});
-    EXPECT(one.info().threads == 1);
+    EXPECT(one.info().num_threads == 1);
     so::Pool dflt = so::Pool::create();
-    EXPECT(dflt.info().threads == dinfo.threads);
+    EXPECT(dflt.info().num_threads == dinfo.num_threads);
 
     so::PoolOptions portable;
-    portable.threads = 1;
+    portable.num_threads = 1;
     portable.isa = so::Isa::Portable;
     so::Pool p1 = so::Pool::create(portable);
-    EXPECT(p1.info().isa == so::Isa::Portable && std::string(p1.info().isa_name) == "portable");
+    EXPECT(p1.info().isa == so::Isa::Portable && std::string(p1.info().isa_name()) == "portable");
 
 #ifdef __linux__
     const std::vector<std::uint32_t> cores = allowed_cores();
     EXPECT(!cores.empty());
     if (!cores.empty()) {
         so::PoolOptions pinned;
-        pinned.cores = {cores[0]};
+        pinned.set_cores({cores[0]});
         so::Pool pp = so::Pool::create(pinned);
         so::PoolInfo pi = pp.info();
-        EXPECT(pi.pinned && pi.threads == 1);
+        EXPECT(pi.pinned && pi.num_threads == 1);
 
         so::PoolOptions mismatch;
-        mismatch.cores = {cores[0]};
-        mismatch.threads = 3;
+        mismatch.set_cores({cores[0]});
+        mismatch.num_threads = 3;
         std::string m = EXPECT_ERROR(SO_STATUS_INVALID_ARGUMENT, (void)so::Pool::create(mismatch));
         EXPECT(contains(m, "so_pool_create"));
 
         so::PoolOptions twice;
-        twice.cores = {cores[0], cores[0]};
+        twice.set_cores({cores[0], cores[0]});
         m = EXPECT_ERROR(SO_STATUS_INVALID_ARGUMENT, (void)so::Pool::create(twice));
         EXPECT(contains(m, "twice"));
     }
     so::PoolOptions bad_core;
-    bad_core.cores = {100000};
+    bad_core.set_cores({100000});
     const std::string m = EXPECT_ERROR(SO_STATUS_INVALID_ARGUMENT, (void)so::Pool::create(bad_core));
     EXPECT(contains(m, "affinity"));
     EXPECT(m == so::last_error_message());
@@ -232,7 +232,7 @@ void test_pool() {
     so::Pool target = so::Pool::create({1});
     target = std::move(moved);
     EXPECT(target.raw() == raw && !moved);
-    EXPECT(target.info().threads == 2);
+    EXPECT(target.info().num_threads == 2);
     moved = std::move(pool); // empty into empty
     EXPECT(!moved && !pool);
 
@@ -240,7 +240,7 @@ void test_pool() {
     so_pool* const released = target.release();
     EXPECT(!target && released == raw);
     so::Pool adopted = so::Pool::adopt(released);
-    EXPECT(adopted.raw() == raw && adopted.info().threads == 2);
+    EXPECT(adopted.raw() == raw && adopted.info().num_threads == 2);
     EXPECT(!so::Pool::adopt(nullptr));
     adopted.reset();
     EXPECT(!adopted);

@@ -608,7 +608,7 @@ public:
     SessionOptimizer(const Options& o, const std::vector<LayerShape>& shapes, std::vector<std::vector<float>>& params)
         : o_(o), shapes_(shapes) {
         so::SessionOptions options;
-        options.cores = o.cores; // empty: the default pool
+        options.set_cores(o.cores); // empty: the default pool
         options.speculation = o.speculation ? so::Speculation::Auto : so::Speculation::Off;
         session_ = so::Session::create(options);
         group_ = session_.add_group(group_hparams(1));
@@ -698,7 +698,7 @@ public:
         : o_(o), shapes_(shapes), params_(params) {
         if (!o.cores.empty()) { // else the default pool
             so::PoolOptions po;
-            po.cores = o.cores;
+            po.set_cores(o.cores);
             pool_ = so::Pool::create(po);
         }
         for (const auto& s : shapes) {

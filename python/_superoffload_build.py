@@ -90,14 +90,15 @@ class BuildPy(_build_py):
         if self.dry_run:
             return
         pkg = os.path.join(self.build_lib, "superoffload")
-        os.makedirs(os.path.join(pkg, "include"), exist_ok=True)
         for old in os.listdir(pkg):
             if old.startswith("libsuperoffload.so"):
                 os.remove(os.path.join(pkg, old))
         shutil.copyfile(build_library(), os.path.join(pkg, SONAME))
         os.chmod(os.path.join(pkg, SONAME), 0o755)
-        for h in ("superoffload.h", "superoffload.hpp"):
-            shutil.copyfile(os.path.join(ROOT, "include", h), os.path.join(pkg, "include", h))
+        include = os.path.join(pkg, "include")
+        shutil.rmtree(include, ignore_errors=True)
+        # The C header, the C++ umbrella header and its topic headers (include/superoffload/).
+        shutil.copytree(os.path.join(ROOT, "include"), include)
 
 
 class BdistWheel(_bdist_wheel):

@@ -4,13 +4,18 @@ config (no download; default TinyLlama-1.1B's shape, ~1.1 B parameters), bf16 on
 activation checkpointing, batch x sequence >= 32K tokens per step. Same model, same data, side
 by side:
 
-  a  ours, speculative: SuperOffloadAdamW, sub-groups stepped on the CPU during backward
+  a  ours, the default (speculation auto): SuperOffloadAdamW, sub-groups stepped on the CPU
+     during backward when the session's measurements say it pays, else after backward
+  s  ours, speculation on: sub-groups always stepped during backward
   b  ours, stepping after backward (speculation off)
   c  torch.optim.AdamW(fused=True) on CPU f32 master copies after backward: gradients copied to
      pinned CPU buffers, cast to f32, clipped, stepped, weights copied back (what users do today)
   d  torch.optim.AdamW(fused=True) on the GPU, nothing offloaded (bf16 parameters and moments)
   e  forward + backward only, no optimizer (the GPU time that the CPU work can hide behind)
-  h  ours, speculative, with the first --gpu-fraction of the parameters (forward order: the
+  x  ours, the default, with the library's automatic split: up to --gpu-budget-gib of GPU memory
+     (default: what mode d's bf16 moments take, 4 bytes per parameter) for the first sub-groups'
+     f32 masters and moments, chosen after three measured steps
+  h  ours, the default, with the first --gpu-fraction of the parameters (forward order: the
      embedding and first layers) GPU-resident (SuperOffload's ratio < 1); one run per fraction
 
 each with clipping triggering on every step (max_grad_norm tiny, --clip) and without (0).
@@ -23,7 +28,7 @@ clipping on every step, a >= 1.4 x faster than c. Also writes a timeline of one 
 clipping (trace_a_clip.json; trace_h<f>_clip.json for each h run) and renders it with
 bench/trace_plot.py (.png).
 
-  python3 bench_e2e.py [--layers 22 --hidden 2048 ...] [--seq 2048 --batch 16] [--modes e,d,a,h,b,c]
+  python3 bench_e2e.py [--layers 22 --hidden 2048 ...] [--seq 2048 --batch 16] [--modes e,d,a,x,h,s,b,c]
   python3 bench_e2e.py --smoke       # tiny model on the CPU: exercises the code paths, no numbers
 
 Outputs go to --out (default $OUT, else bench-out/). Needs the superoffload package.
@@ -138,15 +143,16 @@ def cpu_adam_alone(n_params, chunk, cores, dtype):
     return statistics.median(times[1:]), info
 
 
-def mode_ours(model, batch, args, timer, speculation, clips, results, n_params, tokens, gpu_fraction=0.0):
+def mode_ours(model, batch, args, timer, speculation, clips, results, n_params, tokens, gpu_fraction=0.0,
+              gpu_budget=0):
     from superoffload.torch import SuperOffloadAdamW
     t0 = time.perf_counter()
     opt = SuperOffloadAdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                             speculation=speculation, sub_group_numel=args.sub_group_numel, cores=args.cores,
-                            model=model, max_grad_norm=0.0, gpu_fraction=gpu_fraction)
+                            model=model, max_grad_norm=0.0, gpu_fraction=gpu_fraction, gpu_budget_bytes=gpu_budget)
     setup = time.perf_counter() - t0
     mem = opt.memory()
-    key = f"h{gpu_fraction:g}" if gpu_fraction else "a" if speculation else "b"
+    key = f"h{gpu_fraction:g}" if gpu_fraction else "x" if gpu_budget else {"auto": "a", "on": "s", "off": "b"}[speculation]
     log(f"  [{key}] session: {len(opt.subgroups())} sub-groups, setup {setup:.1f} s, host "
         f"{mem['host_bytes_per_param']:.2f} B/offloaded param, pinned {mem['pinned_bytes'] / 2**30:.2f} GiB, "
         f"GPU-resident {mem['gpu_resident_params'] / 1e6:.1f} M params ({len(opt.gpu_resident())} tensors)")
@@ -165,7 +171,7 @@ def mode_ours(model, batch, args, timer, speculation, clips, results, n_params, 
                  "last_step": {k: r[k] for k in ("global_norm", "clip_coef", "speculative", "kept", "rescaled",
                                                  "redone", "stepped", "skipped", "gpu_resident_stepped")}}
         results[name] = summarise(name, times, window, losses, n_params, tokens, extra)
-        if speculation and clip > 0 and args.trace:
+        if speculation != "off" and clip > 0 and args.trace:
             trace_step(opt, step, args, key)
     results[f"{key}_pinned_bytes_peak"] = opt.session.pinned_bytes()
     opt.close()
@@ -296,12 +302,14 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--modes", default="e,d,a,h,b,c")
+    ap.add_argument("--modes", default="e,d,a,x,h,b,c")
     ap.add_argument("--clip", type=float, default=1e-3, help="max_grad_norm of the clipped runs (tiny: every step)")
     ap.add_argument("--no-clip-runs", action="store_true", help="only the clipped runs")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--sub-group-numel", type=int, default=1 << 25)
     ap.add_argument("--gpu-fraction", default="0.33", help="mode h: comma list of GPU-resident fractions")
+    ap.add_argument("--gpu-budget-gib", default=None,
+                    help="mode x: GPU memory for the automatic split (default: 4 bytes per parameter)")
     ap.add_argument("--cores", default="auto", help='session cores: "auto" (all but the first two), "none", or 2-15')
     ap.add_argument("--no-ckpt", action="store_true", help="no activation checkpointing")
     ap.add_argument("--no-trace", dest="trace", action="store_false")
@@ -352,14 +360,22 @@ def main():
             mode_no_optimizer(model, batch, args, timer, results, n_params, tokens)
         elif mname == "d":
             mode_gpu_torch(model, batch, args, timer, clips, results, n_params, tokens)
-        elif mname in ("a", "b"):
-            mode_ours(model, batch, args, timer, mname == "a", clips, results, n_params, tokens)
+        elif mname in ("a", "s", "b"):
+            speculation = {"a": "auto", "s": "on", "b": "off"}[mname]
+            mode_ours(model, batch, args, timer, speculation, clips, results, n_params, tokens)
         elif mname == "h":
             if not cuda:
                 log("  skipped: GPU-resident parameters need CUDA (not in --smoke)")
                 continue
             for frac in (float(f) for f in args.gpu_fraction.split(",")):
-                mode_ours(model, batch, args, timer, True, clips, results, n_params, tokens, gpu_fraction=frac)
+                mode_ours(model, batch, args, timer, "auto", clips, results, n_params, tokens, gpu_fraction=frac)
+        elif mname == "x":
+            if not cuda:
+                log("  skipped: the automatic split needs CUDA (not in --smoke)")
+                continue
+            budget = int(float(args.gpu_budget_gib) * 2**30) if args.gpu_budget_gib else 4 * n_params
+            log(f"  GPU budget {budget / 2**30:.2f} GiB")
+            mode_ours(model, batch, args, timer, "auto", clips, results, n_params, tokens, gpu_budget=budget)
         elif mname == "c":
             mode_cpu_torch(model, batch, args, timer, clips, results, n_params, tokens)
         else:
@@ -371,7 +387,7 @@ def main():
     s = {k: v["s_per_step"] for k, v in results.items() if isinstance(v, dict) and "s_per_step" in v}
     e = s.get("e_fwd_bwd_only")
     summary = {}
-    ours_runs = [k for k in s if k[0] in "abh" and k.endswith("clip")]
+    ours_runs = [k for k in s if k[0] in "asbhx" and k.endswith("clip")]
     for k in ours_runs:
         if e:
             exposed = max(0.0, s[k] - e)
@@ -384,6 +400,10 @@ def main():
     if "a_clip" in s and "d_clip" in s:
         targets["a_over_d_clip"] = (round(s["a_clip"] / s["d_clip"], 3), "<= 1.15")
     for k in ours_runs:
+        if k[0] in "sb" and f"d_{k.split('_')[1]}" in s:
+            targets[f"{k}_over_d"] = (round(s[k] / s[f"d_{k.split('_')[1]}"], 3), "report")
+        if k.startswith("x") and f"d_{k.split('_')[1]}" in s:
+            targets[f"{k}_over_d"] = (round(s[k] / s[f"d_{k.split('_')[1]}"], 3), "<= 1.05")
         if k.startswith("h") and f"d_{k.split('_')[1]}" in s:
             goal = "<= 1.15" if k.endswith("_clip") else "<= 1.10"
             targets[f"{k}_over_d"] = (round(s[k] / s[f"d_{k.split('_')[1]}"], 3), goal)
@@ -391,6 +411,9 @@ def main():
         if f"a_{c}" in s and f"c_{c}" in s:
             targets[f"c_over_a_{c}"] = (round(s[f"c_{c}"] / s[f"a_{c}"], 3), ">= 1.4")
     for k, (v, goal) in targets.items():
+        if goal == "report":
+            summary[k] = {"value": v}
+            continue
         op, lim = goal.split()
         met = v <= float(lim) if op == "<=" else v >= float(lim)
         summary[k] = {"value": v, "target": goal, "met": met}

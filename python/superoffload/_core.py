@@ -228,7 +228,7 @@ class Session:
     `keep=` to `add_subgroup`; they are held until the sub-group is removed or the session closed.
     """
 
-    def __init__(self, *, cuda=False, device=0, speculation=True, mode="adamw", bias_correction=True,
+    def __init__(self, *, cuda=False, device=0, speculation="auto", mode="adamw", bias_correction=True,
                  grad_dtype="f32", accum_dtype=None, moment_dtype="f32", copy_dtype="none", cores=None, pool=None,
                  host_memory_limit=0, piece_bytes=16 << 20, loss_scaler=None, **extra):
         L = lib()
@@ -241,7 +241,7 @@ class Session:
         o.accum_dtype = dtype(accum_dtype) if accum_dtype else o.grad_dtype
         o.moment_dtype = dtype(moment_dtype)
         o.copy_dtype = dtype(copy_dtype, allow_none=True)
-        _set_speculation(o, speculation)
+        o.speculation = _speculation(speculation)
         o.host_memory_limit = int(host_memory_limit)
         self._keep_opts = []
         if cores is not None:
@@ -534,16 +534,11 @@ class Session:
         return out.value
 
 
-def _set_speculation(o, speculation):
-    """so_session_options.speculation: a bool today; the so_speculation enum (OFF 0, ON 1, AUTO 2)
-    in ABI 2. Accepts True/False/"on"/"off"/"auto"."""
-    table = {"off": 0, "on": 1, "auto": 2}
-    if isinstance(speculation, str):
-        v = table[speculation.lower()]
-    else:
-        v = 1 if speculation else 0
-    field_type = dict(o._fields_)["speculation"]
-    if field_type is C.c_bool:
-        o.speculation = v != 0  # ABI 1: "auto" means on
-    else:
-        o.speculation = v
+def _speculation(value):
+    """so_speculation from True (on), False (off) or "on" / "off" / "auto"."""
+    if isinstance(value, str):
+        try:
+            return _abi.Speculation[value.upper()]
+        except KeyError:
+            raise ValueError(f"speculation must be True, False, 'on', 'off' or 'auto', not {value!r}") from None
+    return _abi.Speculation.ON if value else _abi.Speculation.OFF

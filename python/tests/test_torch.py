@@ -67,7 +67,7 @@ def weights(model):
 
 def test_parity_with_torch_adamw(data):
     m, r = make_model(0, "cpu", torch.float32), make_model(0, "cpu", torch.float32)
-    opt = ours(m)
+    opt = ours(m, speculation=True)
     ref = MasterAdamW(r, LR, BETAS, EPS, WD, CLIP)
     la, res = train(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), data)
     lb, nb = train_ref(r, ref, torch.optim.lr_scheduler.LambdaLR(ref.opt, lr_lambda), data)

@@ -150,7 +150,9 @@ class SuperOffloadAdamW(Optimizer):
             the slices (and the library checkpoint's tensors).
         lr, betas, eps, weight_decay: as torch.optim.AdamW (per param group).
         max_grad_norm: clip the global gradient norm to this at every step (0: no clipping).
-        speculation: step sub-groups during backward (False: all at step()).
+        speculation: "auto" (default: the session decides each step, from what it measured,
+            whether stepping sub-groups during backward pays), True or "on" (always during
+            backward), False or "off" (all at step(); bit-for-bit reproducible with clipping).
         sub_group_numel: pack consecutive parameters of a group into sub-groups of up to this
             many elements (0: one sub-group per parameter; FSDP2 always uses one per parameter).
         cores: CPU cores of the optimizer's own pinned thread pool. None: with torch.distributed
@@ -189,7 +191,7 @@ class SuperOffloadAdamW(Optimizer):
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, max_grad_norm=0.0,
-                 speculation=True, sub_group_numel=1 << 25, cores=None, cores_fraction=1.0, model=None, wait="auto",
+                 speculation="auto", sub_group_numel=1 << 25, cores=None, cores_fraction=1.0, model=None, wait="auto",
                  copy_dtype="auto", moment_dtype="f32", accumulation_steps=1, distributed="auto", process_group=None,
                  loss_scaler=None, piece_bytes=16 << 20, host_memory_limit=0, bias_correction=True, align_bytes=256,
                  gpu_fraction=0.0, gpu_budget_bytes=0, gpu_resident="library", nvtx=None, first_touch=True):

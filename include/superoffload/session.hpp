@@ -1,0 +1,805 @@
+/**
+ * @file superoffload/session.hpp
+ * @brief Offload sessions: SessionOptions, LossScalerOptions, GroupHparams, Slice, StepArgs,
+ *        StepResult and the owning Session.
+ *
+ * The option, argument and result types are the C structs themselves (each derives from its
+ * `so_*` struct, initialised by the C `_default()` function, `struct_size` set): their fields
+ * are documented in `superoffload.h`. What C expresses with a pointer (a core list, the
+ * loss scaler's settings, a slice name) these types can own, through their set_* functions.
+ *
+ * Session's checkpoint calls (save, load, subgroup_state, set_step_count) are defined in
+ * superoffload/checkpoint.hpp, its CUDA calls in superoffload/cuda.hpp; this header includes
+ * both at its end, so including it is enough.
+ */
+#ifndef SUPEROFFLOAD_SESSION_HPP
+#define SUPEROFFLOAD_SESSION_HPP
+
+#include "error.hpp"
+#include "pool.hpp"
+#include "ticket.hpp"
+#include "types.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace superoffload {
+
+struct CudaOptions;   // superoffload/cuda.hpp
+struct SubgroupState; // superoffload/checkpoint.hpp
+
+/**
+ * Settings of the built-in dynamic loss scaler: `so_loss_scaler_options` (documented there),
+ * initialised by `so_loss_scaler_options_default()` (torch GradScaler's: scale 65536, growth
+ * 2, backoff 0.5, interval 2000, hysteresis 1, minimum 1). Give it to
+ * SessionOptions::set_loss_scaler. Ownership: a plain value.
+ */
+struct LossScalerOptions : so_loss_scaler_options {
+    /** The library's defaults. @note Never throws. */
+    LossScalerOptions() noexcept : so_loss_scaler_options(so_loss_scaler_options_default()) {}
+
+    /** The values of a C struct (`struct_size` is set to this header's). @note Never throws. */
+    explicit LossScalerOptions(const so_loss_scaler_options& raw) noexcept : so_loss_scaler_options(raw) {
+        struct_size = sizeof(so_loss_scaler_options);
+    }
+
+    /** The C struct (these options themselves). @note Never throws. */
+    [[nodiscard]] const so_loss_scaler_options& to_c() const noexcept { return *this; }
+};
+
+/**
+ * How to create a Session: `so_session_options` (each field is documented there),
+ * initialised by `so_session_options_default()`: the default pool, AdamW with bias
+ * correction, f32 moments, gradients and accumulation, automatic speculation, no memory
+ * limit, no loss scaler, no master-weight copy, no automatic split.
+ *
+ * The enumeration fields take the C++ enumerations (`options.grad_dtype = DType::Bf16`,
+ * `options.speculation = Speculation::On`). The pointer fields are set with set_pool,
+ * set_cores and set_loss_scaler (or, borrowing, directly as in C).
+ *
+ * Ownership: a value. The session takes its own reference to the pool, so the Pool may be
+ * destroyed once Session::create has returned; the core list and the loss scaler's settings
+ * given to the setters are owned by these options (shared by their copies).
+ */
+struct SessionOptions : so_session_options {
+    /** The library's defaults. @note Never throws. */
+    SessionOptions() noexcept : so_session_options(so_session_options_default()) {}
+
+    /**
+     * The values of a C struct, its pointers borrowed as they are (`struct_size` is set to
+     * this header's). @note Never throws.
+     */
+    explicit SessionOptions(const so_session_options& raw) noexcept : so_session_options(raw) {
+        struct_size = sizeof(so_session_options);
+    }
+
+    /**
+     * The pool for the optimizer passes (`pool`); nullptr (the default) for the default
+     * pool or, with cores, a pool of the session's own.
+     * @return *this. @note Never throws (an empty Pool is refused by its conversion to PoolRef).
+     */
+    SessionOptions& set_pool(PoolRef ref) noexcept {
+        pool = ref.raw();
+        return *this;
+    }
+
+    /**
+     * Cores for a pool of the session's own, one pinned thread each (`cores`, `num_cores`;
+     * not with a pool): copied into memory these options own. An empty list: none.
+     * @return *this. @throws std::bad_alloc only.
+     */
+    SessionOptions& set_cores(std::vector<std::uint32_t> core_list) {
+        owned_cores_ = detail::Shared<std::vector<std::uint32_t>>(std::move(core_list));
+        cores = owned_cores_.get()->empty() ? nullptr : owned_cores_.get()->data();
+        num_cores = owned_cores_.get()->size();
+        return *this;
+    }
+
+    /**
+     * Turns on the built-in loss scaler with `settings` (`loss_scaler`), copied into memory
+     * these options own. @return *this. @throws std::bad_alloc only.
+     */
+    SessionOptions& set_loss_scaler(const LossScalerOptions& settings = {}) {
+        owned_scaler_ = detail::Shared<LossScalerOptions>(settings);
+        loss_scaler = owned_scaler_.get();
+        return *this;
+    }
+
+    /** Turns the built-in loss scaler off (`loss_scaler` NULL). @return *this. @note Never throws. */
+    SessionOptions& clear_loss_scaler() noexcept {
+        loss_scaler = nullptr;
+        return *this;
+    }
+
+    /** The C struct (these options themselves). @note Never throws. */
+    [[nodiscard]] const so_session_options& to_c() const noexcept { return *this; }
+
+private:
+    detail::Shared<std::vector<std::uint32_t>> owned_cores_;
+    detail::Shared<LossScalerOptions> owned_scaler_;
+};
+
+/**
+ * Hyperparameters of a param group: `so_group_hparams` (documented there), initialised by
+ * `so_group_hparams_default()` (torch.optim.AdamW's: lr 1e-3, betas 0.9 and 0.999, eps 1e-8,
+ * weight decay 0.01). Ownership: a plain value.
+ */
+struct GroupHparams : so_group_hparams {
+    /** The library's defaults. @note Never throws. */
+    GroupHparams() noexcept : so_group_hparams(so_group_hparams_default()) {}
+
+    /** The values of a C struct (`struct_size` is set to this header's). @note Never throws. */
+    explicit GroupHparams(const so_group_hparams& raw) noexcept : so_group_hparams(raw) {
+        struct_size = sizeof(so_group_hparams);
+    }
+
+    /** The C struct (these hyperparameters themselves). @note Never throws. */
+    [[nodiscard]] const so_group_hparams& to_c() const noexcept { return *this; }
+
+    /** Field-wise equality (exact, as the session compares hyperparameters). */
+    friend bool operator==(const GroupHparams& a, const GroupHparams& b) noexcept {
+        return a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps &&
+               a.weight_decay == b.weight_decay;
+    }
+    /** Field-wise inequality. */
+    friend bool operator!=(const GroupHparams& a, const GroupHparams& b) noexcept { return !(a == b); }
+};
+
+/**
+ * One named param slice of a sub-group: `so_slice_desc` (`name`, `offset`, `numel`;
+ * documented there) whose name points into a string the slice owns (shared by its copies),
+ * so that `{{"w", 0, 1000}, {"b", 1000, 10}}` is a list of slices. Session::add_subgroup
+ * copies them. Ownership: a value.
+ */
+struct Slice : so_slice_desc {
+    /** `count` elements from `first` within the sub-group, named `slice_name`. @throws std::bad_alloc only. */
+    Slice(std::string slice_name, std::size_t first, std::size_t count)
+        : so_slice_desc{}, owned_name_(std::move(slice_name)) {
+        name = owned_name_.get()->c_str();
+        offset = first;
+        numel = count;
+    }
+
+    /** The name as given (it may hold a NUL character, which add_subgroup refuses). @note Never throws. */
+    [[nodiscard]] const std::string& name_string() const noexcept { return *owned_name_.get(); }
+
+private:
+    detail::Shared<std::string> owned_name_;
+};
+
+/**
+ * What Session::step is told: `so_step_args` (documented there), initialised by
+ * `so_step_args_default()`: no clipping, the session's own (local) norm, no overflow.
+ * `max_norm` and `overflow` are set directly; a caller-computed norm (`norm_source` and
+ * `global_norm` together) through set_global_norm. Ownership: a plain value.
+ */
+struct StepArgs : so_step_args {
+    /** The library's defaults. @note Never throws. */
+    StepArgs() noexcept : so_step_args(so_step_args_default()) {}
+
+    /** The values of a C struct (`struct_size` is set to this header's). @note Never throws. */
+    explicit StepArgs(const so_step_args& raw) noexcept : so_step_args(raw) { struct_size = sizeof(so_step_args); }
+
+    /**
+     * The global norm of the unscaled gradient computed by the caller (e.g. all-reduced
+     * across ranks from Session::local_grad_sumsq; inf or NaN skips the step), or
+     * std::nullopt for the session's own norm. Sets `norm_source` and `global_norm`.
+     * @return *this. @note Never throws.
+     */
+    StepArgs& set_global_norm(std::optional<double> norm) noexcept {
+        norm_source = norm ? NormSource::Given : NormSource::Local;
+        so_step_args::global_norm = norm.value_or(0.0);
+        return *this;
+    }
+
+    /** The caller's global norm (set_global_norm), or std::nullopt for the session's own. @note Never throws. */
+    [[nodiscard]] std::optional<double> global_norm() const noexcept {
+        if (norm_source == NormSource::Given) {
+            return so_step_args::global_norm;
+        }
+        return std::nullopt;
+    }
+
+    /** The C struct (these arguments themselves). @note Never throws. */
+    [[nodiscard]] const so_step_args& to_c() const noexcept { return *this; }
+};
+
+/**
+ * The outcome of one step: `so_step_result` (each field is documented there), filled by
+ * Session::step_result. Ownership: a plain value.
+ */
+struct StepResult : so_step_result {
+    /** All zero but `clip_coef` 1, `struct_size` set. @note Never throws. */
+    StepResult() noexcept : so_step_result{} {
+        struct_size = sizeof(so_step_result);
+        clip_coef = 1.0;
+    }
+
+    /** The values of a C struct (`struct_size` is set to this header's). @note Never throws. */
+    explicit StepResult(const so_step_result& raw) noexcept : so_step_result(raw) {
+        struct_size = sizeof(so_step_result);
+    }
+};
+
+/**
+ * An owned offload session (`so_session*`): sub-groups of parameters whose Adam state lives in
+ * host memory, stepped speculatively during backward on the session's CPU-Adam thread and
+ * made exact at step(). Move-only; destroying it calls `so_session_destroy`, which waits for
+ * every queued step, then stops the thread and frees the session's memory. A default-
+ * constructed or moved-from Session is empty: destroying, resetting or moving it is safe and
+ * does nothing; any other call on it throws Error (`SO_STATUS_NULL_ARGUMENT`).
+ *
+ * One step: begin_step(); grad_copy() (or grad_written()) for every slice, next_micro_step()
+ * between micro-steps; optionally local_grad_sumsq(); step(), which returns at once with a
+ * ticket; step_result(ticket). Master weights may be read again once the sub-group's
+ * final_ticket() (or the step's ticket) is complete.
+ *
+ * Borrowed memory: the master weights (and caller gradient buffers) given to add_subgroup
+ * are borrowed until the sub-group is removed or the session destroyed (see
+ * `so_session_add_subgroup`): they must stay valid, and must not be touched from the
+ * hand-off that completes their sub-group until its final ticket of that step.
+ *
+ * Errors and waiting: see superoffload/ticket.hpp. Every function not marked `noexcept`
+ * throws Error when the C call fails.
+ *
+ * Thread-safety: calls on one session may come from several threads at once (the library
+ * serialises them), but the Session object itself must not be moved, reset or destroyed
+ * while another thread uses it.
+ */
+class Session {
+public:
+    /** An empty session handle (nothing to destroy). @note Never throws. */
+    Session() noexcept = default;
+
+    /**
+     * Creates a session and starts its CPU-Adam thread (`so_session_create`).
+     * @throws Error `SO_STATUS_UNSUPPORTED` (AMSGrad, f16 moments), `SO_STATUS_INVALID_ARGUMENT`
+     *         (a pool and cores both given, bad cores, bad dtypes or loss-scaler settings),
+     *         `SO_STATUS_OUT_OF_RESOURCES` (threads cannot start).
+     */
+    [[nodiscard]] static Session create(const SessionOptions& options = {}) {
+        so_session* out = nullptr;
+        check(so_session_create(&options, &out));
+        return adopt(out, static_cast<DType>(options.grad_dtype), static_cast<DType>(options.accum_dtype));
+    }
+
+    /**
+     * Creates a CUDA session with the default CudaOptions (`so_session_create_cuda`; see
+     * superoffload/cuda.hpp). @throws Error as create, plus the CUDA statuses.
+     */
+    [[nodiscard]] static Session create_cuda(const SessionOptions& options = {});
+
+    /**
+     * Creates a CUDA session (`so_session_create_cuda`): gradients arrive as device pointers
+     * (grad_device), updated weights are published into each sub-group's device parameter
+     * (add_subgroup_cuda) after step() decides. Uses the device's primary context and its own
+     * copy streams.
+     * @throws Error as create, plus `SO_STATUS_CUDA_UNAVAILABLE` (no driver or device) and
+     *         `SO_STATUS_CUDA_ERROR` (the driver's error name in the message).
+     */
+    [[nodiscard]] static Session create_cuda(const SessionOptions& options, const CudaOptions& cuda);
+
+    /**
+     * Takes ownership of a handle from `so_session_create` (or nullptr, giving an empty
+     * Session). `grad_dtype` and `accum_dtype` must be those the session was created with:
+     * the typed calls check their element types against them.
+     * @note Never throws.
+     */
+    [[nodiscard]] static Session adopt(so_session* raw, DType grad_dtype, DType accum_dtype) noexcept {
+        Session session;
+        session.handle_.reset(raw);
+        session.grad_dtype_ = grad_dtype;
+        session.accum_dtype_ = accum_dtype;
+        return session;
+    }
+
+    /** Whether this handle owns a session. @note Never throws. */
+    explicit operator bool() const noexcept { return handle_ != nullptr; }
+
+    /** The C handle, still owned by this object (nullptr when empty). @note Never throws. */
+    [[nodiscard]] so_session* raw() const noexcept { return handle_.get(); }
+
+    /** Gives up ownership: returns the C handle (the caller must `so_session_destroy` it). @note Never throws. */
+    [[nodiscard]] so_session* release() noexcept { return handle_.release(); }
+
+    /** Destroys the owned session now (waiting for its queued work), leaving this handle empty. */
+    void reset() noexcept { handle_.reset(); }
+
+    /** The dtype grad_copy expects (SessionOptions::grad_dtype). @note Never throws. */
+    [[nodiscard]] DType grad_dtype() const noexcept { return grad_dtype_; }
+
+    /** The dtype of the sub-group gradient buffers (SessionOptions::accum_dtype). @note Never throws. */
+    [[nodiscard]] DType accum_dtype() const noexcept { return accum_dtype_; }
+
+    // ---- param groups ----------------------------------------------------------------
+
+    /**
+     * Adds a param group (`so_session_add_group`). @return Its id (0, 1, ... in order).
+     * @throws Error `SO_STATUS_INVALID_ARGUMENT` for out-of-range values.
+     */
+    std::uint32_t add_group(const GroupHparams& hparams = {}) {
+        std::uint32_t id = 0;
+        check(so_session_add_group(handle_.get(), &hparams, &id));
+        return id;
+    }
+
+    /**
+     * Changes a group's hyperparameters, at any time (`so_session_set_group`: speculative
+     * steps already taken with other values are rolled back and redone at step()).
+     * @throws Error `SO_STATUS_NOT_FOUND` (unknown group), `SO_STATUS_INVALID_ARGUMENT`.
+     */
+    void set_group(std::uint32_t group, const GroupHparams& hparams) {
+        check(so_session_set_group(handle_.get(), group, &hparams));
+    }
+
+    /** A group's current hyperparameters (`so_session_get_group`). @throws Error `SO_STATUS_NOT_FOUND`. */
+    [[nodiscard]] GroupHparams group(std::uint32_t group) const {
+        GroupHparams out;
+        check(so_session_get_group(handle_.get(), group, &out));
+        return out;
+    }
+
+    // ---- sub-groups ------------------------------------------------------------------
+
+    /**
+     * Registers a sub-group of `numel` master weights (float: speculates; bf16 or f16:
+     * stepped at step()) in `group`, with the slices whose gradients complete it; the session
+     * allocates its gradient buffer (`so_session_add_subgroup`). `master` is borrowed (see the
+     * class comment). Sub-groups are finalized in registration order: register them in
+     * forward order.
+     * @return The sub-group id (0, 1, ... in order of registration).
+     * @throws Error `SO_STATUS_INVALID_STATE` (during a step), `SO_STATUS_NOT_FOUND` (unknown
+     *         group), `SO_STATUS_ALIASING` (overlapping slices or buffers),
+     *         `SO_STATUS_INVALID_ARGUMENT` (bad slices or names), `SO_STATUS_OUT_OF_RESOURCES`
+     *         (host-memory limit). Nothing is registered on error.
+     */
+    template <class T, std::enable_if_t<is_element_v<T>, int> = 0>
+    std::uint32_t add_subgroup(std::uint32_t group, T* master, std::size_t numel, const std::vector<Slice>& slices) {
+        return add_subgroup_impl(group, master, dtype_of<T>::value, numel, slices, nullptr);
+    }
+
+    /**
+     * As add_subgroup(group, master, numel, slices), with a caller gradient buffer of
+     * `numel` elements of the accumulation dtype, also borrowed, for grad_written().
+     * @throws Error as the other form, and `SO_STATUS_INVALID_ARGUMENT` (from the wrapper) if
+     *         `A` is not the session's accum_dtype().
+     */
+    template <class T, class A, std::enable_if_t<is_element_v<T> && is_element_v<A>, int> = 0>
+    std::uint32_t add_subgroup(std::uint32_t group, T* master, std::size_t numel, const std::vector<Slice>& slices,
+                               A* grad) {
+        if (handle_ && dtype_of<A>::value != accum_dtype_) {
+            throw Error(SO_STATUS_INVALID_ARGUMENT, std::string("superoffload::Session::add_subgroup: the gradient "
+                                                                "buffer is ") +
+                                                        detail::dtype_name(dtype_of<A>::value) +
+                                                        " but the session's accum_dtype is " +
+                                                        detail::dtype_name(accum_dtype_));
+        }
+        return add_subgroup_impl(group, master, dtype_of<T>::value, numel, slices, grad);
+    }
+
+    /**
+     * As add_subgroup(group, master.data(), master.size(), slices), for a contiguous container
+     * (std::vector, a span, ...) of float, bf16 or f16 that must not be resized while borrowed.
+     * @throws Error as the pointer form.
+     */
+    template <class C, std::enable_if_t<is_element_v<detail::data_element_t<C>>, int> = 0>
+    std::uint32_t add_subgroup(std::uint32_t group, C& master, const std::vector<Slice>& slices) {
+        return add_subgroup(group, master.data(), master.size(), slices);
+    }
+
+    /**
+     * As add_subgroup(group, master, slices), with a caller gradient buffer container of the
+     * same size (else `SO_STATUS_INVALID_ARGUMENT`, from the wrapper).
+     * @throws Error as the pointer form.
+     */
+    template <
+        class C, class GC,
+        std::enable_if_t<is_element_v<detail::data_element_t<C>> && is_element_v<detail::data_element_t<GC>>, int> = 0>
+    std::uint32_t add_subgroup(std::uint32_t group, C& master, const std::vector<Slice>& slices, GC& grad) {
+        if (grad.size() != master.size()) {
+            throw Error(SO_STATUS_INVALID_ARGUMENT, "superoffload::Session::add_subgroup: the gradient buffer has " +
+                                                        std::to_string(grad.size()) + " elements, the master weights " +
+                                                        std::to_string(master.size()));
+        }
+        return add_subgroup(group, master.data(), master.size(), slices, grad.data());
+    }
+
+    /**
+     * Registers a sub-group described by a C struct as it is (`so_session_add_subgroup`), for
+     * what the typed forms do not set (caller moment buffers, ...). No wrapper checks.
+     * @return The sub-group id. @throws Error as the typed forms.
+     */
+    std::uint32_t add_subgroup(const so_subgroup_desc& desc) {
+        std::uint32_t id = 0;
+        check(so_session_add_subgroup(handle_.get(), &desc, &id));
+        return id;
+    }
+
+    /**
+     * Unregisters a sub-group between steps, after its outstanding work
+     * (`so_session_remove_subgroup`); its slice names become free and its borrowed buffers are
+     * not used after this returns.
+     * @throws Error `SO_STATUS_NOT_FOUND`, `SO_STATUS_INVALID_STATE` (during a step).
+     */
+    void remove_subgroup(std::uint32_t subgroup) { check(so_session_remove_subgroup(handle_.get(), subgroup)); }
+
+    /**
+     * The id of a slice (`so_session_slice_id`; stable for the session's lifetime: look it up
+     * once). @throws Error `SO_STATUS_NOT_FOUND`.
+     */
+    [[nodiscard]] std::uint32_t slice_id(const std::string& name) const {
+        detail::check_c_string(name, "the slice name", "Session::slice_id");
+        std::uint32_t id = 0;
+        check(so_session_slice_id(handle_.get(), name.c_str(), &id));
+        return id;
+    }
+
+    // ---- one step --------------------------------------------------------------------
+
+    /**
+     * Starts an optimizer step whose backward uses `loss_scale` (0: the built-in scaler's
+     * scale, or 1 without one) and `micro_steps` micro-steps of gradient accumulation
+     * (`so_session_begin_step`).
+     * @throws Error `SO_STATUS_INVALID_STATE` (the previous step was not given to step()),
+     *         `SO_STATUS_INVALID_ARGUMENT` (bad scale, 0 micro-steps).
+     */
+    void begin_step(float loss_scale = 0.0f, std::uint32_t micro_steps = 1) {
+        check(so_session_begin_step(handle_.get(), loss_scale, micro_steps));
+    }
+
+    /**
+     * Moves to the next micro-step (`so_session_next_micro_step`).
+     * @throws Error `SO_STATUS_INVALID_STATE` (beyond the count, or no step).
+     */
+    void next_micro_step() { check(so_session_next_micro_step(handle_.get())); }
+
+    /**
+     * Hands over a slice's gradient by copy (`so_session_grad_copy`): `numel` elements of
+     * `G`, which must be the session's grad_dtype(). `grad` may be reused at once.
+     * @return The ticket of the work this queued (the sub-group's speculative step, when this
+     *         completed it), or no_ticket.
+     * @throws Error `SO_STATUS_INVALID_ARGUMENT` (wrong element type, from the wrapper; wrong
+     *         size), `SO_STATUS_INVALID_STATE`, `SO_STATUS_NOT_FOUND`, `SO_STATUS_OUT_OF_RESOURCES`.
+     */
+    template <class G, std::enable_if_t<is_element_v<G>, int> = 0>
+    Ticket grad_copy(std::uint32_t slice, const G* grad, std::size_t numel) {
+        return grad_copy(slice, static_cast<const void*>(grad), dtype_of<G>::value, numel);
+    }
+
+    /** As grad_copy(slice, grad.data(), grad.size()), for a contiguous container. @throws Error as that. */
+    template <class C, std::enable_if_t<is_element_v<std::remove_const_t<detail::data_element_t<const C>>>, int> = 0>
+    Ticket grad_copy(std::uint32_t slice, const C& grad) {
+        return grad_copy(slice, grad.data(), grad.size());
+    }
+
+    /**
+     * Untyped form of grad_copy: `numel` elements of `dtype` at `grad` (e.g. a framework
+     * tensor's data pointer). @throws Error as the typed form.
+     */
+    Ticket grad_copy(std::uint32_t slice, const void* grad, DType dtype, std::size_t numel) {
+        if (handle_ && dtype != grad_dtype_) {
+            throw Error(SO_STATUS_INVALID_ARGUMENT,
+                        std::string("superoffload::Session::grad_copy: the gradient is ") + detail::dtype_name(dtype) +
+                            " but the session's grad_dtype is " + detail::dtype_name(grad_dtype_));
+        }
+        Ticket ticket = no_ticket;
+        check(so_session_grad_copy(handle_.get(), slice, grad, numel, &ticket));
+        return ticket;
+    }
+
+    /**
+     * Records that the slice's gradient of this micro-step is in place in its sub-group's
+     * caller gradient buffer (`so_session_grad_written`).
+     * @return As grad_copy.
+     * @throws Error `SO_STATUS_INVALID_ARGUMENT` (the session owns the buffer),
+     *         `SO_STATUS_INVALID_STATE` (outside backward, or the sub-group already completed),
+     *         `SO_STATUS_NOT_FOUND`.
+     */
+    Ticket grad_written(std::uint32_t slice) {
+        Ticket ticket = no_ticket;
+        check(so_session_grad_written(handle_.get(), slice, &ticket));
+        return ticket;
+    }
+
+    /**
+     * The sum of squares of this step's unscaled gradient over all sub-groups, waiting
+     * forever for the speculative passes (`so_session_local_grad_sumsq`). Ends the backward:
+     * only step() may follow.
+     * @throws Error `SO_STATUS_INVALID_STATE` (outside a step), or the error of a failed pass.
+     */
+    [[nodiscard]] double local_grad_sumsq() {
+        const std::optional<double> sumsq = local_grad_sumsq(forever);
+        if (!sumsq) {
+            throw Error(SO_STATUS_TIMEOUT, "superoffload::Session::local_grad_sumsq: timed out waiting forever");
+        }
+        return *sumsq;
+    }
+
+    /**
+     * As local_grad_sumsq(), waiting at most `timeout`.
+     * @return The sum, or std::nullopt if the timeout expired (call again to keep waiting).
+     * @throws Error as local_grad_sumsq().
+     */
+    [[nodiscard]] std::optional<double> local_grad_sumsq(Timeout timeout) {
+        double sumsq = 0.0;
+        const so_status st = so_session_local_grad_sumsq(handle_.get(), timeout.c_ns(), &sumsq);
+        if (st == SO_STATUS_TIMEOUT) {
+            return std::nullopt;
+        }
+        check(st);
+        return sumsq;
+    }
+
+    /**
+     * Ends the step and returns at once (`so_session_step`); the CPU-Adam thread decides
+     * (norm, skip, clip) and makes every sub-group exact in registration order.
+     * @return The ticket that completes when every sub-group is final (for step_result).
+     * @throws Error `SO_STATUS_INVALID_STATE` (no begin_step), `SO_STATUS_INVALID_ARGUMENT`
+     *         (bad max_norm).
+     */
+    Ticket step(const StepArgs& args = {}) {
+        Ticket ticket = no_ticket;
+        check(so_session_step(handle_.get(), &args, &ticket));
+        return ticket;
+    }
+
+    /**
+     * Waits forever for the step of `ticket` (as returned by step()) and describes it
+     * (`so_session_step_result`).
+     * @throws Error `SO_STATUS_NOT_FOUND` (not the latest step's ticket), or the step's error.
+     */
+    [[nodiscard]] StepResult step_result(Ticket ticket) const {
+        const std::optional<StepResult> result = step_result(ticket, forever);
+        if (!result) {
+            throw Error(SO_STATUS_TIMEOUT, "superoffload::Session::step_result: timed out waiting forever");
+        }
+        return *result;
+    }
+
+    /**
+     * As step_result(ticket), waiting at most `timeout`.
+     * @return The result, or std::nullopt if the timeout expired.
+     * @throws Error as step_result(ticket).
+     */
+    [[nodiscard]] std::optional<StepResult> step_result(Ticket ticket, Timeout timeout) const {
+        StepResult result;
+        const so_status st = so_session_step_result(handle_.get(), ticket, timeout.c_ns(), &result);
+        if (st == SO_STATUS_TIMEOUT) {
+            return std::nullopt;
+        }
+        check(st);
+        return result;
+    }
+
+    // ---- queries ---------------------------------------------------------------------
+
+    /**
+     * The ticket that completes when the sub-group's latest step is final (no_ticket before
+     * its first step; `so_session_final_ticket`). @throws Error `SO_STATUS_NOT_FOUND`.
+     */
+    [[nodiscard]] Ticket final_ticket(std::uint32_t subgroup) const {
+        Ticket ticket = no_ticket;
+        check(so_session_final_ticket(handle_.get(), subgroup, &ticket));
+        return ticket;
+    }
+
+    /**
+     * Steps the sub-group has taken (skipped steps do not count; `so_session_step_count`);
+     * read it after the sub-group's final ticket. @throws Error `SO_STATUS_NOT_FOUND`.
+     */
+    [[nodiscard]] std::uint64_t step_count(std::uint32_t subgroup) const {
+        std::uint64_t count = 0;
+        check(so_session_step_count(handle_.get(), subgroup, &count));
+        return count;
+    }
+
+    /**
+     * The built-in loss scaler's current scale (waiting for the latest step's verdict), or 1
+     * without a scaler (`so_session_loss_scale`). @throws Error only for an empty handle.
+     */
+    [[nodiscard]] float loss_scale() const {
+        float scale = 0.0f;
+        check(so_session_loss_scale(handle_.get(), &scale));
+        return scale;
+    }
+
+    /** Host bytes the session allocated (`so_session_host_bytes`). @throws Error only for an empty handle. */
+    [[nodiscard]] std::size_t host_bytes() const {
+        std::size_t bytes = 0;
+        check(so_session_host_bytes(handle_.get(), &bytes));
+        return bytes;
+    }
+
+    // ---- tickets ---------------------------------------------------------------------
+
+    /**
+     * The state of a ticket, without waiting (`so_ticket_query`): done, pending, or failed
+     * with the work's Error.
+     * @throws Error `SO_STATUS_NOT_FOUND` for a ticket this session never issued (misuse, not
+     *         a state), `SO_STATUS_NULL_ARGUMENT` for an empty handle.
+     */
+    [[nodiscard]] TicketStatus query(Ticket ticket) const {
+        const so_status st = so_ticket_query(handle_.get(), ticket);
+        TicketStatus out;
+        switch (st) {
+        case SO_STATUS_OK: out.state = TicketState::Done; return out;
+        case SO_STATUS_PENDING: out.state = TicketState::Pending; return out;
+        case SO_STATUS_NOT_FOUND:
+        case SO_STATUS_NULL_ARGUMENT: check(st); break;
+        default: break;
+        }
+        std::string message = last_error_message();
+        if (message.empty()) {
+            message = status_str(st);
+        }
+        out.state = TicketState::Failed;
+        out.error = Error(st, message);
+        return out;
+    }
+
+    /**
+     * Waits forever for a ticket (`so_ticket_wait`; no_ticket is always complete).
+     * @throws Error the work's error if it failed; `SO_STATUS_NOT_FOUND` for a ticket never issued.
+     */
+    void wait(Ticket ticket) const {
+        if (!wait(ticket, forever)) {
+            throw Error(SO_STATUS_TIMEOUT, "superoffload::Session::wait: timed out waiting forever");
+        }
+    }
+
+    /**
+     * Waits at most `timeout` for a ticket (a zero duration polls).
+     * @return true if the work completed successfully, false if the timeout expired.
+     * @throws Error as wait(ticket).
+     */
+    [[nodiscard]] bool wait(Ticket ticket, Timeout timeout) const {
+        const so_status st = so_ticket_wait(handle_.get(), ticket, timeout.c_ns());
+        if (st == SO_STATUS_TIMEOUT) {
+            return false;
+        }
+        check(st);
+        return true;
+    }
+
+    /**
+     * Waits forever for every ticket up to and including `ticket` (`so_ticket_wait_all`).
+     * @throws Error the error of the first failed one.
+     */
+    void wait_all(Ticket ticket) const {
+        if (!wait_all(ticket, forever)) {
+            throw Error(SO_STATUS_TIMEOUT, "superoffload::Session::wait_all: timed out waiting forever");
+        }
+    }
+
+    /**
+     * Waits at most `timeout` for every ticket up to and including `ticket`.
+     * @return true if all completed successfully, false if the timeout expired.
+     * @throws Error as wait_all(ticket).
+     */
+    [[nodiscard]] bool wait_all(Ticket ticket, Timeout timeout) const {
+        const so_status st = so_ticket_wait_all(handle_.get(), ticket, timeout.c_ns());
+        if (st == SO_STATUS_TIMEOUT) {
+            return false;
+        }
+        check(st);
+        return true;
+    }
+
+    // ---- CUDA sessions (defined in superoffload/cuda.hpp) ------------------------------
+
+    /**
+     * As add_subgroup, for a CUDA session (`so_subgroup_desc.device_param`): the model's
+     * parameter lives at `device_param` (`numel` elements of `device_dtype` on the GPU,
+     * borrowed like the master weights), where updated weights are published after each
+     * step() decides. @throws Error as add_subgroup.
+     */
+    template <class T>
+    std::uint32_t add_subgroup_cuda(std::uint32_t group, T* master, std::size_t numel, const std::vector<Slice>& slices,
+                                    so_device_ptr device_param, DType device_dtype,
+                                    Placement placement = Placement::Host) {
+        return add_subgroup_impl(group, master, dtype_of<T>::value, numel, slices, nullptr, device_param, device_dtype,
+                                 placement);
+    }
+
+    /** Moves a sub-group between host and GPU memory, between steps (`so_session_set_placement`). */
+    void set_placement(std::uint32_t subgroup, Placement placement);
+
+    /** GPU bytes the session allocated (`so_session_device_bytes`). */
+    [[nodiscard]] std::size_t device_bytes() const;
+
+    /**
+     * Hands over the gradient of `slice` ready at device address `grad` on `stream`
+     * (`so_session_grad_device`). @return The ticket of the speculative step this queued, or
+     * no_ticket.
+     */
+    Ticket grad_device(std::uint32_t slice, so_device_ptr grad, std::size_t numel, DType dtype,
+                       so_cuda_stream_t stream);
+
+    /** Registers the compute stream (`so_session_set_compute_stream`). */
+    void set_compute_stream(so_cuda_stream_t stream);
+
+    /** Makes `stream` wait on the GPU until `ticket` is complete (`so_ticket_enqueue_wait`). */
+    void enqueue_wait(Ticket ticket, so_cuda_stream_t stream) const;
+
+    /** The session's first copy stream (`so_session_copy_stream`). */
+    [[nodiscard]] so_cuda_stream_t copy_stream() const;
+
+    /** Host bytes the session page-locked (`so_session_pinned_bytes`; 0 for a host session). */
+    [[nodiscard]] std::size_t pinned_bytes() const;
+
+    // ---- timeline --------------------------------------------------------------------
+
+    /**
+     * Starts (clearing an earlier one) or stops recording a timeline of the session's work
+     * (`so_session_trace`).
+     */
+    void trace(bool enable) { check(so_session_trace(handle_.get(), enable)); }
+
+    /**
+     * Writes the recorded timeline as Chrome trace JSON (`so_session_trace_save`).
+     * @throws Error `SO_STATUS_IO`.
+     */
+    void save_trace(const std::string& path) const {
+        detail::check_c_string(path, "the path", "Session::save_trace");
+        check(so_session_trace_save(handle_.get(), path.c_str()));
+    }
+
+    // ---- checkpoints and state (defined in superoffload/checkpoint.hpp) ---------------
+
+    /** Saves a checkpoint between steps, after in-flight work (`so_session_save`). */
+    void save(const std::string& path);
+
+    /** Loads a checkpoint into the registered sub-groups, between steps (`so_session_load`). */
+    void load(const std::string& path);
+
+    /** A sub-group's state buffers (`so_session_get_subgroup_state`). */
+    [[nodiscard]] SubgroupState subgroup_state(std::uint32_t subgroup) const;
+
+    /** Sets a sub-group's step count, between steps (`so_session_set_step_count`). */
+    void set_step_count(std::uint32_t subgroup, std::uint64_t count);
+
+private:
+    std::uint32_t add_subgroup_impl(std::uint32_t group, void* master, DType master_dtype, std::size_t numel,
+                                    const std::vector<Slice>& slices, void* grad, so_device_ptr device_param = 0,
+                                    DType device_dtype = DType::None, Placement placement = Placement::Host) {
+        std::vector<so_slice_desc> raw_slices;
+        raw_slices.reserve(slices.size());
+        for (const Slice& s : slices) {
+            detail::check_c_string(s.name_string(), "a slice name", "Session::add_subgroup");
+            raw_slices.push_back(s);
+        }
+        so_subgroup_desc desc = so_subgroup_desc_default();
+        desc.group = group;
+        desc.master = master;
+        desc.master_dtype = master_dtype;
+        desc.numel = numel;
+        desc.grad = grad;
+        desc.slices = raw_slices.empty() ? nullptr : raw_slices.data();
+        desc.num_slices = raw_slices.size();
+        desc.device_param = device_param;
+        desc.device_param_dtype = device_dtype;
+        desc.placement = placement;
+        return add_subgroup(desc);
+    }
+
+    struct Deleter {
+        void operator()(so_session* session) const noexcept { so_session_destroy(session); }
+    };
+    std::unique_ptr<so_session, Deleter> handle_;
+    DType grad_dtype_ = DType::F32;
+    DType accum_dtype_ = DType::F32;
+};
+
+} // namespace superoffload
+
+// The definitions of Session's checkpoint and CUDA calls.
+#include "checkpoint.hpp"
+#include "cuda.hpp"
+
+#endif // SUPEROFFLOAD_SESSION_HPP
