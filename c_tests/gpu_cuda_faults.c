@@ -176,18 +176,19 @@ static void destroy_with_copies_queued(void) {
 
 /* A kernel that stores to the address it is given: with a bad address, an illegal-address
  * fault (sticky: the context is lost). */
-static const char fault_ptx[] = ".version 7.0\n"
-                                ".target sm_80\n"
-                                ".address_size 64\n"
-                                ".visible .entry so_test_fault(.param .u64 p)\n"
-                                "{\n"
-                                "  .reg .b64 %rd<2>;\n"
-                                "  .reg .b32 %r<2>;\n"
-                                "  ld.param.u64 %rd1, [p];\n"
-                                "  mov.u32 %r1, 1;\n"
-                                "  st.global.u32 [%rd1], %r1;\n"
-                                "  ret;\n"
-                                "}\n";
+static const char fault_ptx[] =
+    ".version 7.0\n"
+    ".target sm_80\n"
+    ".address_size 64\n"
+    ".visible .entry so_test_fault(.param .u64 p)\n"
+    "{\n"
+    "  .reg .b64 %rd<2>;\n"
+    "  .reg .b32 %r<2>;\n"
+    "  ld.param.u64 %rd1, [p];\n"
+    "  mov.u32 %r1, 1;\n"
+    "  st.global.u32 [%rd1], %r1;\n"
+    "  ret;\n"
+    "}\n";
 
 static void caller_stream_faults(void) {
     fixture f;
