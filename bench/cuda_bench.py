@@ -11,81 +11,61 @@ overlap  A synthetic layered backward (GPU matmuls producing each layer's gradie
          vs on the CPU (bf16 copy sent). Step time against max(GPU time, CPU Adam time).
 
   python3 bench/cuda_bench.py --lib dist/lib/libsuperoffload.so [--json out.json]
+
+Needs the superoffload Python package for the C ABI's ctypes declarations (only its `_abi`
+module: the package's bundled library is not loaded, `--lib` is): the installed package (`pip
+install` it) or, run from a source checkout, the checkout's python/ directory (bench/../python).
+Installed with the library (share/superoffload/bench/), the script needs the pip-installed package.
 """
 import argparse
 import ctypes as C
 import json
+import os
 import statistics
 import sys
 import time
 
-SO_DTYPE_F32, SO_DTYPE_BF16 = 1, 2
-SO_NORM_LOCAL = 1
-SO_SPECULATION = {"off": 0, "on": 1, "auto": 2}
+def import_abi():
+    """superoffload._abi of the installed package, else of the source checkout holding this script
+    (bench/../python). Importing it loads neither a library nor torch."""
+    try:
+        from superoffload import _abi
+        return _abi
+    except ImportError:
+        pass
+    checkout = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    if os.path.isfile(os.path.join(checkout, "superoffload", "_abi.py")):
+        sys.path.insert(0, checkout)
+        from superoffload import _abi
+        return _abi
+    sys.exit("error: this script needs the superoffload Python package (its ctypes declarations of the C ABI): "
+             "`pip install` the package, or run the script from a source checkout "
+             f"(it looks for {checkout}/superoffload)")
 
 
-class SessionOptions(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("pool", C.c_void_p), ("cores", C.POINTER(C.c_uint32)),
-                ("num_cores", C.c_size_t), ("mode", C.c_uint32), ("bias_correction", C.c_bool),
-                ("moment_dtype", C.c_uint32), ("grad_dtype", C.c_uint32), ("accum_dtype", C.c_uint32),
-                ("speculation", C.c_uint32), ("host_memory_limit", C.c_uint64), ("amsgrad", C.c_bool),
-                ("loss_scaler", C.c_void_p), ("copy_dtype", C.c_uint32), ("gpu_budget_bytes", C.c_uint64)]
-
-
-class GroupHparams(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("lr", C.c_double), ("beta1", C.c_double),
-                ("beta2", C.c_double), ("eps", C.c_double), ("weight_decay", C.c_double)]
-
-
-class SliceDesc(C.Structure):
-    _fields_ = [("name", C.c_char_p), ("offset", C.c_size_t), ("numel", C.c_size_t)]
-
-
-class SubgroupDesc(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("group", C.c_uint32), ("master", C.c_void_p),
-                ("master_dtype", C.c_uint32), ("numel", C.c_size_t), ("grad", C.c_void_p),
-                ("slices", C.POINTER(SliceDesc)), ("num_slices", C.c_size_t),
-                ("device_param", C.c_uint64), ("device_param_dtype", C.c_uint32), ("exp_avg", C.c_void_p),
-                ("exp_avg_sq", C.c_void_p), ("placement", C.c_uint32)]
-
-
-class StepArgs(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("max_norm", C.c_double), ("norm_source", C.c_uint32),
-                ("global_norm", C.c_double), ("overflow", C.c_bool)]
-
-
-class StepResult(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("serial", C.c_uint64), ("skipped", C.c_bool),
-                ("global_norm", C.c_double), ("clip_coef", C.c_double), ("grad_factor", C.c_float),
-                ("loss_scale", C.c_float), ("next_loss_scale", C.c_float), ("speculative", C.c_uint32),
-                ("late_gradients", C.c_uint32), ("kept", C.c_uint32), ("rescaled", C.c_uint32),
-                ("rolled_back", C.c_uint32), ("redone", C.c_uint32), ("stepped", C.c_uint32),
-                ("skip_reason", C.c_uint32), ("cancelled", C.c_uint32), ("device_stepped", C.c_uint32),
-                ("device_subgroups", C.c_uint32), ("final_pass_elements", C.c_uint64), ("forward_wait_s", C.c_double)]
-
-
-class CudaOptions(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("device", C.c_int32), ("piece_bytes", C.c_size_t)]
+_abi = import_abi()
+DType, NormSource, Speculation = _abi.DType, _abi.NormSource, _abi.Speculation
 
 
 class Lib:
     def __init__(self, path):
         self.c = C.CDLL(path)
         c = self.c
-        c.so_status_str.restype = C.c_char_p
-        for name, struct in [("so_session_options_default", SessionOptions), ("so_group_hparams_default", GroupHparams),
-                             ("so_subgroup_desc_default", SubgroupDesc), ("so_step_args_default", StepArgs),
-                             ("so_cuda_options_default", CudaOptions)]:
-            getattr(c, name).restype = struct
-            got = getattr(c, name)().struct_size
-            if got != C.sizeof(struct):
-                sys.exit(f"{name}: struct_size {got} but this script's layout has {C.sizeof(struct)}")
-        c.so_session_grad_device.argtypes = [C.c_void_p, C.c_uint32, C.c_uint64, C.c_size_t, C.c_uint32, C.c_void_p,
-                                             C.POINTER(C.c_uint64)]
-        c.so_ticket_enqueue_wait.argtypes = [C.c_void_p, C.c_uint64, C.c_void_p]
-        c.so_ticket_wait.argtypes = [C.c_void_p, C.c_uint64, C.c_int64]
-        c.so_session_step_result.argtypes = [C.c_void_p, C.c_uint64, C.c_int64, C.POINTER(StepResult)]
-        c.so_session_device_bytes.argtypes = [C.c_void_p, C.POINTER(C.c_size_t)]
+        missing = _abi.bind(c)
+        if "so_abi_version" in missing:
+            sys.exit(f"{path} has no so_abi_version: it is not libsuperoffload")
+        abi = c.so_abi_version()
+        if abi != _abi.ABI_VERSION:
+            sys.exit(f"{path} has ABI version {abi}; the superoffload package ({_abi.__file__}) declares ABI "
+                     f"{_abi.ABI_VERSION}: use a library and a package of the same version")
+        if missing:
+            sys.exit(f"{path} lacks {', '.join(missing)}, though it has ABI version {abi}")
+        for name, (struct, _) in _abi.FUNCTIONS.items():
+            if name.endswith("_default") and "struct_size" in struct.field_names():
+                got = getattr(c, name)().struct_size
+                if got != C.sizeof(struct):
+                    sys.exit(f"{name}: struct_size {got} but superoffload._abi.{struct.__name__} has "
+                             f"{C.sizeof(struct)}")
 
     def check(self, status, what):
         if status:
@@ -101,10 +81,10 @@ class Session:
                  gpu_budget=0):
         self.lib, c = lib, lib.c
         o = c.so_session_options_default()
-        o.grad_dtype = o.accum_dtype = SO_DTYPE_BF16
-        o.speculation = SO_SPECULATION[speculation]
+        o.grad_dtype = o.accum_dtype = DType.BF16
+        o.speculation = Speculation[speculation.upper()]
         o.gpu_budget_bytes = gpu_budget
-        o.copy_dtype = SO_DTYPE_BF16 if copy_bf16 else 0
+        o.copy_dtype = DType.BF16 if copy_bf16 else DType.NONE
         if cores:
             self._cores = (C.c_uint32 * len(cores))(*cores)
             o.cores, o.num_cores = self._cores, len(cores)
@@ -119,10 +99,10 @@ class Session:
         for k, (m, p) in enumerate(zip(masters, params)):
             name = f"layer{k}".encode()
             self.names.append(name)
-            sl = SliceDesc(name, 0, m.numel())
+            sl = _abi.SliceDesc(name, 0, m.numel())
             d = c.so_subgroup_desc_default()
             d.master, d.numel, d.slices, d.num_slices = m.data_ptr(), m.numel(), C.pointer(sl), 1
-            d.device_param, d.device_param_dtype = p.data_ptr(), SO_DTYPE_BF16
+            d.device_param, d.device_param_dtype = p.data_ptr(), DType.BF16
             sg = C.c_uint32()
             lib.check(c.so_session_add_subgroup(self.h, C.byref(d), C.byref(sg)), "add_subgroup")
         s = C.c_void_p()
@@ -133,19 +113,18 @@ class Session:
         self.lib.check(self.lib.c.so_session_begin_step(self.h, C.c_float(1.0), 1), "begin_step")
 
     def grad(self, k, t, stream_ptr):
-        self.lib.check(self.lib.c.so_session_grad_device(self.h, k, t.data_ptr(), t.numel(), SO_DTYPE_BF16,
+        self.lib.check(self.lib.c.so_session_grad_device(self.h, k, t.data_ptr(), t.numel(), DType.BF16,
                                                          stream_ptr, None), "grad_device")
 
     def step(self, max_norm):
         a = self.lib.c.so_step_args_default()
-        a.max_norm, a.norm_source = max_norm, SO_NORM_LOCAL
+        a.max_norm, a.norm_source = max_norm, NormSource.LOCAL
         t = C.c_uint64()
         self.lib.check(self.lib.c.so_session_step(self.h, C.byref(a), C.byref(t)), "step")
         return t.value
 
     def result(self, ticket):
-        r = StepResult()
-        r.struct_size = C.sizeof(StepResult)
+        r = _abi.new(_abi.StepResult)
         self.lib.check(self.lib.c.so_session_step_result(self.h, ticket, -1, C.byref(r)), "step_result")
         return r
 
@@ -299,15 +278,6 @@ def overlap(lib, torch, args):
 
 def cpu_adam_time(lib, masters, torch):
     c = lib.c
-    c.so_adam_hparams_default.restype = type("H", (C.Structure,), {"_fields_": [
-        ("struct_size", C.c_size_t), ("mode", C.c_uint32), ("lr", C.c_double), ("beta1", C.c_double),
-        ("beta2", C.c_double), ("eps", C.c_double), ("weight_decay", C.c_double), ("bias_correction", C.c_bool),
-        ("step", C.c_uint64)]})
-    buf_t = type("B", (C.Structure,), {"_fields_": [
-        ("struct_size", C.c_size_t), ("numel", C.c_size_t), ("param", C.c_void_p), ("grad", C.c_void_p),
-        ("exp_avg", C.c_void_p), ("exp_avg_sq", C.c_void_p), ("param_copy", C.c_void_p), ("param_dtype", C.c_uint32),
-        ("grad_dtype", C.c_uint32), ("moment_dtype", C.c_uint32), ("param_copy_dtype", C.c_uint32)]})
-    c.so_adam_buffers_default.restype = buf_t
     hp = c.so_adam_hparams_default()
     state = []
     for m in masters:
@@ -315,7 +285,7 @@ def cpu_adam_time(lib, masters, torch):
         mm, vv = torch.zeros_like(m), torch.zeros_like(m)
         b = c.so_adam_buffers_default()
         b.numel, b.param, b.grad, b.exp_avg, b.exp_avg_sq = m.numel(), p.data_ptr(), g16.data_ptr(), mm.data_ptr(), vv.data_ptr()
-        b.grad_dtype = SO_DTYPE_BF16
+        b.grad_dtype = DType.BF16
         state.append((b, p, g16, mm, vv))
     times = []
     for rep in range(4):

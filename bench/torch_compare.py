@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """superoffload vs PyTorch's fused CPU AdamW: same tensors, same thread count, one process.
 
-Loads libsuperoffload through ctypes (structs declared here to match include/superoffload.h,
-initialised from the library's so_*_default() functions, sizes and ABI version checked), then
-times, interleaving repetitions (torch, ours, torch, ours, ...) after a warm-up:
+Loads libsuperoffload through ctypes with the C ABI's declarations of the superoffload Python
+package (`superoffload._abi`: structs initialised from the library's so_*_default() functions,
+sizes and ABI version checked), then times, interleaving repetitions (torch, ours, torch, ours,
+...) after a warm-up:
 
   f32 job   torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, fused=True).step()
             vs so_adam_update on the same p, p.grad, exp_avg, exp_avg_sq (torch's own state
@@ -26,6 +27,11 @@ Usage:
   python3 bench/torch_compare.py --lib target/release/libsuperoffload.so --threads 16 --n 1e8 \\
       --json out.json
   python3 bench/torch_compare.py --lib target/release/libsuperoffload.so --selftest
+
+Needs the superoffload Python package for the ABI declarations (only its `_abi` module: neither
+the package's bundled library nor torch is loaded for it): the installed package (`pip install`
+it) or, run from a source checkout, the checkout's python/ directory (bench/../python). Installed
+with the library (share/superoffload/bench/), the script needs the pip-installed package.
 """
 
 import argparse
@@ -40,76 +46,31 @@ import sys
 import time
 
 # ---------------------------------------------------------------------------------------------
-# The C ABI, declared to match include/superoffload.h exactly
+# The C ABI: the superoffload package's declarations (superoffload._abi)
 # ---------------------------------------------------------------------------------------------
 
-EXPECTED_ABI = 1  # SO_ABI_VERSION of the header this script was written against
 
-SO_STATUS_OK = 0
-SO_STATUS_NULL_ARGUMENT = 1
-SO_STATUS_INVALID_ARGUMENT = 2
-SO_STATUS_NON_FINITE = 20
-
-SO_DTYPE_NONE, SO_DTYPE_F32, SO_DTYPE_BF16, SO_DTYPE_F16 = 0, 1, 2, 3
-SO_ADAM_MODE_ADAMW, SO_ADAM_MODE_L2 = 1, 2
-ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
-
-
-class SoAdamHparams(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("mode", ctypes.c_uint32),
-        ("lr", ctypes.c_double),
-        ("beta1", ctypes.c_double),
-        ("beta2", ctypes.c_double),
-        ("eps", ctypes.c_double),
-        ("weight_decay", ctypes.c_double),
-        ("bias_correction", ctypes.c_bool),
-        ("step", ctypes.c_uint64),
-    ]
+def import_abi():
+    """superoffload._abi of the installed package, else of the source checkout holding this script
+    (bench/../python). Importing it loads neither a library nor torch."""
+    try:
+        from superoffload import _abi
+        return _abi
+    except ImportError:
+        pass
+    checkout = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    if os.path.isfile(os.path.join(checkout, "superoffload", "_abi.py")):
+        sys.path.insert(0, checkout)
+        from superoffload import _abi
+        return _abi
+    raise SystemExit("error: this script needs the superoffload Python package (its ctypes declarations of the "
+                     "C ABI): `pip install` the package, or run the script from a source checkout "
+                     f"(it looks for {checkout}/superoffload)")
 
 
-class SoAdamBuffers(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("numel", ctypes.c_size_t),
-        ("param", ctypes.c_void_p),
-        ("grad", ctypes.c_void_p),
-        ("exp_avg", ctypes.c_void_p),
-        ("exp_avg_sq", ctypes.c_void_p),
-        ("param_copy", ctypes.c_void_p),
-        ("param_dtype", ctypes.c_uint32),
-        ("grad_dtype", ctypes.c_uint32),
-        ("moment_dtype", ctypes.c_uint32),
-        ("param_copy_dtype", ctypes.c_uint32),
-    ]
-
-
-class SoUpdateOptions(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("grad_scale", ctypes.c_float),
-        ("check_finite", ctypes.c_bool),
-    ]
-
-
-class SoPoolOptions(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("num_threads", ctypes.c_size_t),
-        ("cores", ctypes.POINTER(ctypes.c_uint32)),
-        ("num_cores", ctypes.c_size_t),
-        ("isa", ctypes.c_uint32),
-    ]
-
-
-class SoPoolInfo(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("isa", ctypes.c_uint32),
-        ("num_threads", ctypes.c_size_t),
-        ("pinned", ctypes.c_bool),
-    ]
+_abi = import_abi()
+Status, DType, AdamMode, Isa = _abi.Status, _abi.DType, _abi.AdamMode, _abi.Isa
+ISA_CODES = {isa.name.lower(): isa for isa in Isa}
 
 
 class SoError(RuntimeError):
@@ -130,59 +91,25 @@ class Lib:
         self.path = os.path.abspath(path)
         self.so = ctypes.CDLL(self.path)
         so = self.so
-        P = ctypes.POINTER
-        status = ctypes.c_uint32
-        sigs = {
-            "so_abi_version": (ctypes.c_uint32, []),
-            "so_version_string": (ctypes.c_char_p, []),
-            "so_status_str": (ctypes.c_char_p, [ctypes.c_uint32]),
-            "so_isa_name": (ctypes.c_char_p, [ctypes.c_uint32]),
-            "so_last_error_message": (ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
-            "so_adam_hparams_default": (SoAdamHparams, []),
-            "so_adam_buffers_default": (SoAdamBuffers, []),
-            "so_update_options_default": (SoUpdateOptions, []),
-            "so_pool_options_default": (SoPoolOptions, []),
-            "so_adam_update": (
-                status,
-                [ctypes.c_void_p, P(SoAdamHparams), P(SoAdamBuffers), P(SoUpdateOptions), P(ctypes.c_double)],
-            ),
-            "so_adam_rollback": (status, [ctypes.c_void_p, P(SoAdamHparams), P(SoAdamBuffers), ctypes.c_float]),
-            "so_adam_rescale": (
-                status,
-                [ctypes.c_void_p, P(SoAdamHparams), P(SoAdamBuffers), ctypes.c_float, ctypes.c_float],
-            ),
-            "so_grad_sumsq": (
-                status,
-                [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_size_t, ctypes.c_float,
-                 P(ctypes.c_double)],
-            ),
-            "so_pool_create": (status, [P(SoPoolOptions), P(ctypes.c_void_p)]),
-            "so_pool_destroy": (None, [ctypes.c_void_p]),
-            "so_pool_get_info": (status, [ctypes.c_void_p, P(SoPoolInfo)]),
-        }
-        for name, (restype, argtypes) in sigs.items():
-            fn = getattr(so, name)  # AttributeError names a missing symbol: loud enough
-            fn.restype = restype
-            fn.argtypes = argtypes
-
+        missing = _abi.bind(so)
+        if "so_abi_version" in missing:
+            raise SystemExit(f"error: {self.path} has no so_abi_version: it is not libsuperoffload")
         abi = so.so_abi_version()
-        if abi != EXPECTED_ABI:
-            raise SystemExit(f"error: {self.path} has ABI version {abi}; this script speaks ABI {EXPECTED_ABI}")
+        if abi != _abi.ABI_VERSION:
+            raise SystemExit(f"error: {self.path} has ABI version {abi}; the superoffload package ({_abi.__file__}) "
+                             f"declares ABI {_abi.ABI_VERSION}: use a library and a package of the same version")
+        if missing:
+            raise SystemExit(f"error: {self.path} lacks {', '.join(missing)}, though it has ABI version {abi}")
         self.version = so.so_version_string().decode()
-        # The defaults carry the library's sizeof: they must equal ours, or the declarations
-        # above do not match the library's header.
-        for fn, cls in [
-            (so.so_adam_hparams_default, SoAdamHparams),
-            (so.so_adam_buffers_default, SoAdamBuffers),
-            (so.so_update_options_default, SoUpdateOptions),
-            (so.so_pool_options_default, SoPoolOptions),
-        ]:
-            got = fn().struct_size
-            if got != ctypes.sizeof(cls):
-                raise SystemExit(
-                    f"error: {cls.__name__}: the library's struct_size is {got}, ctypes has {ctypes.sizeof(cls)}; "
-                    "the declarations in this script do not match the header"
-                )
+        # The defaults carry the library's sizeof: they must equal the package's, or its
+        # declarations do not match the library's header.
+        for name, (cls, _) in _abi.FUNCTIONS.items():
+            if name.endswith("_default") and "struct_size" in cls.field_names():
+                got = getattr(so, name)().struct_size
+                if got != ctypes.sizeof(cls):
+                    raise SystemExit(
+                        f"error: {name}: the library's struct_size is {got}, superoffload._abi.{cls.__name__} has "
+                        f"{ctypes.sizeof(cls)}; the package's declarations do not match the library's header")
 
     # -- errors -------------------------------------------------------------------------------
     def last_error(self):
@@ -192,12 +119,12 @@ class Lib:
         return buf.value.decode(errors="replace")
 
     def check(self, status):
-        if status != SO_STATUS_OK:
+        if status != Status.OK:
             msg = self.last_error() or self.so.so_status_str(status).decode()
             raise SoError(status, msg)
 
     # -- structs ------------------------------------------------------------------------------
-    def hparams(self, step, lr=1e-3, weight_decay=0.01, mode=SO_ADAM_MODE_ADAMW, betas=None, eps=None):
+    def hparams(self, step, lr=1e-3, weight_decay=0.01, mode=AdamMode.ADAMW, betas=None, eps=None):
         hp = self.so.so_adam_hparams_default()
         hp.mode, hp.lr, hp.weight_decay, hp.step = mode, lr, weight_decay, step
         if betas is not None:
@@ -206,8 +133,8 @@ class Lib:
             hp.eps = eps
         return hp
 
-    def buffers(self, n, p, g, m, v, grad_dtype=SO_DTYPE_F32, copy=None, copy_dtype=SO_DTYPE_NONE,
-                param_dtype=SO_DTYPE_F32, moment_dtype=SO_DTYPE_F32):
+    def buffers(self, n, p, g, m, v, grad_dtype=DType.F32, copy=None, copy_dtype=DType.NONE,
+                param_dtype=DType.F32, moment_dtype=DType.F32):
         b = self.so.so_adam_buffers_default()
         b.numel, b.param, b.grad, b.exp_avg, b.exp_avg_sq = n, p, g, m, v
         b.param_dtype, b.grad_dtype, b.moment_dtype = param_dtype, grad_dtype, moment_dtype
@@ -237,8 +164,7 @@ class Lib:
         self.so.so_pool_destroy(pool)
 
     def pool_info(self, pool):
-        info = SoPoolInfo()
-        info.struct_size = ctypes.sizeof(SoPoolInfo)
+        info = _abi.new(_abi.PoolInfo)
         self.check(self.so.so_pool_get_info(pool, ctypes.byref(info)))
         return {
             "isa": self.so.so_isa_name(info.isa).decode(),
@@ -468,7 +394,7 @@ def numerics(args, lib, torch, pool, lr, wd):
     p_o, m_o, v_o = p0.clone(), m0.clone(), v0.clone()
     copy_o = torch.empty(n, dtype=torch.bfloat16)
     bufs = lib.buffers(n, p_o.data_ptr(), check_ptr(g16, "g16"), m_o.data_ptr(), v_o.data_ptr(),
-                       grad_dtype=SO_DTYPE_BF16, copy=check_ptr(copy_o, "copy"), copy_dtype=SO_DTYPE_BF16)
+                       grad_dtype=DType.BF16, copy=check_ptr(copy_o, "copy"), copy_dtype=DType.BF16)
     lib.update(pool, lib.hparams(step, lr, wd), bufs, lib.options(grad_scale=0.5))
     ours["bf16"] = (p_o, m_o, v_o, copy_o)
 
@@ -525,8 +451,8 @@ def run_torch(args, lib, torch, pool, info, n, T, lr, wd):
     ptr = {k: check_ptr(t, k) for k, t in
            [("p", p), ("g", g32), ("m", m), ("v", v), ("g16", g16), ("copy_o", copy_o)]}
     f32_bufs = lib.buffers(n, ptr["p"], ptr["g"], ptr["m"], ptr["v"])
-    bf16_bufs = lib.buffers(n, ptr["p"], ptr["g16"], ptr["m"], ptr["v"], grad_dtype=SO_DTYPE_BF16,
-                            copy=ptr["copy_o"], copy_dtype=SO_DTYPE_BF16)
+    bf16_bufs = lib.buffers(n, ptr["p"], ptr["g16"], ptr["m"], ptr["v"], grad_dtype=DType.BF16,
+                            copy=ptr["copy_o"], copy_dtype=DType.BF16)
     bf16_opts = lib.options(grad_scale=0.5)
     counter = {"step": 1}
     hp_cur = {}
@@ -654,15 +580,15 @@ def selftest(args, lib):
             print(f"  FAIL: {what}")
 
     print(f"selftest: superoffload {lib.version} ({lib.path}), ABI {lib.so.so_abi_version()}")
-    expect(lib.so.so_status_str(SO_STATUS_OK).decode() == "success", "so_status_str(OK)")
+    expect(lib.so.so_status_str(Status.OK).decode() == "success", "so_status_str(OK)")
     expect(lib.so.so_isa_name(3).decode() == "avx512", "so_isa_name")
     hp = lib.so.so_adam_hparams_default()
-    expect((hp.mode, hp.step, hp.bias_correction) == (SO_ADAM_MODE_ADAMW, 1, True), "hparams default")
+    expect((hp.mode, hp.step, hp.bias_correction) == (AdamMode.ADAMW, 1, True), "hparams default")
     expect(abs(hp.lr - 1e-3) < 1e-9 and abs(hp.weight_decay - 0.01) < 1e-9 and abs(hp.beta2 - 0.999) < 1e-7,
            "hparams default values")
     expect(lib.so.so_update_options_default().grad_scale == 1.0, "update options default")
     b = lib.so.so_adam_buffers_default()
-    expect(b.numel == 0 and b.param is None and b.param_dtype == SO_DTYPE_F32 and b.param_copy_dtype == 0,
+    expect(b.numel == 0 and b.param is None and b.param_dtype == DType.F32 and b.param_copy_dtype == 0,
            "buffers default")
 
     threads = min(args.threads, os.cpu_count() or 1)
@@ -675,7 +601,7 @@ def selftest(args, lib):
             lib.pool_create(1, [100000])
             expect(False, "pool with a bad core must fail")
         except SoError as e:
-            expect(e.status == SO_STATUS_INVALID_ARGUMENT and "so_pool_create" in e.message, "bad core error")
+            expect(e.status == Status.INVALID_ARGUMENT and "so_pool_create" in e.message, "bad core error")
 
         n = args.selftest_n
         rnd = random.Random(3)
@@ -695,7 +621,7 @@ def selftest(args, lib):
         bufs = lib.buffers(n, addr(p), addr(g), addr(m), addr(v))
         sumsq = lib.update(pool, lib.hparams(step, lr, wd), bufs, lib.options(), want_sumsq=True)
         expect(abs(sumsq - sum(x * x for x in g0)) <= 1e-9 * sumsq, "sum of squares")
-        expect(lib.grad_sumsq(pool, addr(g), SO_DTYPE_F32, n) == sumsq, "so_grad_sumsq = update's sum")
+        expect(lib.grad_sumsq(pool, addr(g), DType.F32, n) == sumsq, "so_grad_sumsq = update's sum")
         worst = 0.0
         for i in range(n):
             rp, rm, rv = ref_adamw(p0[i], g0[i], m0[i], v0[i], step, lr, wd)
@@ -720,8 +646,8 @@ def selftest(args, lib):
         # bf16 gradient with scale and bf16 copy-out
         for i in range(n):
             p[i], m[i], v[i] = p0[i], m0[i], v0[i]
-        bb = lib.buffers(n, addr(p), addr(g16), addr(m), addr(v), grad_dtype=SO_DTYPE_BF16,
-                         copy=addr(copy), copy_dtype=SO_DTYPE_BF16)
+        bb = lib.buffers(n, addr(p), addr(g16), addr(m), addr(v), grad_dtype=DType.BF16,
+                         copy=addr(copy), copy_dtype=DType.BF16)
         lib.update(pool, lib.hparams(step, lr, wd), bb, lib.options(grad_scale=0.5))
         worst, copies_ok = 0.0, True
         for i in range(n):
@@ -737,14 +663,14 @@ def selftest(args, lib):
             lib.update(pool, lib.hparams(1), lib.buffers(n, None, addr(g), addr(m), addr(v)))
             expect(False, "NULL param must fail")
         except SoError as e:
-            expect(e.status == SO_STATUS_NULL_ARGUMENT and "so_adam_update" in e.message, "NULL param error")
+            expect(e.status == Status.NULL_ARGUMENT and "so_adam_update" in e.message, "NULL param error")
         g[7] = float("inf")
         before = list(p)
         try:
             lib.update(pool, lib.hparams(1), bufs, lib.options(check_finite=True))
             expect(False, "non-finite gradient must be refused")
         except SoError as e:
-            expect(e.status == SO_STATUS_NON_FINITE, "non-finite status")
+            expect(e.status == Status.NON_FINITE, "non-finite status")
         expect(list(p) == before, "refused step modified nothing")
         g[7] = g0[7]
 
