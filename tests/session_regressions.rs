@@ -106,3 +106,116 @@ fn non_finite_gradient_reports_a_non_finite_norm() {
     let r = step(&s, &[vec![3.0, 0.0, 0.0, 0.0], vec![0.0, 4.0, 0.0, 0.0]], local(0.0));
     assert!(!r.skipped && r.global_norm == 5.0);
 }
+
+/// Found by the fuzzer (`tests/session_fuzz.rs`, seed 0): `begin_step` accepts a loss scale
+/// whose reciprocal is not finite in f32 (1e-40: 1 / 1e-40 overflows), so the unscaling
+/// factor of the step is inf. Every speculative step and sum of squares of that step then
+/// fails inside the CPU-Adam thread ("scale = inf is out of range"), and so does the step's
+/// own ticket: `step_result` returns INVALID_ARGUMENT and the caller cannot learn whether the
+/// step was taken. Either `begin_step` refuses such a scale (INVALID_ARGUMENT, as for 0 or
+/// NaN), or the step is skipped with a reason and its ticket succeeds.
+#[test]
+#[ignore = "library bug: a loss scale without a finite reciprocal makes step() fail on the CPU-Adam thread"]
+fn loss_scale_without_a_finite_reciprocal_is_refused_or_skipped() {
+    for speculation in [true, false] {
+        let mut masters = vec![vec![0.25f32; 16]];
+        let before = masters.clone();
+        let s = session(&mut masters, speculation);
+        match s.begin_step(Some(1e-40), 1) {
+            Err(e) => assert_eq!(e.status, Status::InvalidArgument, "{}", e.message),
+            Ok(()) => {
+                s.grad_copy(0, Floats::F32(&[1e-41; 16])).unwrap();
+                let t = s.step(local(0.0)).unwrap();
+                let r = s.step_result(t, None).expect("the result of a step whose gradients cannot be unscaled");
+                assert!(r.skipped, "speculation {speculation}: {r:?}");
+                s.wait(s.final_ticket(0).unwrap(), None).unwrap();
+                assert_eq!(s.step_count(0).unwrap(), 0);
+            }
+        }
+        // The session goes on: a normal step is taken.
+        let r = step(&s, &[vec![1.0; 16]], local(0.0));
+        assert!(!r.skipped && s.step_count(0).unwrap() == 1, "{r:?}");
+        drop(s);
+        let mut fresh = before.clone();
+        let f = session(&mut fresh, speculation);
+        step(&f, &[vec![1.0; 16]], local(0.0));
+        drop(f);
+        assert_eq!(masters, fresh, "speculation {speculation}");
+    }
+}
+
+/// Found by the fuzzer (seed 5): a speculative step on a gradient element whose square
+/// overflows f32 (|g / loss_scale| > 1.8e19) stores `exp_avg_sq = inf`; when the step is then
+/// skipped or clipped, the rollback or rescale computes `inf - inf` and leaves NaN in
+/// `exp_avg_sq` (and from the next step on in the weights), where the same session without
+/// speculation changes nothing (skipped) or steps cleanly (clipped). A skipped step must
+/// leave the sub-group as it was (here: zero moments, unchanged weights), and a clipped one
+/// must match the step taken without speculation.
+#[test]
+#[ignore = "library bug: rollback/rescale of a speculative step whose exp_avg_sq overflowed leaves NaN"]
+fn speculative_step_with_an_overflowing_square_is_undone_cleanly() {
+    let grad = vec![1e20f32, 0.1, -0.2, 0.3];
+    // Skipped (caller overflow): nothing changes (up to the rounding of a rollback).
+    let mut masters = vec![vec![0.5f32; 4]];
+    let s = session(&mut masters, true);
+    let r = step(&s, &[grad.clone()], StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: true });
+    assert!(r.skipped && r.rolled_back == 1, "{r:?}");
+    let (m, v) = s.moments(0).unwrap();
+    drop(s);
+    let small = |x: &f32| x.is_finite() && x.abs() <= 1e-6;
+    assert!(m.iter().chain(&v).all(small), "moments after a skipped step: m {m:?} v {v:?}");
+    assert!(masters[0].iter().all(|p| (p - 0.5).abs() <= 1e-6), "weights after a skipped step: {:?}", masters[0]);
+
+    // Clipped: the same as stepping after backward.
+    let state = |speculation: bool| {
+        let mut masters = vec![vec![0.5f32; 4]];
+        let s = session(&mut masters, speculation);
+        let r = step(&s, &[grad.clone()], local(1.0));
+        assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
+        let (m, v) = s.moments(0).unwrap();
+        drop(s);
+        (masters.remove(0), m, v)
+    };
+    let (p0, m0, v0) = state(false);
+    let (p1, m1, v1) = state(true);
+    for (what, a, b) in [("p", &p0, &p1), ("m", &m0, &m1), ("v", &v0, &v1)] {
+        for (x, y) in a.iter().zip(b.iter()) {
+            assert!((x - y).abs() <= 1e-5 * x.abs().max(1e-30), "{what}: without speculation {a:?}, with {b:?}");
+        }
+    }
+}
+
+/// Found by the fuzzer (seed 5, after the two above were set aside): with a loss scale below
+/// about 1e-20 the rescale of a clipped speculative step needs the coefficient
+/// `(1 - beta2) * (new^2 - old^2)` of the unscaling factors `1 / loss_scale`, which overflows
+/// f32; the rescale then computes `inf * 0` and writes NaN weights and moments, where the
+/// same step without speculation is finite. (`begin_step` accepts any finite positive loss
+/// scale.) Either such a scale is refused, or the clipped step matches the step taken
+/// without speculation.
+#[test]
+#[ignore = "library bug: rescale coefficients overflow f32 for loss scales below ~1e-20 (NaN weights)"]
+fn clipped_step_with_a_tiny_loss_scale_matches_the_step_without_speculation() {
+    let scale = 2f32.powi(-70);
+    let grad: Vec<f32> = [0.1f32, -0.2, 0.3, 0.05].iter().map(|g| g * scale).collect();
+    let state = |speculation: bool| {
+        let mut masters = vec![vec![0.5f32; 4]];
+        let s = session(&mut masters, speculation);
+        if let Err(e) = s.begin_step(Some(scale), 1) {
+            assert_eq!(e.status, Status::InvalidArgument, "{}", e.message);
+            return None;
+        }
+        s.grad_copy(0, Floats::F32(&grad)).unwrap();
+        let t = s.step(local(0.1)).unwrap();
+        let r = s.step_result(t, None).unwrap();
+        assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
+        let (m, v) = s.moments(0).unwrap();
+        drop(s);
+        Some((masters.remove(0), m, v))
+    };
+    let (Some((p0, m0, v0)), Some((p1, m1, v1))) = (state(false), state(true)) else { return };
+    for (what, a, b) in [("p", &p0, &p1), ("m", &m0, &m1), ("v", &v0, &v1)] {
+        for (x, y) in a.iter().zip(b.iter()) {
+            assert!((x - y).abs() <= 1e-5 * x.abs().max(1e-30), "{what}: without speculation {a:?}, with {b:?}");
+        }
+    }
+}
