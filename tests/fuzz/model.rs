@@ -329,6 +329,11 @@ pub struct Sess {
     pub outcomes: HashMap<Ticket, Outcome>,
     /// Tickets hand-offs returned, with the statuses their work may end with.
     pub handoffs: Vec<(Ticket, Vec<Status>)>,
+    /// Hand-offs whose work may fail but whose ticket was not asked for (NULL out_ticket):
+    /// the ticket is after the latest one seen when it was issued.
+    pub hidden: Vec<(Ticket, Vec<Status>)>,
+    /// The largest ticket the session returned so far.
+    pub last_seen: Ticket,
 }
 
 pub struct FileEntry {
@@ -888,6 +893,8 @@ impl Sess {
             step_tickets: Vec::new(),
             outcomes: HashMap::new(),
             handoffs: Vec::new(),
+            hidden: Vec::new(),
+            last_seen: 0,
         }
     }
 
@@ -1090,7 +1097,7 @@ impl Sess {
             _ => master.ptr().cast(),
         };
         let grad_ptr: *mut c_void = match (&grad_buf, spec.bad) {
-            (_, SgBad::GradOverlapsMaster) => master_ptr.cast::<u8>().wrapping_add(esize).cast(),
+            (_, SgBad::GradOverlapsMaster) => master_ptr,
             (Some((b, _)), SgBad::GradMisaligned) => b.ptr().wrapping_add(1).cast(),
             (Some((b, _)), _) => b.ptr().cast(),
             (None, _) => std::ptr::null_mut(),
@@ -1502,14 +1509,12 @@ impl Sess {
     }
 
     fn after_handoff(&mut self, slice: u32, completes: bool, has_out: bool, ticket: Ticket) -> Check {
-        if !has_out {
-            return Ok(());
+        if has_out && !completes {
+            ensure!(ticket == 0, "slice {slice}: a hand-off that completes nothing returned ticket {ticket}");
         }
         if !completes {
-            ensure!(ticket == 0, "slice {slice}: a hand-off that completes nothing returned ticket {ticket}");
             return Ok(());
         }
-        ensure!(ticket != 0, "slice {slice}: the hand-off completed its sub-group but returned ticket 0");
         let sgid = self.slices[slice as usize].sg;
         let sg = self.sg(sgid).unwrap();
         let mut allowed = match &sg.submitted {
@@ -1519,8 +1524,20 @@ impl Sess {
         if !unscale_of(self.s).is_finite() {
             allowed.extend([Status::Ok, Status::NonFinite, Status::InvalidArgument]);
         }
+        if !has_out {
+            if allowed != [Status::Ok] {
+                self.hidden.push((self.last_seen, allowed));
+            }
+            return Ok(());
+        }
+        ensure!(ticket != 0, "slice {slice}: the hand-off completed its sub-group but returned ticket 0");
+        self.seen_ticket(ticket);
         self.handoffs.push((ticket, allowed));
         Ok(())
+    }
+
+    fn seen_ticket(&mut self, t: Ticket) {
+        self.last_seen = self.last_seen.max(t);
     }
 
     fn grad_written(&mut self, slice: u32, fill: &Fill, add: bool, stats: &mut Stats) -> Check {
@@ -1697,6 +1714,7 @@ impl Sess {
             return self.check_quiet();
         }
         ensure!(ticket != 0, "step returned ticket 0");
+        self.seen_ticket(ticket);
         if matches!(self.phase, Phase::Backward { .. }) {
             self.prepare();
         }
@@ -1756,6 +1774,7 @@ impl Sess {
             api::count_call();
             let t = t.map_err(|st| format!("final_ticket({}) after step: {st:?}", p.id))?;
             ensure!(t != 0, "final ticket of sub-group {} is 0 after step()", p.id);
+            self.seen_ticket(t);
             self.sgs[p.id as usize].as_mut().unwrap().final_ticket = t;
         }
         self.step_tickets.push(ticket);
@@ -2159,6 +2178,10 @@ impl Sess {
             if timeout_ns >= 0 {
                 allowed.push(Status::Timeout);
             }
+            if !crate::fuzz::known_bugs() && t != 0 && which != WhichTicket::Never {
+                // `step_result_of_a_failed_speculative_ticket_is_not_found`.
+                allowed.extend(self.final_statuses(t));
+            }
         }
         ensure!(allowed.contains(&st), "step_result({which:?} = {t}): {st:?}, expected one of {allowed:?} ({})", api::last_error());
         if st != Status::Ok {
@@ -2203,10 +2226,17 @@ impl Sess {
 
     /// What `so_ticket_wait_all(t)` may return: the earliest failure up to t.
     fn wait_all_statuses(&self, t: Ticket) -> Vec<Status> {
-        let mut handoffs: Vec<&(Ticket, Vec<Status>)> = self.handoffs.iter().filter(|h| h.0 <= t).collect();
-        handoffs.sort_by_key(|h| h.0);
+        // Ordering keys: a known ticket k is 2k, a hidden one issued after ticket k is 2k + 1.
+        let mut entries: Vec<(u128, &Vec<Status>)> = self
+            .handoffs
+            .iter()
+            .map(|(k, a)| (2 * *k as u128, a))
+            .chain(self.hidden.iter().map(|(k, a)| (2 * *k as u128 + 1, a)))
+            .filter(|(key, _)| *key <= 2 * t as u128)
+            .collect();
+        entries.sort_by_key(|e| e.0);
         let mut out = Vec::new();
-        for (_, allowed) in handoffs {
+        for (_, allowed) in entries {
             out.extend(allowed.iter().copied().filter(|s| *s != Status::Ok));
             if !allowed.contains(&Status::Ok) {
                 return out;
