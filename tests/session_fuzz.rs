@@ -14,7 +14,7 @@
 //! ```text
 //! SO_FUZZ_SECONDS=600 cargo test --release --test session_fuzz -- --nocapture   # random seeds
 //! SO_FUZZ_SEED=1234 cargo test --test session_fuzz -- --nocapture               # one sequence
-//! SO_FUZZ_OPS=2000   (operations per sequence; default 160)
+//! SO_FUZZ_OPS=2000   (operations per sequence; default 200)
 //! ```
 //!
 //! A failure prints the seed, the failure and the sequence, shrunk by deleting operations
@@ -32,8 +32,8 @@ use fuzz::model::{Stats, World};
 use fuzz::ops::Op;
 
 /// Sequences in a CI run, and operations per sequence.
-const CI_SEQUENCES: u64 = 300;
-const DEFAULT_OPS: usize = 160;
+const CI_SEQUENCES: u64 = 1000;
+const DEFAULT_OPS: usize = 200;
 
 struct Run {
     ops: Vec<Op>,

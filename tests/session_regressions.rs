@@ -269,3 +269,55 @@ fn step_result_of_a_failed_speculative_ticket_is_not_found() {
     let err = s.step_result(spec, None).unwrap_err();
     assert_eq!(err.status, Status::NotFound, "{}", err.message);
 }
+
+/// Found while modelling checkpoints for the fuzzer: slices need not cover their sub-group
+/// (`add_subgroup` accepts gaps), and the elements outside every slice are stepped like the
+/// others (decay and momentum, with a zero gradient) but are in no checkpoint, so a session
+/// resumed from a checkpoint in a new process diverges from the uninterrupted one there.
+/// Either `add_subgroup` refuses slices that leave elements uncovered, or a resumed session
+/// matches the uninterrupted one bit for bit.
+#[test]
+#[ignore = "library bug: sub-group elements outside every slice are stepped but not checkpointed"]
+fn elements_outside_every_slice_resume_bit_for_bit_or_are_refused() {
+    let desc = |s: &Session, master: &mut Vec<f32>| {
+        let m = unsafe { Borrowed::new("master", master.as_mut_ptr().cast(), master.len(), DType::F32) }.unwrap();
+        // Elements 0 and 7 belong to no slice.
+        let slices = vec![SliceDesc { name: "w".into(), offset: 1, numel: 6 }];
+        s.add_subgroup(SubGroupDesc { group: 0, master: m, grad: None, slices })
+    };
+    let new_session = || {
+        let s =
+            Session::new(SessionOptions { pool: Some(Arc::new(pool(Isa::best(), 2))), ..SessionOptions::default() })
+                .unwrap();
+        s.add_group(GroupHparams { weight_decay: 0.1, ..GroupHparams::default() }).unwrap();
+        s
+    };
+    let train = |s: &Session, steps: usize| {
+        for k in 0..steps {
+            s.begin_step(Some(1.0), 1).unwrap();
+            s.grad_copy(0, Floats::F32(&[0.1 * (k + 1) as f32; 6])).unwrap();
+            let t = s.step(local(0.0)).unwrap();
+            s.step_result(t, None).unwrap();
+        }
+    };
+    let path = std::env::temp_dir().join(format!("so-gap-{}.safetensors", std::process::id()));
+    let mut uninterrupted = vec![1.0f32; 8];
+    let s = new_session();
+    if let Err(e) = desc(&s, &mut uninterrupted) {
+        assert_eq!(e.status, Status::InvalidArgument, "{}", e.message);
+        return;
+    }
+    train(&s, 3);
+    s.save(&path).unwrap();
+    train(&s, 3);
+    drop(s);
+    // A new process: fresh buffers initialised as the first run's were, then the checkpoint.
+    let mut resumed = vec![1.0f32; 8];
+    let s = new_session();
+    desc(&s, &mut resumed).unwrap();
+    s.load(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    train(&s, 3);
+    drop(s);
+    assert_eq!(resumed, uninterrupted, "resumed vs uninterrupted");
+}

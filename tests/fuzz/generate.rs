@@ -3,10 +3,10 @@
 //! so a sequence is a function of its seed.
 
 use crate::common::Rng;
-use crate::fuzz::{api, known_bugs};
 use crate::fuzz::model::{Phase, Sess, World};
 use crate::fuzz::ops::*;
 use crate::fuzz::reference;
+use crate::fuzz::{api, known_bugs};
 
 pub struct Gen {
     pub rng: Rng,
@@ -52,7 +52,7 @@ impl Gen {
                 }
             }
             Some(s) => match s.phase {
-                Phase::Idle => self.idle(s),
+                Phase::Idle => self.idle(w, s),
                 Phase::Backward { .. } => self.backward(s),
                 Phase::Prepared => self.prepared(s),
             },
@@ -219,11 +219,7 @@ impl Gen {
                 5 => slices[i].numel = 0,
                 6 => slices[i].offset = numel,
                 _ => {
-                    slices.push(SliceSpec {
-                        name: NameSpec::Named(self.name()),
-                        offset: slices[i].offset,
-                        numel: 1,
-                    });
+                    slices.push(SliceSpec { name: NameSpec::Named(self.name()), offset: slices[i].offset, numel: 1 });
                 }
             }
         }
@@ -386,7 +382,13 @@ impl Gen {
 
     fn grad_copy(&mut self, s: &Sess, slice: u32) -> Op {
         let n = s.slices.get(slice as usize).map_or(4, |x| x.range.len());
-        let numel = if self.chance(0.02) { n + 1 } else if self.chance(0.01) && n > 1 { n - 1 } else { n };
+        let numel = if self.chance(0.02) {
+            n + 1
+        } else if self.chance(0.01) && n > 1 {
+            n - 1
+        } else {
+            n
+        };
         let bad = match self.rng.below(100) {
             0 => GradBad::NullGrad,
             1 => GradBad::Misaligned,
@@ -407,7 +409,7 @@ impl Gen {
         }
     }
 
-    fn idle(&mut self, s: &Sess) -> Op {
+    fn idle(&mut self, w: &World, s: &Sess) -> Op {
         let has_sg = s.live_sgs().next().is_some();
         if s.groups.is_empty() && self.chance(0.9) {
             return Op::AddGroup { hp: HpSpec { hp: self.hp_valid(), bad: HpBad::None }, null_out: false };
@@ -415,7 +417,7 @@ impl Gen {
         if !has_sg && self.chance(0.7) {
             return Op::AddSubgroup(self.subgroup_spec(s));
         }
-        let w = [
+        let weights = [
             30.0, // begin
             2.0,  // add group
             6.0,  // add sub-group
@@ -439,7 +441,7 @@ impl Gen {
             0.3,  // null handle
             0.5,  // trace save
         ];
-        match self.weighted(&w) {
+        match self.weighted(&weights) {
             0 => {
                 self.magnitude = 10f64.powf(self.rng.range(-3.0, 0.5));
                 let micro_steps = match self.rng.below(100) {
@@ -467,7 +469,16 @@ impl Gen {
                 bad: self.pick(&[HpBad::None, HpBad::None, HpBad::None, HpBad::None, HpBad::Null, HpBad::Size]),
             },
             6 => self.save_op(),
-            7 => self.load_op(),
+            7 => {
+                // Mostly a checkpoint this session can take, to go on from a loaded state.
+                let good: Vec<u8> =
+                    w.files.iter().filter(|(_, f)| s.load_verdict(&f.snap).is_ok()).map(|(k, _)| *k).collect();
+                if !good.is_empty() && self.chance(0.6) {
+                    Op::Load(LoadSource::Slot(good[self.rng.below(good.len())]))
+                } else {
+                    self.load_op()
+                }
+            }
             8 => Op::Observe,
             9 => self.step_result_op(s),
             10 => self.ticket_op(s),
@@ -529,20 +540,20 @@ impl Gen {
             .collect();
         let last = micro + 1 == micro_steps;
         let w = [
-            if todo.is_empty() { 0.0 } else { 55.0 },                    // next gradient
-            4.0,                                                           // any slice (twice)
-            if submitted.is_empty() { 0.0 } else { 5.0 },                // late
-            1.0,                                                           // unknown slice
-            if written.is_empty() { 0.0 } else { 10.0 },                  // grad_written
-            if !last && todo.is_empty() { 40.0 } else { 1.0 },            // next micro-step
-            if last && todo.is_empty() { 30.0 } else { 2.0 },             // step
-            3.0,                                                           // set group
-            2.0,                                                           // local sum of squares
-            4.0,                                                           // tickets
-            2.0,                                                           // step result
-            1.0,                                                           // step count
-            0.5,                                                           // host bytes
-            3.0,                                                           // misuse
+            if todo.is_empty() { 0.0 } else { 55.0 },          // next gradient
+            4.0,                                               // any slice (twice)
+            if submitted.is_empty() { 0.0 } else { 5.0 },      // late
+            1.0,                                               // unknown slice
+            if written.is_empty() { 0.0 } else { 10.0 },       // grad_written
+            if !last && todo.is_empty() { 40.0 } else { 1.0 }, // next micro-step
+            if last && todo.is_empty() { 30.0 } else { 2.0 },  // step
+            3.0,                                               // set group
+            2.0,                                               // local sum of squares
+            4.0,                                               // tickets
+            2.0,                                               // step result
+            1.0,                                               // step count
+            0.5,                                               // host bytes
+            3.0,                                               // misuse
         ];
         match self.weighted(&w) {
             0 => {

@@ -334,6 +334,9 @@ pub struct Sess {
     pub hidden: Vec<(Ticket, Vec<Status>)>,
     /// The largest ticket the session returned so far.
     pub last_seen: Ticket,
+    pub refusals: u64,
+    /// Where observations write their checkpoint.
+    pub scratch: PathBuf,
 }
 
 pub struct FileEntry {
@@ -354,7 +357,14 @@ pub struct World {
 impl World {
     pub fn new(dir: PathBuf) -> World {
         std::fs::create_dir_all(&dir).unwrap();
-        World { sess: None, dir, files: BTreeMap::new(), pool: None, stats: Stats::default(), observe_every_step: false }
+        World {
+            sess: None,
+            dir,
+            files: BTreeMap::new(),
+            pool: None,
+            stats: Stats::default(),
+            observe_every_step: false,
+        }
     }
 
     pub fn slot_path(&self, k: u8) -> PathBuf {
@@ -460,7 +470,7 @@ impl World {
             }
         };
         let scaler = if spec.null_options { None } else { spec.scaler.as_ref().map(Scaler::new) };
-        self.sess = Some(Sess::new(Session(out), opts, scaler));
+        self.sess = Some(Sess::new(Session(out), opts, scaler, self.scratch_path()));
         Ok(())
     }
 
@@ -874,7 +884,7 @@ fn null_handle() -> Check {
 }
 
 impl Sess {
-    fn new(h: Session, opts: Opts, scaler: Option<Scaler>) -> Sess {
+    fn new(h: Session, opts: Opts, scaler: Option<Scaler>, scratch: PathBuf) -> Sess {
         Sess {
             h,
             opts,
@@ -895,6 +905,8 @@ impl Sess {
             handoffs: Vec::new(),
             hidden: Vec::new(),
             last_seen: 0,
+            refusals: 0,
+            scratch,
         }
     }
 
@@ -1015,7 +1027,7 @@ impl Sess {
         if !judge("so_session_add_group", st, &errs)? {
             stats.refusals += 1;
             ensure!(out == 0xDEAD_BEEF, "add_group wrote its out-parameter on failure");
-            return self.check_quiet();
+            return self.refused(stats);
         }
         ensure!(out as usize == self.groups.len(), "add_group returned id {out}, model {}", self.groups.len());
         self.groups.push(hp_of(hp.hp));
@@ -1032,7 +1044,7 @@ impl Sess {
         }
         if !judge("so_session_set_group", st, &errs)? {
             stats.refusals += 1;
-            return self.check_quiet();
+            return self.refused(stats);
         }
         self.groups[group as usize] = hp_of(hp.hp);
         Ok(())
@@ -1060,8 +1072,18 @@ impl Sess {
             ensure!(out.lr == -77.0, "get_group wrote its out-parameter on failure");
             return Ok(());
         }
-        let got = GroupHparams { lr: out.lr, beta1: out.beta1, beta2: out.beta2, eps: out.eps, weight_decay: out.weight_decay };
-        ensure!(hp_bits_equal(&got, &self.groups[group as usize]), "group {group}: {got:?} vs model {:?}", self.groups[group as usize]);
+        let got = GroupHparams {
+            lr: out.lr,
+            beta1: out.beta1,
+            beta2: out.beta2,
+            eps: out.eps,
+            weight_decay: out.weight_decay,
+        };
+        ensure!(
+            hp_bits_equal(&got, &self.groups[group as usize]),
+            "group {group}: {got:?} vs model {:?}",
+            self.groups[group as usize]
+        );
         Ok(())
     }
 
@@ -1208,7 +1230,7 @@ impl Sess {
         if !judge("so_session_add_subgroup", st, &e)? {
             stats.refusals += 1;
             ensure!(out == 0xDEAD_BEEF, "add_subgroup wrote its out-parameter on failure");
-            return self.check_quiet();
+            return self.refused(stats);
         }
         let id = self.sgs.len() as u32;
         ensure!(out == id, "add_subgroup returned {out}, model {id}");
@@ -1219,7 +1241,13 @@ impl Sess {
             let NameSpec::Named(name) = &s.name else { unreachable!() };
             let sid = self.slices.len() as u32;
             self.names.insert(name.clone(), sid);
-            self.slices.push(SliceM { name: name.clone(), sg: id, range: s.offset..s.offset + s.numel, alive: true, seen: 0 });
+            self.slices.push(SliceM {
+                name: name.clone(),
+                sg: id,
+                range: s.offset..s.offset + s.numel,
+                alive: true,
+                seen: 0,
+            });
             slice_ids.push(sid);
             covered[s.offset..s.offset + s.numel].fill(true);
         }
@@ -1272,7 +1300,7 @@ impl Sess {
         }
         if !judge("so_session_remove_subgroup", st, &e)? {
             stats.refusals += 1;
-            return self.check_quiet();
+            return self.refused(stats);
         }
         self.drained();
         let sg = self.sgs[id as usize].take().unwrap();
@@ -1356,7 +1384,7 @@ impl Sess {
         }
         if !judge(&format!("so_session_begin_step({loss_scale}, {micro_steps})"), st, &e)? {
             stats.refusals += 1;
-            return self.check_quiet();
+            return self.refused(stats);
         }
         self.s = s;
         self.serial += 1;
@@ -1386,7 +1414,7 @@ impl Sess {
             _ => {
                 judge("so_session_next_micro_step", st, &[Status::InvalidState])?;
                 stats.refusals += 1;
-                self.check_quiet()
+                self.refused(stats)
             }
         }
     }
@@ -1444,10 +1472,16 @@ impl Sess {
         let buf = RawBuf::new(bytes.len() + 8);
         let off = if bad == GradBad::Misaligned { 1 } else { 0 };
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.ptr().add(off), bytes.len()) };
-        let ptr: *const c_void = if bad == GradBad::NullGrad { std::ptr::null() } else { buf.ptr().wrapping_add(off).cast() };
+        let ptr: *const c_void =
+            if bad == GradBad::NullGrad { std::ptr::null() } else { buf.ptr().wrapping_add(off).cast() };
         let mut ticket: Ticket = 0xDEAD;
         let st = unsafe {
-            self.h.grad_copy(slice, ptr, numel, if bad == GradBad::NullOutTicket { std::ptr::null_mut() } else { &mut ticket })
+            self.h.grad_copy(
+                slice,
+                ptr,
+                numel,
+                if bad == GradBad::NullOutTicket { std::ptr::null_mut() } else { &mut ticket },
+            )
         };
         api::count_call();
         let mut e = Vec::new();
@@ -1477,7 +1511,7 @@ impl Sess {
         if !judge(&format!("so_session_grad_copy(slice {slice}, {numel})"), st, &e)? {
             stats.refusals += 1;
             ensure!(ticket == 0xDEAD, "grad_copy wrote its ticket on failure");
-            return self.check_quiet();
+            return self.refused(stats);
         }
         let (sgid, range) = target.unwrap();
         let accum = self.opts.accum;
@@ -1594,7 +1628,7 @@ impl Sess {
         if !judge(&format!("so_session_grad_written(slice {slice})"), st, &e)? {
             stats.refusals += 1;
             ensure!(ticket == 0xDEAD, "grad_written wrote its ticket on failure");
-            return self.check_quiet();
+            return self.refused(stats);
         }
         let completes = self.mark(slice);
         self.after_handoff(slice, completes, true, ticket)
@@ -1643,7 +1677,7 @@ impl Sess {
             judge("so_session_local_grad_sumsq", st, &e)?;
             stats.refusals += 1;
             ensure!(out == -7.0, "local_grad_sumsq wrote its out-parameter on failure");
-            return self.check_quiet();
+            return self.refused(stats);
         }
         if matches!(self.phase, Phase::Backward { .. }) {
             self.prepare();
@@ -1711,7 +1745,7 @@ impl Sess {
         if !judge(&format!("so_session_step({a:?})"), st, &e)? {
             stats.refusals += 1;
             ensure!(ticket == 0xDEAD, "step wrote its ticket on failure");
-            return self.check_quiet();
+            return self.refused(stats);
         }
         ensure!(ticket != 0, "step returned ticket 0");
         self.seen_ticket(ticket);
@@ -1758,9 +1792,9 @@ impl Sess {
         let (skip, kept_factor) = verdicts[0];
         let approx = plan.iter().any(|p| {
             let group = self.sgs[p.id as usize].as_ref().unwrap().group as usize;
-            p.spec.as_ref().is_some_and(|s| {
-                s.applied && (skip || p.late || !same_hp(&s.hp, &groups[group]) || !kept_factor)
-            })
+            p.spec
+                .as_ref()
+                .is_some_and(|s| s.applied && (skip || p.late || !same_hp(&s.hp, &groups[group]) || !kept_factor))
         });
         let mut scaler_applied = false;
         if certain {
@@ -1996,15 +2030,26 @@ impl Sess {
             if let Some(snap) = snap {
                 for &sl in &sg.slices {
                     let info = &self.slices[sl as usize];
-                    let s = snap.slices.get(&info.name).ok_or_else(|| format!("checkpoint lacks slice {}", info.name))?;
-                    ensure!(s.step == sg.count, "slice {}: step {} in the checkpoint, model {}", info.name, s.step, sg.count);
+                    let s =
+                        snap.slices.get(&info.name).ok_or_else(|| format!("checkpoint lacks slice {}", info.name))?;
+                    ensure!(
+                        s.step == sg.count,
+                        "slice {}: step {} in the checkpoint, model {}",
+                        info.name,
+                        s.step,
+                        sg.count
+                    );
                     ensure!(s.group == sg.group as f64, "slice {}: group {}", info.name, s.group);
                     ensure!(
                         s.master == sub(&live, info.range.clone()),
                         "slice {}: the checkpoint's master weights differ from the live ones",
                         info.name
                     );
-                    ensure!(s.exp_avg.dtype() == moment && s.exp_avg.len() == info.range.len(), "slice {}: moment layout", info.name);
+                    ensure!(
+                        s.exp_avg.dtype() == moment && s.exp_avg.len() == info.range.len(),
+                        "slice {}: moment layout",
+                        info.name
+                    );
                     put(&mut file_m, info.range.start, &s.exp_avg);
                     put(&mut file_v, info.range.start, &s.exp_avg_sq);
                 }
@@ -2084,16 +2129,34 @@ impl Sess {
         if let Some(snap) = snap {
             ensure!(snap.groups.len() == self.groups.len(), "checkpoint groups {}", snap.groups.len());
             for (i, g) in snap.groups.iter().enumerate() {
-                ensure!(hp_bits_equal(&hp_of(*g), &self.groups[i]), "checkpoint group {i}: {g:?} vs {:?}", self.groups[i]);
+                ensure!(
+                    hp_bits_equal(&hp_of(*g), &self.groups[i]),
+                    "checkpoint group {i}: {g:?} vs {:?}",
+                    self.groups[i]
+                );
             }
             match (&snap.scaler, &self.scaler) {
                 (None, None) => {}
                 (Some(f), Some(m)) => ensure!(
-                    f.scale.to_bits() == m.scale.to_bits() && f.growth_tracker == m.tracker && f.hysteresis_left == m.left,
+                    f.scale.to_bits() == m.scale.to_bits()
+                        && f.growth_tracker == m.tracker
+                        && f.hysteresis_left == m.left,
                     "checkpoint scaler {f:?}, model {m:?}"
                 ),
                 (f, m) => return Err(format!("checkpoint scaler {f:?}, model {m:?}")),
             }
+        }
+        Ok(())
+    }
+
+    /// After a refusal: nothing changed. Every third refusal between steps also compares
+    /// the moments (through a checkpoint).
+    fn refused(&mut self, stats: &mut Stats) -> Check {
+        self.check_quiet()?;
+        self.refusals += 1;
+        if self.phase == Phase::Idle && self.pending.is_none() && self.refusals % 3 == 0 {
+            let scratch = self.scratch.clone();
+            self.settle(stats, &scratch, None, true)?;
         }
         Ok(())
     }
@@ -2150,7 +2213,11 @@ impl Sess {
             && latest.is_some()
             && self.pending.as_ref().is_some_and(|p| Some(p.ticket) == latest);
         if settles {
-            return if self.phase == Phase::Idle { self.settle(stats, scratch, None, observe) } else { self.settle_lazy(stats) };
+            return if self.phase == Phase::Idle {
+                self.settle(stats, scratch, None, observe)
+            } else {
+                self.settle_lazy(stats)
+            };
         }
         let t = self.resolve(which);
         let mut r: api::so_step_result = unsafe { std::mem::zeroed() };
@@ -2183,14 +2250,23 @@ impl Sess {
                 allowed.extend(self.final_statuses(t));
             }
         }
-        ensure!(allowed.contains(&st), "step_result({which:?} = {t}): {st:?}, expected one of {allowed:?} ({})", api::last_error());
+        ensure!(
+            allowed.contains(&st),
+            "step_result({which:?} = {t}): {st:?}, expected one of {allowed:?} ({})",
+            api::last_error()
+        );
         if st != Status::Ok {
             ensure!(r.serial == 0xDEAD, "step_result wrote its out-parameter on failure");
             return Ok(());
         }
         if let Some(o) = self.outcomes.get(&t) {
-            ensure!(r.serial == o.serial && r.skipped == o.skipped && r.grad_factor.to_bits() == o.grad_factor.to_bits(),
-                "step_result({t}) changed: serial {} skipped {} factor {}, earlier {o:?}", r.serial, r.skipped, r.grad_factor);
+            ensure!(
+                r.serial == o.serial && r.skipped == o.skipped && r.grad_factor.to_bits() == o.grad_factor.to_bits(),
+                "step_result({t}) changed: serial {} skipped {} factor {}, earlier {o:?}",
+                r.serial,
+                r.skipped,
+                r.grad_factor
+            );
         } else if let Some(p) = &self.pending {
             ensure!(r.serial == p.serial, "step_result({t}): serial {}, model {}", r.serial, p.serial);
         }
@@ -2200,9 +2276,7 @@ impl Sess {
     fn resolve(&self, which: WhichTicket) -> Ticket {
         match which {
             WhichTicket::LatestStep => self.step_tickets.last().copied().unwrap_or(0),
-            WhichTicket::PreviousStep => {
-                self.step_tickets.len().checked_sub(2).map_or(0, |i| self.step_tickets[i])
-            }
+            WhichTicket::PreviousStep => self.step_tickets.len().checked_sub(2).map_or(0, |i| self.step_tickets[i]),
             WhichTicket::Final(sg) => self.sg(sg).map_or(0, |s| s.final_ticket),
             WhichTicket::HandOff(n) => {
                 if self.handoffs.is_empty() {
@@ -2271,7 +2345,10 @@ impl Sess {
             a
         };
         allowed.dedup();
-        ensure!(allowed.contains(&st), "ticket {how:?}({which:?} = {t}, {timeout_ns}): {st:?}, expected one of {allowed:?}");
+        ensure!(
+            allowed.contains(&st),
+            "ticket {how:?}({which:?} = {t}, {timeout_ns}): {st:?}, expected one of {allowed:?}"
+        );
         if let WhichTicket::Final(sg) = which {
             if st == Status::Ok && how != WaitHow::Query {
                 if let Some(s) = self.sgs.get_mut(sg as usize).and_then(Option::as_mut) {
@@ -2327,7 +2404,10 @@ impl Sess {
             AdamMode::AdamW => "adamw",
             AdamMode::L2 => "l2",
         };
-        if snap.mode != mode || snap.bias_correction != self.opts.bias.to_string() || snap.moment_dtype != self.opts.moment.name() {
+        if snap.mode != mode
+            || snap.bias_correction != self.opts.bias.to_string()
+            || snap.moment_dtype != self.opts.moment.name()
+        {
             return bad;
         }
         if snap.groups.len() != self.groups.len() || snap.scaler.is_some() != self.scaler.is_some() {

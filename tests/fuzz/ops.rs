@@ -184,21 +184,60 @@ pub enum LoadSource {
 pub enum Op {
     Create(CreateSpec),
     Destroy,
-    AddGroup { hp: HpSpec, null_out: bool },
-    SetGroup { group: u32, hp: HpSpec },
-    GetGroup { group: u32, bad: HpBad },
+    AddGroup {
+        hp: HpSpec,
+        null_out: bool,
+    },
+    SetGroup {
+        group: u32,
+        hp: HpSpec,
+    },
+    GetGroup {
+        group: u32,
+        bad: HpBad,
+    },
     AddSubgroup(SgSpec),
-    RemoveSubgroup { sg: u32 },
-    SliceId { name: NameSpec },
-    BeginStep { loss_scale: f32, micro_steps: u32, settle: bool },
+    RemoveSubgroup {
+        sg: u32,
+    },
+    SliceId {
+        name: NameSpec,
+    },
+    BeginStep {
+        loss_scale: f32,
+        micro_steps: u32,
+        settle: bool,
+    },
     NextMicro,
-    GradCopy { slice: u32, numel: usize, fill: Fill, bad: GradBad },
-    GradWritten { slice: u32, fill: Fill, add: bool },
-    LocalSumsq { timeout_ns: i64, null_out: bool },
+    GradCopy {
+        slice: u32,
+        numel: usize,
+        fill: Fill,
+        bad: GradBad,
+    },
+    GradWritten {
+        slice: u32,
+        fill: Fill,
+        add: bool,
+    },
+    LocalSumsq {
+        timeout_ns: i64,
+        null_out: bool,
+    },
     Step(ArgsSpec),
-    StepResult { which: WhichTicket, timeout_ns: i64, bad_size: bool },
-    Ticket { which: WhichTicket, timeout_ns: i64, how: WaitHow },
-    StepCount { sg: u32 },
+    StepResult {
+        which: WhichTicket,
+        timeout_ns: i64,
+        bad_size: bool,
+    },
+    Ticket {
+        which: WhichTicket,
+        timeout_ns: i64,
+        how: WaitHow,
+    },
+    StepCount {
+        sg: u32,
+    },
     LossScale,
     HostBytes,
     Settle,
@@ -206,9 +245,13 @@ pub enum Op {
     Save(SaveTarget),
     Load(LoadSource),
     Trace(bool),
-    TraceSave { bad_dir: bool },
+    TraceSave {
+        bad_dir: bool,
+    },
     NullHandle,
     /// Checkpoint the session, build a new one over the same slices partitioned
     /// differently (`seed`), load the checkpoint into it and go on with the new one.
-    Repartition { seed: u64 },
+    Repartition {
+        seed: u64,
+    },
 }

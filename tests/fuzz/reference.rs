@@ -166,9 +166,9 @@ impl ApproxCheck {
         // gradient above f32's range makes v inf there): such elements are not checked.
         let fits = |t: &T| t.v.is_finite() && t.e.is_finite() && t.v.abs() <= f32::MAX as f64;
         let g_final = self.g_final.get(i);
-        let squares_fit = [g_spec.v, g_final]
-            .iter()
-            .all(|g| (g * self.unscale as f64).powi(2) <= f32::MAX as f64 && (g * self.factor as f64).powi(2) <= f32::MAX as f64);
+        let squares_fit = [g_spec.v, g_final].iter().all(|g| {
+            (g * self.unscale as f64).powi(2) <= f32::MAX as f64 && (g * self.factor as f64).powi(2) <= f32::MAX as f64
+        });
         (out.iter().all(fits) && squares_fit).then_some(out)
     }
 }
