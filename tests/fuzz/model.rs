@@ -1357,6 +1357,7 @@ impl Sess {
         if self.phase == Phase::Idle && self.pending.as_ref().is_some_and(|p| settle || p.needs_settle) {
             self.settle(stats, scratch, None, observe)?;
         }
+        self.prune();
         if self.pending.is_some() {
             stats.lazy += 1;
         }
@@ -2147,6 +2148,36 @@ impl Sess {
             }
         }
         Ok(())
+    }
+
+    /// Forgets what no later check can need, so that long runs keep the model's memory flat:
+    /// results of steps before the previous one, and hand-off tickets after the latest 64
+    /// except those that decide what `so_ticket_wait_all` reports (failures up to and
+    /// including the earliest certain one).
+    fn prune(&mut self) {
+        const KEEP: usize = 64;
+        if self.step_tickets.len() > 2 {
+            self.step_tickets.drain(..self.step_tickets.len() - 2);
+            let keep = self.step_tickets.clone();
+            self.outcomes.retain(|t, _| keep.contains(t));
+        }
+        let prune_list = |list: &mut Vec<(Ticket, Vec<Status>)>| {
+            if list.len() <= 2 * KEEP {
+                return;
+            }
+            let mut by_ticket: Vec<(Ticket, Vec<Status>)> = std::mem::take(list);
+            by_ticket.sort_by_key(|e| e.0);
+            let first_certain = by_ticket.iter().position(|e| !e.1.contains(&Status::Ok));
+            let n = by_ticket.len();
+            for (i, e) in by_ticket.into_iter().enumerate() {
+                let decisive = first_certain.is_some_and(|f| i <= f) && e.1.iter().any(|s| *s != Status::Ok);
+                if decisive || i + KEEP >= n {
+                    list.push(e);
+                }
+            }
+        };
+        prune_list(&mut self.handoffs);
+        prune_list(&mut self.hidden);
     }
 
     /// After a refusal: nothing changed. Every third refusal between steps also compares
