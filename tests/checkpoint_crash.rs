@@ -250,10 +250,10 @@ fn reader(child: &mut std::process::Child) -> mpsc::Receiver<(Instant, String)> 
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
             // The test harness may print on the same line before it.
-            if let Some(at) = line.find("@@ ") {
-                if tx.send((Instant::now(), line[at + 3..].to_string())).is_err() {
-                    break;
-                }
+            if let Some(at) = line.find("@@ ")
+                && tx.send((Instant::now(), line[at + 3..].to_string())).is_err()
+            {
+                break;
             }
         }
     });

@@ -158,7 +158,7 @@ fn speculative_step_with_an_overflowing_square_is_undone_cleanly() {
     // Skipped (caller overflow): nothing changes (up to the rounding of a rollback).
     let mut masters = vec![vec![0.5f32; 4]];
     let s = session(&mut masters, true);
-    let r = step(&s, &[grad.clone()], StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: true });
+    let r = step(&s, std::slice::from_ref(&grad), StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: true });
     assert!(r.skipped && r.rolled_back == 1, "{r:?}");
     let (m, v) = s.moments(0).unwrap();
     drop(s);
@@ -170,7 +170,7 @@ fn speculative_step_with_an_overflowing_square_is_undone_cleanly() {
     let state = |speculation: bool| {
         let mut masters = vec![vec![0.5f32; 4]];
         let s = session(&mut masters, speculation);
-        let r = step(&s, &[grad.clone()], local(1.0));
+        let r = step(&s, std::slice::from_ref(&grad), local(1.0));
         assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
         let (m, v) = s.moments(0).unwrap();
         drop(s);

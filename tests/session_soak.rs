@@ -229,20 +229,20 @@ fn session_soak() {
             last_save = Some(slot);
             counts[5] += 1;
         }
-        if step % 120 == 119 {
-            if let Some(slot) = last_save {
-                // Back to the latest checkpoint: weights, moments, counts, scaler.
-                apply(&mut w, Op::Load(LoadSource::Slot(slot)), &mut calls);
-                apply(&mut w, Op::Observe, &mut calls);
-                counts[6] += 1;
-            }
+        if step % 120 == 119
+            && let Some(slot) = last_save
+        {
+            // Back to the latest checkpoint: weights, moments, counts, scaler.
+            apply(&mut w, Op::Load(LoadSource::Slot(slot)), &mut calls);
+            apply(&mut w, Op::Observe, &mut calls);
+            counts[6] += 1;
         }
-        if step % 300 == 299 {
-            if let Some(slot) = last_save {
-                apply(&mut w, Op::Load(LoadSource::Flipped(slot, rng.next_u64())), &mut calls);
-                apply(&mut w, Op::Load(LoadSource::Truncated(slot, rng.next_u64())), &mut calls);
-                counts[7] += 1;
-            }
+        if step % 300 == 299
+            && let Some(slot) = last_save
+        {
+            apply(&mut w, Op::Load(LoadSource::Flipped(slot, rng.next_u64())), &mut calls);
+            apply(&mut w, Op::Load(LoadSource::Truncated(slot, rng.next_u64())), &mut calls);
+            counts[7] += 1;
         }
         assert_eq!(w.sess.as_ref().unwrap().phase, Phase::Idle);
     }

@@ -478,11 +478,9 @@ impl World {
         let scratch = self.scratch_path();
         let mut s = self.sess.take().unwrap();
         let idle = s.phase == Phase::Idle;
-        if idle {
-            if let Err(e) = s.settle(&mut self.stats, &scratch, None, false) {
-                self.sess = Some(s);
-                return Err(e);
-            }
+        if idle && let Err(e) = s.settle(&mut self.stats, &scratch, None, false) {
+            self.sess = Some(s);
+            return Err(e);
         }
         unsafe { s.h.destroy() };
         api::count_call();
@@ -635,12 +633,12 @@ impl World {
         if st == Status::Ok && ok_state.is_none() && s.phase == Phase::Idle {
             // A corrupted file loaded: acceptable only if the corruption changed nothing
             // the checkpoint means (the state must then be the original's).
-            if let Some(orig) = origin {
-                if s.load_verdict(orig).is_ok() {
-                    s.apply_snapshot(orig);
-                    self.stats.loads_ok += 1;
-                    return s.check_loaded(orig);
-                }
+            if let Some(orig) = origin
+                && s.load_verdict(orig).is_ok()
+            {
+                s.apply_snapshot(orig);
+                self.stats.loads_ok += 1;
+                return s.check_loaded(orig);
             }
         }
         if !judge(&format!("so_session_load({source:?})"), st, &errs)? {
@@ -1504,10 +1502,10 @@ impl Sess {
             let sg = self.sg(*sgid).unwrap();
             (sg.submitted.is_some() && sg.late.is_none()).then_some(sg.numel * self.opts.accum.size())
         });
-        if let (Some(more), Some(limit)) = (late_alloc, self.opts.limit) {
-            if self.host_bytes + more > limit {
-                e.push(Status::OutOfResources);
-            }
+        if let (Some(more), Some(limit)) = (late_alloc, self.opts.limit)
+            && self.host_bytes + more > limit
+        {
+            e.push(Status::OutOfResources);
         }
         if !judge(&format!("so_session_grad_copy(slice {slice}, {numel})"), st, &e)? {
             stats.refusals += 1;
@@ -1646,14 +1644,14 @@ impl Sess {
                     put(&mut sg.g, s.range.start, &z);
                 }
             }
-            if let Some((buf, ranges)) = sg.late.as_mut() {
-                if !ranges.is_empty() {
-                    for r in ranges.drain(..) {
-                        let part = sub(buf, r.clone());
-                        reference::copy_into(&mut sg.g, r, &part, true);
-                    }
-                    sg.late_merged = true;
+            if let Some((buf, ranges)) = sg.late.as_mut()
+                && !ranges.is_empty()
+            {
+                for r in ranges.drain(..) {
+                    let part = sub(buf, r.clone());
+                    reference::copy_into(&mut sg.g, r, &part, true);
                 }
+                sg.late_merged = true;
             }
         }
     }
@@ -1871,10 +1869,10 @@ impl Sess {
         if p.certain {
             ensure!(skip == p.predicted_skip, "{ctx}: a certain prediction failed");
         }
-        if !p.scaler_applied {
-            if let Some(sc) = self.scaler.as_mut() {
-                sc.update(skip);
-            }
+        if !p.scaler_applied
+            && let Some(sc) = self.scaler.as_mut()
+        {
+            sc.update(skip);
         }
         let next = self.scaler.map_or(p.s, |s| s.scale);
         ensure!(r.next_loss_scale.to_bits() == next.to_bits(), "{ctx}: next loss scale, model {next}");
@@ -2185,7 +2183,7 @@ impl Sess {
     fn refused(&mut self, stats: &mut Stats) -> Check {
         self.check_quiet()?;
         self.refusals += 1;
-        if self.phase == Phase::Idle && self.pending.is_none() && self.refusals % 3 == 0 {
+        if self.phase == Phase::Idle && self.pending.is_none() && self.refusals.is_multiple_of(3) {
             let scratch = self.scratch.clone();
             self.settle(stats, &scratch, None, true)?;
         }
@@ -2380,14 +2378,13 @@ impl Sess {
             allowed.contains(&st),
             "ticket {how:?}({which:?} = {t}, {timeout_ns}): {st:?}, expected one of {allowed:?}"
         );
-        if let WhichTicket::Final(sg) = which {
-            if st == Status::Ok && how != WaitHow::Query {
-                if let Some(s) = self.sgs.get_mut(sg as usize).and_then(Option::as_mut) {
-                    if s.final_ticket == t {
-                        s.final_waited = true;
-                    }
-                }
-            }
+        if let WhichTicket::Final(sg) = which
+            && st == Status::Ok
+            && how != WaitHow::Query
+            && let Some(s) = self.sgs.get_mut(sg as usize).and_then(Option::as_mut)
+            && s.final_ticket == t
+        {
+            s.final_waited = true;
         }
         Ok(())
     }
@@ -2401,10 +2398,10 @@ impl Sess {
         };
         judge("so_session_step_count", st, &[])?;
         let mut allowed = vec![s.count];
-        if let Some(p) = &self.pending {
-            if p.plan.iter().any(|ps| ps.id == sg) {
-                allowed.push(s.count + 1);
-            }
+        if let Some(p) = &self.pending
+            && p.plan.iter().any(|ps| ps.id == sg)
+        {
+            allowed.push(s.count + 1);
         }
         if !s.final_waited {
             allowed.push(s.count_prev);
