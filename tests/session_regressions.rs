@@ -321,3 +321,36 @@ fn elements_outside_every_slice_resume_bit_for_bit_or_are_refused() {
     drop(s);
     assert_eq!(resumed, uninterrupted, "resumed vs uninterrupted");
 }
+
+/// Found by the fuzzer in a long run (seeds 1796297534789846277 and 1796297534789852553): the
+/// same squaring of the gradient as handed over (before unscaling) that overflows for large
+/// loss scales loses precision for small ones: with a loss scale of 2^-40 and unscaled
+/// gradients near 1e-9, the squares of the handed-over gradients (about 1e-42) are subnormal
+/// in f32, and the rescaled moments end up to 3e-5 relative (hundreds of ulps) away from the
+/// step taken without speculation, beyond the rounding bound of the rescale (the rescale works
+/// on the handed-over, loss-scaled gradient with coefficients of the size of 1 / loss_scale).
+#[test]
+#[ignore = "library bug: rescale squares the handed-over gradient in f32, which is subnormal for small loss scales"]
+fn clipped_step_with_a_small_loss_scale_keeps_f32_precision() {
+    let scale = 2f32.powi(-40);
+    let grad: Vec<f32> = [1e-9f32, -2e-9, 3e-9, 0.5e-9].iter().map(|g| g * scale).collect();
+    let state = |speculation: bool| {
+        let mut masters = vec![vec![0.5f32; 4]];
+        let s = session(&mut masters, speculation);
+        s.begin_step(Some(scale), 1).unwrap();
+        s.grad_copy(0, Floats::F32(&grad)).unwrap();
+        let t = s.step(local(2e-9)).unwrap();
+        let r = s.step_result(t, None).unwrap();
+        assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
+        let (m, v) = s.moments(0).unwrap();
+        drop(s);
+        (masters.remove(0), m, v)
+    };
+    let (p0, m0, v0) = state(false);
+    let (p1, m1, v1) = state(true);
+    for (what, a, b) in [("p", &p0, &p1), ("m", &m0, &m1), ("v", &v0, &v1)] {
+        for (x, y) in a.iter().zip(b.iter()) {
+            assert!((x - y).abs() <= 1e-6 * x.abs().max(1e-30), "{what}: without speculation {a:?}, with {b:?}");
+        }
+    }
+}

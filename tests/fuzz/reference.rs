@@ -133,6 +133,10 @@ impl ApproxCheck {
             let dv = (1.0 - self.spec_hp.beta2) * (new * new - old * old);
             g_spec.v * g_spec.v > f32::MAX as f64 || dv.abs() > f32::MAX as f64
         };
+        // Loss scales far below 1 lose precision there too:
+        // `clipped_step_with_a_small_loss_scale_keeps_f32_precision`.
+        let rescale_imprecise = self.kind == Approx::Rescaled && unscale > (1u64 << 20) as f64;
+        let rescale_overflow = rescale_overflow || rescale_imprecise;
         if (overflow || rescale_overflow) && !crate::fuzz::known_bugs() {
             return None;
         }
