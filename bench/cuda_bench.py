@@ -21,14 +21,15 @@ import time
 
 SO_DTYPE_F32, SO_DTYPE_BF16 = 1, 2
 SO_NORM_LOCAL = 1
+SO_SPECULATION = {"off": 0, "on": 1, "auto": 2}
 
 
 class SessionOptions(C.Structure):
     _fields_ = [("struct_size", C.c_size_t), ("pool", C.c_void_p), ("cores", C.POINTER(C.c_uint32)),
                 ("num_cores", C.c_size_t), ("mode", C.c_uint32), ("bias_correction", C.c_bool),
                 ("moment_dtype", C.c_uint32), ("grad_dtype", C.c_uint32), ("accum_dtype", C.c_uint32),
-                ("speculation", C.c_bool), ("host_memory_limit", C.c_uint64), ("amsgrad", C.c_bool),
-                ("loss_scaler", C.c_void_p), ("copy_dtype", C.c_uint32)]
+                ("speculation", C.c_uint32), ("host_memory_limit", C.c_uint64), ("amsgrad", C.c_bool),
+                ("loss_scaler", C.c_void_p), ("copy_dtype", C.c_uint32), ("gpu_budget_bytes", C.c_uint64)]
 
 
 class GroupHparams(C.Structure):
@@ -44,7 +45,8 @@ class SubgroupDesc(C.Structure):
     _fields_ = [("struct_size", C.c_size_t), ("group", C.c_uint32), ("master", C.c_void_p),
                 ("master_dtype", C.c_uint32), ("numel", C.c_size_t), ("grad", C.c_void_p),
                 ("slices", C.POINTER(SliceDesc)), ("num_slices", C.c_size_t),
-                ("device_param", C.c_uint64), ("device_param_dtype", C.c_uint32)]
+                ("device_param", C.c_uint64), ("device_param_dtype", C.c_uint32), ("exp_avg", C.c_void_p),
+                ("exp_avg_sq", C.c_void_p), ("placement", C.c_uint32)]
 
 
 class StepArgs(C.Structure):
@@ -58,7 +60,8 @@ class StepResult(C.Structure):
                 ("loss_scale", C.c_float), ("next_loss_scale", C.c_float), ("speculative", C.c_uint32),
                 ("late_gradients", C.c_uint32), ("kept", C.c_uint32), ("rescaled", C.c_uint32),
                 ("rolled_back", C.c_uint32), ("redone", C.c_uint32), ("stepped", C.c_uint32),
-                ("skip_reason", C.c_uint32)]
+                ("skip_reason", C.c_uint32), ("cancelled", C.c_uint32), ("device_stepped", C.c_uint32),
+                ("device_subgroups", C.c_uint32), ("final_pass_elements", C.c_uint64), ("forward_wait_s", C.c_double)]
 
 
 class CudaOptions(C.Structure):
@@ -82,6 +85,7 @@ class Lib:
         c.so_ticket_enqueue_wait.argtypes = [C.c_void_p, C.c_uint64, C.c_void_p]
         c.so_ticket_wait.argtypes = [C.c_void_p, C.c_uint64, C.c_int64]
         c.so_session_step_result.argtypes = [C.c_void_p, C.c_uint64, C.c_int64, C.POINTER(StepResult)]
+        c.so_session_device_bytes.argtypes = [C.c_void_p, C.POINTER(C.c_size_t)]
 
     def check(self, status, what):
         if status:
@@ -93,11 +97,13 @@ class Lib:
 class Session:
     """A CUDA session with one group and one single-slice sub-group per (master, param)."""
 
-    def __init__(self, lib, masters, params, *, speculation=True, piece_bytes=16 << 20, copy_bf16=False, cores=None):
+    def __init__(self, lib, masters, params, *, speculation="auto", piece_bytes=16 << 20, copy_bf16=False, cores=None,
+                 gpu_budget=0):
         self.lib, c = lib, lib.c
         o = c.so_session_options_default()
         o.grad_dtype = o.accum_dtype = SO_DTYPE_BF16
-        o.speculation = speculation
+        o.speculation = SO_SPECULATION[speculation]
+        o.gpu_budget_bytes = gpu_budget
         o.copy_dtype = SO_DTYPE_BF16 if copy_bf16 else 0
         if cores:
             self._cores = (C.c_uint32 * len(cores))(*cores)
@@ -171,7 +177,7 @@ def copies(lib, torch, args):
     tiny = torch.ones(1, device="cuda")
     out = {}
     for mode, piece in (("whole", 1 << 40), ("pieces", 16 << 20)):
-        s = Session(lib, masters, params, speculation=False, piece_bytes=piece, cores=args.cores)
+        s = Session(lib, masters, params, speculation="off", piece_bytes=piece, cores=args.cores)
         copy_stream = torch.cuda.ExternalStream(s.copy_stream_ptr)
         bw, waits = [], []
         for rep in range(args.copy_reps + 2):
@@ -232,14 +238,19 @@ def overlap(lib, torch, args):
     t_adam = cpu_adam_time(lib, masters, torch)
 
     results = {"layers": L, "params_per_layer": P, "gpu_fwd_bwd_ms": ms(t_gpu), "cpu_adam_ms": ms(t_adam)}
-    for name, spec, clip, copy_bf16 in (("speculative", True, 0.0, False), ("speculative_clip_every_step", True, 1e-3, False),
-                                        ("after_backward", False, 0.0, False), ("after_backward_clip", False, 1e-3, False),
-                                        ("speculative_cast_on_cpu", True, 0.0, True),
-                                        ("speculative_clip_cast_on_cpu", True, 1e-3, True)):
-        s = Session(lib, masters, params, speculation=spec, copy_bf16=copy_bf16, cores=args.cores)
+    # The automatic split may keep up to all but one layer's state on the GPU.
+    budget = (L - 1) * P * 14
+    modes = [
+        ("auto", "auto", 0.0, 0), ("auto_clip_every_step", "auto", 1e-3, 0),
+        ("on", "on", 0.0, 0), ("on_clip_every_step", "on", 1e-3, 0),
+        ("after_backward", "off", 0.0, 0), ("after_backward_clip", "off", 1e-3, 0),
+        ("auto_split", "auto", 0.0, budget), ("auto_split_clip", "auto", 1e-3, budget),
+    ]
+    for name, spec, clip, gpu_budget in modes:
+        s = Session(lib, masters, params, speculation=spec, cores=args.cores, gpu_budget=gpu_budget)
         s.set_compute_stream(compute.cuda_stream)
         copy_stream = torch.cuda.ExternalStream(s.copy_stream_ptr)
-        state = {"ticket": 0}
+        state = {"ticket": 0, "results": []}
 
         def train_step():
             for k in range(L):  # forward: layer k waits only for sub-group k's weights
@@ -250,15 +261,32 @@ def overlap(lib, torch, args):
                 g = layer_work(k, args.bwd_mm).flatten()
                 g.record_stream(copy_stream)
                 s.grad(k, g, compute.cuda_stream)
+            if state["ticket"]:
+                state["results"].append(s.result(state["ticket"]))
             state["ticket"] = s.step(clip)
 
+        # The automatic split is chosen after three measured steps: warm up past it.
+        for _ in range(4 if gpu_budget else 0):
+            train_step()
         t = time_loop(train_step, args.steps)
         r = s.result(state["ticket"])
+        timed = state["results"][-(args.steps - 1):]
+        dev_bytes = C.c_size_t()
+        lib.check(lib.c.so_session_device_bytes(s.h, C.byref(dev_bytes)), "device_bytes")
         s.close()
-        results[name] = {"step_ms": ms(t), "vs_max_gpu_adam": round(t / max(t_gpu, t_adam), 3),
-                         "rescaled": r.rescaled, "kept": r.kept, "stepped": r.stepped, "clip_coef": round(r.clip_coef, 4)}
-    results["clipped_over_unclipped"] = round(results["speculative_clip_every_step"]["step_ms"] /
-                                              results["speculative"]["step_ms"], 3)
+        results[name] = {
+            "step_ms": ms(t), "vs_max_gpu_adam": round(t / max(t_gpu, t_adam), 3),
+            "rescaled": r.rescaled, "kept": r.kept, "stepped": r.stepped, "cancelled": r.cancelled,
+            "speculative": r.speculative, "device_stepped": r.device_stepped, "clip_coef": round(r.clip_coef, 4),
+            "final_pass_elements": r.final_pass_elements,
+            "forward_wait_ms_mean": ms(statistics.mean(x.forward_wait_s for x in timed)) if timed else None,
+            "device_bytes": dev_bytes.value,
+        }
+    for name in ("auto", "on", "auto_split"):
+        results[f"{name}_clip_over_after_backward_clip"] = round(
+            results[f"{name}_clip_every_step" if name != "auto_split" else "auto_split_clip"]["step_ms"] /
+            results["after_backward_clip"]["step_ms"], 3)
+        results[f"{name}_over_after_backward"] = round(results[name]["step_ms"] / results["after_backward"]["step_ms"], 3)
     return results
 
 

@@ -4,6 +4,8 @@
 
 #include "superoffload.hpp"
 
+#include "so_test.hpp"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -24,59 +26,9 @@ namespace so = superoffload;
 
 namespace {
 
-int failures = 0;
-
-#define EXPECT(cond)                                                                  \
-    do {                                                                              \
-        if (!(cond)) {                                                                \
-            std::fprintf(stderr, "%s:%d: expectation failed: %s\n", __FILE__, __LINE__, #cond); \
-            ++failures;                                                               \
-        }                                                                             \
-    } while (0)
-
-// Runs `body`, which must throw so::Error with `status`; returns the error's message.
-template <class F>
-std::string expect_error(so_status status, F&& body, const char* what, int line) {
-    try {
-        body();
-    } catch (const so::Error& e) {
-        if (e.status() != status) {
-            std::fprintf(stderr, "%s:%d: %s: status %u, expected %u (%s)\n", __FILE__, line, what,
-                         static_cast<unsigned>(e.status()), static_cast<unsigned>(status), e.what());
-            ++failures;
-        }
-        if (std::string(e.status_description()) != so_status_str(status)) {
-            std::fprintf(stderr, "%s:%d: %s: status description mismatch\n", __FILE__, line, what);
-            ++failures;
-        }
-        return e.what();
-    } catch (...) {
-        std::fprintf(stderr, "%s:%d: %s: threw something other than superoffload::Error\n", __FILE__, line, what);
-        ++failures;
-        return {};
-    }
-    std::fprintf(stderr, "%s:%d: %s: did not throw\n", __FILE__, line, what);
-    ++failures;
-    return {};
-}
-#define EXPECT_ERROR(status, stmt) expect_error((status), [&] { stmt; }, #stmt, __LINE__)
-
-bool contains(const std::string& haystack, const char* needle) { return haystack.find(needle) != std::string::npos; }
-
-// Deterministic pseudo-random numbers (no <random> distributions: their output differs
-// between standard libraries).
-struct Rng {
-    std::uint64_t state;
-    std::uint64_t next() {
-        state += 0x9E3779B97F4A7C15ull;
-        std::uint64_t z = state;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        return z ^ (z >> 31);
-    }
-    // Uniform in [-1, 1).
-    float uniform() { return static_cast<float>(static_cast<double>(next() >> 11) * 0x1.0p-52 - 1.0); }
-};
+using so_test::contains;
+using so_test::Rng;
+using so_test::same_bits;
 
 template <class T>
 T from_float(float x) {
@@ -91,15 +43,10 @@ template <class T>
 std::vector<T> random_vector(Rng& rng, std::size_t n, float scale, bool non_negative = false) {
     std::vector<T> out(n);
     for (std::size_t i = 0; i < n; ++i) {
-        const float value = rng.uniform() * scale;
+        const float value = static_cast<float>(rng.uniform()) * scale;
         out[i] = from_float<T>(non_negative ? std::fabs(value) : value);
     }
     return out;
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
 // SFINAE probes: can adam_rollback / adam_rescale be called with these typed buffers?
@@ -107,12 +54,13 @@ template <class B, class = void>
 struct can_rollback : std::false_type {};
 template <class B>
 struct can_rollback<B, std::void_t<decltype(so::adam_rollback(so::PoolRef{}, std::declval<const so::Hparams&>(),
-                                                               std::declval<const B&>(), 1.0f))>> : std::true_type {};
+                                                              std::declval<const B&>(), 1.0f))>> : std::true_type {};
 template <class B, class = void>
 struct can_rescale : std::false_type {};
 template <class B>
 struct can_rescale<B, std::void_t<decltype(so::adam_rescale(so::PoolRef{}, std::declval<const so::Hparams&>(),
-                                                             std::declval<const B&>(), 1.0f, 0.5f))>> : std::true_type {};
+                                                            std::declval<const B&>(), 1.0f, 0.5f))>> : std::true_type {
+};
 template <class G, class = void>
 struct can_sumsq : std::false_type {};
 template <class G>
@@ -152,10 +100,11 @@ static_assert(!can_rescale<so::AdamBuffers<so::f16, so::f16, float>>::value, "no
 static_assert(can_sumsq<so::bf16>::value && can_sumsq<float>::value && !can_sumsq<double>::value, "typed sumsq");
 
 // Class template argument deduction picks the element types from the pointers.
-static_assert(std::is_same_v<decltype(so::AdamBuffers(static_cast<float*>(nullptr), static_cast<const so::bf16*>(nullptr),
-                                                      static_cast<float*>(nullptr), static_cast<float*>(nullptr), 0)),
-                             so::AdamBuffers<float, so::bf16, float>>,
-              "CTAD");
+static_assert(
+    std::is_same_v<decltype(so::AdamBuffers(static_cast<float*>(nullptr), static_cast<const so::bf16*>(nullptr),
+                                            static_cast<float*>(nullptr), static_cast<float*>(nullptr), 0)),
+                   so::AdamBuffers<float, so::bf16, float>>,
+    "CTAD");
 
 // ---- run-time tests ------------------------------------------------------------------------
 
@@ -297,7 +246,10 @@ void test_pool() {
     EXPECT(!adopted);
 
     // A default-constructed Pool is empty, and destroying it is safe.
-    { so::Pool empty; EXPECT(!empty); }
+    {
+        so::Pool empty;
+        EXPECT(!empty);
+    }
     // Moved-from handles (pool, moved, target) are destroyed at scope exit.
 }
 
@@ -355,13 +307,13 @@ void test_element_conversions() {
         const float h = so::f16::from_bits(bits).to_float();
         if (!std::isnan(h) && so::f16::from_float(h).bits != bits) {
             std::fprintf(stderr, "f16 round trip of %#06x failed\n", b);
-            ++failures;
+            ++so_test::failures;
             break;
         }
         const float bfl = so::bf16::from_bits(bits).to_float();
         if (!std::isnan(bfl) && so::bf16::from_float(bfl).bits != bits) {
             std::fprintf(stderr, "bf16 round trip of %#06x failed\n", b);
-            ++failures;
+            ++so_test::failures;
             break;
         }
     }
@@ -445,8 +397,12 @@ void typed_vs_raw(std::uint64_t seed, std::size_t n, so::PoolRef pool) {
     raw.grad = g.data();
     raw.exp_avg = m2.data();
     raw.exp_avg_sq = v2.data();
-    raw.param_dtype = std::is_same_v<P, float> ? SO_DTYPE_F32 : std::is_same_v<P, so::bf16> ? SO_DTYPE_BF16 : SO_DTYPE_F16;
-    raw.grad_dtype = std::is_same_v<G, float> ? SO_DTYPE_F32 : std::is_same_v<G, so::bf16> ? SO_DTYPE_BF16 : SO_DTYPE_F16;
+    raw.param_dtype = std::is_same_v<P, float>      ? SO_DTYPE_F32
+                      : std::is_same_v<P, so::bf16> ? SO_DTYPE_BF16
+                                                    : SO_DTYPE_F16;
+    raw.grad_dtype = std::is_same_v<G, float>      ? SO_DTYPE_F32
+                     : std::is_same_v<G, so::bf16> ? SO_DTYPE_BF16
+                                                   : SO_DTYPE_F16;
     raw.moment_dtype = std::is_same_v<M, float> ? SO_DTYPE_F32 : SO_DTYPE_BF16;
     if constexpr (with_copy) {
         raw.param_copy = c2.data();
@@ -602,10 +558,5 @@ int main() {
     test_element_conversions();
     test_typed_buffers();
     test_errors();
-    if (failures != 0) {
-        std::fprintf(stderr, "api_cpp_wrapper: %d failure(s)\n", failures);
-        return 1;
-    }
-    std::printf("api_cpp_wrapper: ok\n");
-    return 0;
+    return so_test::finish("api_cpp_wrapper");
 }

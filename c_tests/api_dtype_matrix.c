@@ -62,7 +62,7 @@ static const char *mutant_name(int m) {
 }
 
 typedef struct ref_result {
-    double p, m, v; /* the exact step */
+    double p, m, v;    /* the exact step */
     double ep, em, ev; /* first-order bounds of the kernel's f32 rounding */
 } ref_result;
 
@@ -72,8 +72,8 @@ typedef struct ref_result {
  * f32-representable inputs most of these terms are 0. */
 static double f32_rounding(double x) { return fabs((double)(float)x - x); }
 
-static ref_result reference(const so_adam_hparams *hp, float grad_scale, double p, double g, double m,
-                            double v, int mutant) {
+static ref_result reference(const so_adam_hparams *hp, float grad_scale, double p, double g, double m, double v,
+                            int mutant) {
     const bool l2 = hp->mode == SO_ADAM_MODE_L2;
     const double lr = hp->lr, b1 = hp->beta1, b2 = hp->beta2, eps = hp->eps, wd = hp->weight_decay;
     const double s = mutant == MUTANT_NO_GRAD_SCALE ? 1.0 : (double)grad_scale;
@@ -189,8 +189,10 @@ static void factor_combo(int index, so_rng *rng, test_case *c) {
     /* Plain doubles: rounded to f32 by the struct where its fields are float. */
     hp.lr = so_rng_log_range(rng, 1e-5, 3e-2);
     double pick = so_rng_unit(rng);
-    hp.beta1 = pick < 0.6 ? so_rng_range(rng, 0.8, 0.99) : pick < 0.85 ? so_rng_range(rng, 0.0, 0.5)
-                                                                       : pick < 0.93 ? 0.0 : 0.9;
+    hp.beta1 = pick < 0.6    ? so_rng_range(rng, 0.8, 0.99)
+               : pick < 0.85 ? so_rng_range(rng, 0.0, 0.5)
+               : pick < 0.93 ? 0.0
+                             : 0.9;
     hp.beta2 = so_rng_unit(rng) < 0.7 ? so_rng_range(rng, 0.9, 0.9999) : so_rng_range(rng, 0.3, 0.9);
     hp.eps = so_rng_log_range(rng, 1e-10, 1e-2);
     hp.weight_decay = wd_zero ? 0.0 : so_rng_log_range(rng, 1e-4, 0.2);
@@ -205,9 +207,9 @@ static void describe(const test_case *c, FILE *out) {
             "beta2 %.9g, eps %.9g, wd %.9g, step %llu, grad_scale %.9g, %s moments, seed %llu\n",
             so_dtype_name(c->param_dtype), so_dtype_name(c->grad_dtype), so_dtype_name(c->moment_dtype),
             so_dtype_name(c->copy_dtype), c->n, c->hp.mode == SO_ADAM_MODE_L2 ? "L2" : "AdamW",
-            (int)c->hp.bias_correction, (double)c->hp.lr, (double)c->hp.beta1, (double)c->hp.beta2,
-            (double)c->hp.eps, (double)c->hp.weight_decay, (unsigned long long)c->hp.step,
-            (double)c->grad_scale, c->warm ? "warm" : "cold", (unsigned long long)c->seed);
+            (int)c->hp.bias_correction, (double)c->hp.lr, (double)c->hp.beta1, (double)c->hp.beta2, (double)c->hp.eps,
+            (double)c->hp.weight_decay, (unsigned long long)c->hp.step, (double)c->grad_scale,
+            c->warm ? "warm" : "cold", (unsigned long long)c->seed);
 }
 
 /* The buffers of one case. */
@@ -287,7 +289,7 @@ static double run_update(so_pool *pool, const test_case *c, case_buffers *b) {
 
 typedef struct stats {
     double worst_p, worst_m, worst_v; /* max |got - ref| / bound */
-    double worst_f32; /* the same, over values stored in f32 (no storage rounding) */
+    double worst_f32;                 /* the same, over values stored in f32 (no storage rounding) */
     size_t elements;
 } stats;
 
@@ -454,13 +456,13 @@ static void check_converters(void) {
     CHECK(so_f32_to_bf16(so_bits_to_f32(0x3F818000u)) == 0x3F82);
     CHECK(so_f32_to_bf16(so_bits_to_f32(0x3F808001u)) == 0x3F81);
     CHECK(so_f32_to_bf16(3.4e38f) == 0x7F80);
-    CHECK(so_f32_to_f16(1.0f + 0x1p-11f) == 0x3C00);               /* tie -> even */
-    CHECK(so_f32_to_f16(1.0f + 0x1p-11f + 0x1p-20f) == 0x3C01);    /* above the tie */
-    CHECK(so_f32_to_f16(1.0f + 3 * 0x1p-11f) == 0x3C02);           /* tie -> even (up) */
+    CHECK(so_f32_to_f16(1.0f + 0x1p-11f) == 0x3C00);            /* tie -> even */
+    CHECK(so_f32_to_f16(1.0f + 0x1p-11f + 0x1p-20f) == 0x3C01); /* above the tie */
+    CHECK(so_f32_to_f16(1.0f + 3 * 0x1p-11f) == 0x3C02);        /* tie -> even (up) */
     CHECK(so_f32_to_f16(65504.0f) == 0x7BFF);
     CHECK(so_f32_to_f16(65519.0f) == 0x7BFF);
     CHECK(so_f32_to_f16(65520.0f) == 0x7C00);
-    CHECK(so_f32_to_f16(0x1p-25f) == 0x0000);                      /* tie at half the smallest subnormal */
+    CHECK(so_f32_to_f16(0x1p-25f) == 0x0000); /* tie at half the smallest subnormal */
     CHECK(so_f32_to_f16(0x1p-25f + 0x1p-40f) == 0x0001);
     CHECK(so_f32_to_f16(3 * 0x1p-25f) == 0x0002);
     CHECK(so_f32_to_f16(-0x1p-14f) == 0x8400);
@@ -506,8 +508,8 @@ int main(void) {
         run_case(&c, pools, &st);
         cases++;
     }
-    printf("%zu cases, %zu elements: worst |error| / bound: p %.3f, m %.3f, v %.3f; f32-stored values %.3f\n",
-           cases, st.elements, st.worst_p, st.worst_m, st.worst_v, st.worst_f32);
+    printf("%zu cases, %zu elements: worst |error| / bound: p %.3f, m %.3f, v %.3f; f32-stored values %.3f\n", cases,
+           st.elements, st.worst_p, st.worst_m, st.worst_v, st.worst_f32);
 
     check_mutants_are_caught(pools[0].pool);
 

@@ -110,20 +110,20 @@ static void expect_error_(so_status got, so_status want, const char *func, const
 }
 
 /* `call` must fail with `want`, naming `field` in a message from `func`, changing nothing. */
-#define EXPECT_ERROR(call, want, func, field)                                                 \
-    do {                                                                                      \
-        prime_message(func);                                                                  \
-        sumsq_out = 12345.0;                                                                  \
-        so_status st_ = (call);                                                               \
-        expect_error_(st_, (want), (func), (field), #call, __FILE__, __LINE__);              \
+#define EXPECT_ERROR(call, want, func, field)                                   \
+    do {                                                                        \
+        prime_message(func);                                                    \
+        sumsq_out = 12345.0;                                                    \
+        so_status st_ = (call);                                                 \
+        expect_error_(st_, (want), (func), (field), #call, __FILE__, __LINE__); \
     } while (0)
 
 /* The three step-shaped calls on the same arguments. */
-#define EXPECT_ERROR_ALL3(hp, bufs, want, field)                                                            \
-    do {                                                                                                    \
-        EXPECT_ERROR(so_adam_update(NULL, (hp), (bufs), NULL, &sumsq_out), (want), "so_adam_update", field);  \
-        EXPECT_ERROR(so_adam_rollback(NULL, (hp), (bufs), 1.0f), (want), "so_adam_rollback", field);          \
-        EXPECT_ERROR(so_adam_rescale(NULL, (hp), (bufs), 1.0f, 0.5f), (want), "so_adam_rescale", field);      \
+#define EXPECT_ERROR_ALL3(hp, bufs, want, field)                                                             \
+    do {                                                                                                     \
+        EXPECT_ERROR(so_adam_update(NULL, (hp), (bufs), NULL, &sumsq_out), (want), "so_adam_update", field); \
+        EXPECT_ERROR(so_adam_rollback(NULL, (hp), (bufs), 1.0f), (want), "so_adam_rollback", field);         \
+        EXPECT_ERROR(so_adam_rescale(NULL, (hp), (bufs), 1.0f, 0.5f), (want), "so_adam_rescale", field);     \
     } while (0)
 
 /* ------------------------------------------------------------------------ NULL pointers */
@@ -150,8 +150,8 @@ static void test_null_arguments(void) {
 
     EXPECT_ERROR(so_grad_sumsq(NULL, G(), SO_DTYPE_F32, N, 1.0f, NULL), SO_STATUS_NULL_ARGUMENT, "so_grad_sumsq",
                  "out_sumsq");
-    EXPECT_ERROR(so_grad_sumsq(NULL, NULL, SO_DTYPE_F32, N, 1.0f, &sumsq_out), SO_STATUS_NULL_ARGUMENT,
-                 "so_grad_sumsq", "grad");
+    EXPECT_ERROR(so_grad_sumsq(NULL, NULL, SO_DTYPE_F32, N, 1.0f, &sumsq_out), SO_STATUS_NULL_ARGUMENT, "so_grad_sumsq",
+                 "grad");
     EXPECT_ERROR(so_pool_create(NULL, NULL), SO_STATUS_NULL_ARGUMENT, "so_pool_create", "out_pool");
     EXPECT_ERROR(so_pool_get_info(NULL, NULL), SO_STATUS_NULL_ARGUMENT, "so_pool_get_info", "out_info");
     so_pool_destroy(NULL); /* a no-op */
@@ -259,23 +259,23 @@ static void test_misaligned(void) {
     for (int k = 0; k < 5; k++) {
         for (size_t shift = 1; shift < 4; shift++) {
             so_adam_buffers b = base_buffers_with_copy();
-            void *bad = arena + OFF_SPARE + shift; /* in the spare area: overlaps nothing */
+            void *bad = arena + OFF_SPARE + shift;  /* in the spare area: overlaps nothing */
             if (k == 4 && shift % 2 == 0) continue; /* bf16 copy: 2-byte alignment suffices */
             if (k == 0) b.param = bad;
             if (k == 1) b.grad = bad;
             if (k == 2) b.exp_avg = bad;
             if (k == 3) b.exp_avg_sq = bad;
             if (k == 4) b.param_copy = bad;
-            EXPECT_ERROR(so_adam_update(NULL, &hp, &b, NULL, &sumsq_out), SO_STATUS_INVALID_ARGUMENT,
-                         "so_adam_update", names[k]);
+            EXPECT_ERROR(so_adam_update(NULL, &hp, &b, NULL, &sumsq_out), SO_STATUS_INVALID_ARGUMENT, "so_adam_update",
+                         names[k]);
             CHECK(strstr(so_test_last_error(), "aligned") != NULL);
             if (k < 4) {
                 b.param_copy = NULL;
                 b.param_copy_dtype = SO_DTYPE_NONE;
                 EXPECT_ERROR(so_adam_rollback(NULL, &hp, &b, 1.0f), SO_STATUS_INVALID_ARGUMENT, "so_adam_rollback",
                              names[k]);
-                EXPECT_ERROR(so_adam_rescale(NULL, &hp, &b, 1.0f, 2.0f), SO_STATUS_INVALID_ARGUMENT,
-                             "so_adam_rescale", names[k]);
+                EXPECT_ERROR(so_adam_rescale(NULL, &hp, &b, 1.0f, 2.0f), SO_STATUS_INVALID_ARGUMENT, "so_adam_rescale",
+                             names[k]);
             }
         }
     }
@@ -311,8 +311,7 @@ static void test_aliasing(void) {
             *slot(&b, c) = (unsigned char *)*slot(&b, a) + 4;
             char field[64];
             snprintf(field, sizeof field, "buffers->%s", names[c]);
-            EXPECT_ERROR(so_adam_update(NULL, &hp, &b, NULL, &sumsq_out), SO_STATUS_ALIASING, "so_adam_update",
-                         field);
+            EXPECT_ERROR(so_adam_update(NULL, &hp, &b, NULL, &sumsq_out), SO_STATUS_ALIASING, "so_adam_update", field);
             snprintf(field, sizeof field, "buffers->%s", names[a]);
             CHECK(strstr(so_test_last_error(), field) != NULL);
             CHECK(strstr(so_test_last_error(), "overlap") != NULL);
@@ -323,8 +322,7 @@ static void test_aliasing(void) {
             if (a < 4 && c < 4) {
                 b.param_copy = NULL;
                 b.param_copy_dtype = SO_DTYPE_NONE;
-                EXPECT_ERROR(so_adam_rollback(NULL, &hp, &b, 1.0f), SO_STATUS_ALIASING, "so_adam_rollback",
-                             names[c]);
+                EXPECT_ERROR(so_adam_rollback(NULL, &hp, &b, 1.0f), SO_STATUS_ALIASING, "so_adam_rollback", names[c]);
                 EXPECT_ERROR(so_adam_rescale(NULL, &hp, &b, 1.0f, 2.0f), SO_STATUS_ALIASING, "so_adam_rescale",
                              names[c]);
             }
@@ -349,13 +347,13 @@ typedef struct bad_value {
 static void test_hparams(void) {
     const char *fields[5] = {"hparams->lr", "hparams->beta1", "hparams->beta2", "hparams->eps",
                              "hparams->weight_decay"};
+    /* clang-format off: a hand-aligned table */
     const bad_value bad[] = {
-        {0, -1e-3}, {0, NAN}, {0, INFINITY}, {0, -INFINITY},
-        {1, -0.1}, {1, 1.0}, {1, 1.5}, {1, NAN}, {1, INFINITY},
-        {2, -0.1}, {2, 1.0}, {2, 1.5}, {2, NAN}, {2, -INFINITY},
-        {3, -1e-8}, {3, NAN}, {3, INFINITY},
-        {4, -0.01}, {4, NAN}, {4, INFINITY},
+        {0, -1e-3}, {0, NAN},      {0, INFINITY}, {0, -INFINITY}, {1, -0.1}, {1, 1.0},      {1, 1.5},
+        {1, NAN},   {1, INFINITY}, {2, -0.1},     {2, 1.0},       {2, 1.5},  {2, NAN},      {2, -INFINITY},
+        {3, -1e-8}, {3, NAN},      {3, INFINITY}, {4, -0.01},     {4, NAN},  {4, INFINITY},
     };
+    /* clang-format on */
     so_adam_buffers b = base_buffers();
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
         so_adam_hparams hp = so_adam_hparams_default();
@@ -369,8 +367,8 @@ static void test_hparams(void) {
         EXPECT_ERROR_ALL3(&hp, &b, SO_STATUS_INVALID_ARGUMENT, fields[bad[k].field]);
         /* Validated even when there is nothing to do. */
         so_adam_buffers empty = so_adam_buffers_default();
-        EXPECT_ERROR(so_adam_update(NULL, &hp, &empty, NULL, &sumsq_out), SO_STATUS_INVALID_ARGUMENT,
-                     "so_adam_update", fields[bad[k].field]);
+        EXPECT_ERROR(so_adam_update(NULL, &hp, &empty, NULL, &sumsq_out), SO_STATUS_INVALID_ARGUMENT, "so_adam_update",
+                     fields[bad[k].field]);
     }
     so_adam_hparams hp = so_adam_hparams_default();
     hp.step = 0;
@@ -526,11 +524,23 @@ static void test_last_error_message(void) {
 /* ------------------------------------------------------------- status strings, versions */
 
 static void test_strings_and_versions(void) {
-    const uint32_t known[] = {SO_STATUS_OK,           SO_STATUS_NULL_ARGUMENT, SO_STATUS_INVALID_ARGUMENT,
-                              SO_STATUS_STRUCT_SIZE,  SO_STATUS_UNSUPPORTED,   SO_STATUS_ALIASING,
-                              SO_STATUS_INVALID_STATE, SO_STATUS_NOT_FOUND,    SO_STATUS_NON_FINITE,
-                              SO_STATUS_OUT_OF_RESOURCES, SO_STATUS_TIMEOUT,   SO_STATUS_PENDING,
-                              SO_STATUS_IO,           SO_STATUS_BAD_CHECKPOINT, SO_STATUS_PANIC};
+    /* clang-format off: a hand-aligned table */
+    const uint32_t known[] = {SO_STATUS_OK,
+                              SO_STATUS_NULL_ARGUMENT,
+                              SO_STATUS_INVALID_ARGUMENT,
+                              SO_STATUS_STRUCT_SIZE,
+                              SO_STATUS_UNSUPPORTED,
+                              SO_STATUS_ALIASING,
+                              SO_STATUS_INVALID_STATE,
+                              SO_STATUS_NOT_FOUND,
+                              SO_STATUS_NON_FINITE,
+                              SO_STATUS_OUT_OF_RESOURCES,
+                              SO_STATUS_TIMEOUT,
+                              SO_STATUS_PENDING,
+                              SO_STATUS_IO,
+                              SO_STATUS_BAD_CHECKPOINT,
+                              SO_STATUS_PANIC};
+    /* clang-format on */
     const size_t count = sizeof known / sizeof known[0];
     for (size_t i = 0; i < count; i++) {
         const char *s = so_status_str(known[i]);

@@ -102,7 +102,8 @@ int main(void) {
                         CHECK_OK(so_grad_sumsq(pool, g, gd, n, scale, &sum_d));
                         if (!same_state(&a, &b, n, pd, md, cd)) {
                             for (size_t i = 0; i < n; i++) {
-                                if (so_raw(a.p, pd, i) != so_raw(b.p, pd, i) || so_raw(a.m, md, i) != so_raw(b.m, md, i) ||
+                                if (so_raw(a.p, pd, i) != so_raw(b.p, pd, i) ||
+                                    so_raw(a.m, md, i) != so_raw(b.m, md, i) ||
                                     so_raw(a.v, md, i) != so_raw(b.v, md, i)) {
                                     fprintf(stderr, "element %zu: p %.9g vs %.9g, m %.9g vs %.9g, v %.9g vs %.9g\n", i,
                                             (double)so_load(a.p, pd, i), (double)so_load(b.p, pd, i),
@@ -119,8 +120,7 @@ int main(void) {
                         CHECKF(same_state(&a, &c, n, pd, md, cd), "check_finite changed the result");
                         CHECKF(memcmp(&sum_a, &sum_c, sizeof sum_a) == 0, "sumsq with check_finite %.17g vs %.17g",
                                sum_a, sum_c);
-                        CHECKF(memcmp(&sum_a, &sum_d, sizeof sum_a) == 0, "so_grad_sumsq %.17g vs %.17g", sum_d,
-                               sum_a);
+                        CHECKF(memcmp(&sum_a, &sum_d, sizeof sum_a) == 0, "so_grad_sumsq %.17g vs %.17g", sum_d, sum_a);
                         /* A scale that is not applied would show: the states must differ
                          * from a step with scale 1 on the unscaled gradient. */
                         state e = clone(&s0, n, pd, md, cd);

@@ -165,9 +165,9 @@ static const char *case_name(const so_adam_hparams *hp, uint32_t gd, float scale
     static char buf[256];
     snprintf(buf, sizeof buf,
              "%s, bias_correction %d, lr %.6g, beta1 %.6g, beta2 %.6g, eps %.3g, wd %.3g, step %llu, grad %s, scale %g",
-             hp->mode == SO_ADAM_MODE_L2 ? "L2" : "AdamW", (int)hp->bias_correction, (double)hp->lr,
-             (double)hp->beta1, (double)hp->beta2, (double)hp->eps, (double)hp->weight_decay,
-             (unsigned long long)hp->step, so_dtype_name(gd), (double)scale);
+             hp->mode == SO_ADAM_MODE_L2 ? "L2" : "AdamW", (int)hp->bias_correction, (double)hp->lr, (double)hp->beta1,
+             (double)hp->beta2, (double)hp->eps, (double)hp->weight_decay, (unsigned long long)hp->step,
+             so_dtype_name(gd), (double)scale);
     return buf;
 }
 
@@ -189,18 +189,19 @@ static void check_rollback_element(const constants *k, float scale, double g, co
 
     double ge = (double)scale * g + (k->l2w ? k->wd * p0 : 0.0);
     double dge = k->l2w ? k->wd * fabs(pr - p0) + 2.0 * U * fabs(ge) : 0.0;
-    const double e_m = U * fabs(m0) + (U * fabs(m1) + k->c1 * dge + U * (fabs(m1) + k->c1 * fabs(ge))) / k->b1 +
-                       U * fabs(mr);
+    const double e_m =
+        U * fabs(m0) + (U * fabs(m1) + k->c1 * dge + U * (fabs(m1) + k->c1 * fabs(ge))) / k->b1 + U * fabs(mr);
     double dsq = k->l2w ? 2.0 * fabs(ge) * dge + 2.0 * U * ge * ge : 0.0;
     const double e_v = U * v0 + (U * v1 + k->c2 * dsq + U * (v1 + k->c2 * ge * ge)) / k->b2 + U * vr;
 
     double bp = K_BOUND * e_p, bm = K_BOUND * e_m, bv = K_BOUND * e_v;
     double rp = fabs(pr - p0) / bp, rm = fabs(mr - m0) / fmax(bm, 1e-300), rv = fabs(vr - v0) / fmax(bv, 1e-300);
     if (!(rp <= 1.0 && rm <= 1.0 && rv <= 1.0)) {
-        fprintf(stderr,
-                "%s: element %zu (g %.9g): p0 %.9g -> %.9g -> %.9g (bound %.3g)\n  m0 %.9g -> %.9g -> %.9g (bound %.3g)\n"
-                "  v0 %.9g -> %.9g -> %.9g (bound %.3g)\n",
-                what, i, g, p0, p1, pr, bp, m0, m1, mr, bm, v0, v1, vr, bv);
+        fprintf(
+            stderr,
+            "%s: element %zu (g %.9g): p0 %.9g -> %.9g -> %.9g (bound %.3g)\n  m0 %.9g -> %.9g -> %.9g (bound %.3g)\n"
+            "  v0 %.9g -> %.9g -> %.9g (bound %.3g)\n",
+            what, i, g, p0, p1, pr, bp, m0, m1, mr, bm, v0, v1, vr, bv);
         CHECKF(false, "rollback out of bound");
     }
     worst_rollback = fmax(worst_rollback, fmax(rp, fmax(rm, rv)));
@@ -455,8 +456,10 @@ static void test_rescale(so_pool **pools) {
 
                             /* Tight enough: a rescale that did nothing (s1 instead of sr) or one to a
                              * scale off by 2^-12 (compared with s3) must fail for most elements. */
-                            rescale_errors noop = compare_rescale(&k, o, nn, g, gd, n, &s0, &s1, &sr, &s1, &s2, false, what);
-                            rescale_errors off = compare_rescale(&k, o, nn, g, gd, n, &s0, &s1, &sr, &sr, &s3, false, what);
+                            rescale_errors noop =
+                                compare_rescale(&k, o, nn, g, gd, n, &s0, &s1, &sr, &s1, &s2, false, what);
+                            rescale_errors off =
+                                compare_rescale(&k, o, nn, g, gd, n, &s0, &s1, &sr, &sr, &s3, false, what);
                             CHECKF(noop.bad_m > n * 9 / 10 && noop.bad_v > n * 9 / 10,
                                    "%s: a no-op rescale is not detected (m %zu, v %zu)", what, noop.bad_m, noop.bad_v);
                             /* (With warm moments, b2 * v0 dominates v and the change of v

@@ -31,6 +31,7 @@ static fixture setup(so_pool *pool) {
     fixture f;
     so_session_options o = so_session_options_default();
     o.pool = pool;
+    o.speculation = SO_SPECULATION_ON;
     CHECK_OK(so_session_create(&o, &f.s));
     so_group_hparams h = so_group_hparams_default();
     uint32_t g = 0, id = 0;

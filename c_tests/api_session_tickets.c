@@ -44,6 +44,7 @@ int main(void) {
     CHECK(pool != NULL);
     so_session_options o = so_session_options_default();
     o.pool = pool;
+    o.speculation = SO_SPECULATION_ON;
     so_session *s = NULL;
     CHECK_OK(so_session_create(&o, &s));
     so_pool_destroy(pool);
@@ -184,9 +185,10 @@ int main(void) {
     CHECK_OK(so_session_step(s, NULL, &st2));
     CHECK(st2 > st);
     r = result_of(s, st2);
-    CHECK(!r.skipped && r.serial == 2 && r.kept == 3);
-    EXPECT_REFUSED(so_session_step_result(s, st, -1, &r), SO_STATUS_NOT_FOUND, "so_session_step_result",
-                   "latest step");
+    /* The big sub-group completed last: its speculative step was kept, or cancelled at step()
+     * and folded into its final pass. */
+    CHECKF(!r.skipped && r.serial == 2 && r.kept + r.cancelled == 3, "kept %u cancelled %u", r.kept, r.cancelled);
+    EXPECT_REFUSED(so_session_step_result(s, st, -1, &r), SO_STATUS_NOT_FOUND, "so_session_step_result", "latest step");
     so_ticket prev = st;
     for (uint32_t sg = 0; sg < 3; sg++) {
         so_ticket f = 0;

@@ -64,26 +64,28 @@ typedef struct plan_step {
 
 /* Slices: 0 embed, 1 embed.norm (sub-group 0); 2 l0.w, 3 l0.b (1); 4 l1.w (2); 5 head.w,
  * 6 head.b (3). */
+/* clang-format off: a hand-aligned table */
 static const plan_step PLAN[] = {
     /*  S    mic clip           miss part late nonf chg norm ovf   spec kept resc rb redo stp late skip */
-    {1024.f, 1, CLIP_ABOVE,    -1, -1, -1, -1, -1, 0, false, 4, 4, 0, 0, 0, 0, 0, false},
+    {1024.f, 1, CLIP_ABOVE, -1, -1, -1, -1, -1, 0, false, 4, 4, 0, 0, 0, 0, 0, false},
     {1024.f, 1, CLIP_TRIGGERS, -1, -1, -1, -1, -1, 0, false, 4, 0, 4, 0, 0, 0, 0, false},
-    {1024.f, 1, CLIP_OFF,      -1, -1, -1, -1, -1, 0, true,  4, 0, 0, 4, 0, 0, 0, true},
-    {256.f,  3, CLIP_OFF,      -1, -1, -1, -1, -1, 0, false, 4, 4, 0, 0, 0, 0, 0, false},
-    {256.f,  1, CLIP_OFF,      -1, -1,  3, -1, -1, 0, false, 4, 3, 0, 0, 1, 0, 1, false},
-    {256.f,  1, CLIP_OFF,       4, -1, -1, -1, -1, 0, false, 3, 3, 0, 0, 0, 1, 0, false},
-    {256.f,  1, CLIP_OFF,      -1, -1, -1,  6, -1, 0, false, 4, 0, 0, 3, 0, 0, 0, true},
-    {512.f,  1, CLIP_OFF,      -1, -1, -1, -1,  1, 0, false, 4, 2, 0, 0, 2, 0, 0, false},
-    {512.f,  2, CLIP_TRIGGERS,  1, -1, -1, -1, -1, 0, false, 3, 0, 3, 0, 0, 1, 0, false},
-    {512.f,  1, CLIP_TRIGGERS, -1, -1,  5, -1, -1, 0, false, 4, 0, 3, 0, 1, 0, 1, false},
-    {512.f,  1, CLIP_TRIGGERS, -1, -1, -1, -1, -1, 1, false, 4, 0, 4, 0, 0, 0, 0, false},
-    {1.f,    1, CLIP_OFF,      -1, -1, -1, -1, -1, 1, false, 4, 4, 0, 0, 0, 0, 0, false},
-    {1.f,    2, CLIP_OFF,      -1,  2, -1, -1, -1, 0, false, 3, 3, 0, 0, 0, 1, 0, false},
-    {64.f,   1, CLIP_OFF,      -1, -1,  3, -1, -1, 0, true,  4, 0, 0, 4, 0, 0, 1, true},
-    {64.f,   1, CLIP_TRIGGERS, -1, -1, -1, -1, -1, 2, false, 4, 0, 0, 4, 0, 0, 0, true},
-    {64.f,   1, CLIP_TRIGGERS, -1, -1, -1, -1,  0, 0, false, 4, 0, 2, 0, 2, 0, 0, false},
-    {64.f,   2, CLIP_ABOVE,    -1, -1, -1, -1, -1, 1, false, 4, 4, 0, 0, 0, 0, 0, false},
+    {1024.f, 1, CLIP_OFF, -1, -1, -1, -1, -1, 0, true, 4, 0, 0, 4, 0, 0, 0, true},
+    {256.f, 3, CLIP_OFF, -1, -1, -1, -1, -1, 0, false, 4, 4, 0, 0, 0, 0, 0, false},
+    {256.f, 1, CLIP_OFF, -1, -1, 3, -1, -1, 0, false, 4, 3, 0, 0, 1, 0, 1, false},
+    {256.f, 1, CLIP_OFF, 4, -1, -1, -1, -1, 0, false, 3, 3, 0, 0, 0, 1, 0, false},
+    {256.f, 1, CLIP_OFF, -1, -1, -1, 6, -1, 0, false, 4, 0, 0, 3, 0, 0, 0, true},
+    {512.f, 1, CLIP_OFF, -1, -1, -1, -1, 1, 0, false, 4, 2, 0, 0, 2, 0, 0, false},
+    {512.f, 2, CLIP_TRIGGERS, 1, -1, -1, -1, -1, 0, false, 3, 0, 3, 0, 0, 1, 0, false},
+    {512.f, 1, CLIP_TRIGGERS, -1, -1, 5, -1, -1, 0, false, 4, 0, 3, 0, 1, 0, 1, false},
+    {512.f, 1, CLIP_TRIGGERS, -1, -1, -1, -1, -1, 1, false, 4, 0, 4, 0, 0, 0, 0, false},
+    {1.f, 1, CLIP_OFF, -1, -1, -1, -1, -1, 1, false, 4, 4, 0, 0, 0, 0, 0, false},
+    {1.f, 2, CLIP_OFF, -1, 2, -1, -1, -1, 0, false, 3, 3, 0, 0, 0, 1, 0, false},
+    {64.f, 1, CLIP_OFF, -1, -1, 3, -1, -1, 0, true, 4, 0, 0, 4, 0, 0, 1, true},
+    {64.f, 1, CLIP_TRIGGERS, -1, -1, -1, -1, -1, 2, false, 4, 0, 0, 4, 0, 0, 0, true},
+    {64.f, 1, CLIP_TRIGGERS, -1, -1, -1, -1, 0, 0, false, 4, 0, 2, 0, 2, 0, 0, false},
+    {64.f, 2, CLIP_ABOVE, -1, -1, -1, -1, -1, 1, false, 4, 4, 0, 0, 0, 0, 0, false},
 };
+/* clang-format on */
 #define NUM_STEPS (sizeof PLAN / sizeof PLAN[0])
 
 /* The LR schedule: linear warm-up over 5 steps, then a slow decay. */
@@ -240,14 +242,14 @@ static bounds tol_redo(const consts *cs, const consts *cf, double ps, double ms,
 enum outcome { UNTOUCHED, KEPT, STEPPED, RESCALED, ROLLED_BACK, REDONE };
 static const char *const OUTCOME_NAME[] = {"untouched", "kept", "stepped", "rescaled", "rolled back", "redone"};
 
-static double worst_ratio[6];  /* max |got - want| / bound per outcome, for the log */
-static double worst_rel_tol;   /* max bound relative to |want| + lr, for the log */
+static double worst_ratio[6]; /* max |got - want| / bound per outcome, for the log */
+static double worst_rel_tol;  /* max bound relative to |want| + lr, for the log */
 
 static void check_close(const char *what, size_t step, size_t sg, size_t j, enum outcome o, double got, double want,
                         double bound, double scale) {
     double err = fabs(got - want);
-    CHECKF(err <= bound, "step %zu sub-group %zu (%s) %s[%zu]: got %.9g, want %.9g, error %.3g > bound %.3g", step,
-           sg, OUTCOME_NAME[o], what, j, got, want, err, bound);
+    CHECKF(err <= bound, "step %zu sub-group %zu (%s) %s[%zu]: got %.9g, want %.9g, error %.3g > bound %.3g", step, sg,
+           OUTCOME_NAME[o], what, j, got, want, err, bound);
     if (bound > 0.0 && err / bound > worst_ratio[o]) worst_ratio[o] = err / bound;
     if (bound / (fabs(want) + scale) > worst_rel_tol) worst_rel_tol = bound / (fabs(want) + scale);
 }
@@ -275,6 +277,7 @@ int main(void) {
 
     so_session_options opts = so_session_options_default();
     opts.pool = pool;
+    opts.speculation = SO_SPECULATION_ON; /* the paths predicted below are the speculative ones */
     so_session *s = NULL;
     CHECK_OK(so_session_create(&opts, &s));
     so_pool_destroy(pool); /* the session keeps its own reference */
@@ -350,12 +353,20 @@ int main(void) {
                     spec_ticket[sg] = t;
                     submitted[sg] = true;
                     memcpy(spec_grad[sg], acc[sg], model.sg_numel[sg] * sizeof(float));
-                    spec_failed[sg] = (int)k == ev->nonfinite ||
-                                      (ev->nonfinite >= 0 && model.slice_sg[ev->nonfinite] == sg);
+                    spec_failed[sg] =
+                        (int)k == ev->nonfinite || (ev->nonfinite >= 0 && model.slice_sg[ev->nonfinite] == sg);
                 } else {
                     CHECKF(t == 0, "step %zu slice %zu: ticket %llu for a hand-off that completes nothing", step, k,
                            (unsigned long long)t);
                 }
+            }
+        }
+        /* Every speculative step runs before what follows (none is cancelled at step(): the
+         * schedule tests cover that path); a non-finite one fails, checked below. */
+        for (size_t sg = 0; sg < NUM_SG; sg++) {
+            if (spec_ticket[sg] != 0) {
+                so_status ws = so_ticket_wait(s, spec_ticket[sg], -1);
+                (void)ws;
             }
         }
         uint32_t late_count = 0;
@@ -379,10 +390,11 @@ int main(void) {
 
         /* The reference decision, from the complete gradients. */
         const float unscale = (float)(1.0 / (double)ev->loss_scale);
-        double local = 0.0;
-        for (size_t sg = 0; sg < NUM_SG; sg++) {
+        double local = 0.0; /* per slice, in forward order, as the session takes them at hand-over */
+        for (size_t k = 0; k < NUM_SLICES; k++) {
             double ss = 0.0;
-            CHECK_OK(so_grad_sumsq(ref_pool, acc[sg], SO_DTYPE_F32, model.sg_numel[sg], unscale, &ss));
+            CHECK_OK(so_grad_sumsq(ref_pool, acc[model.slice_sg[k]] + model.slice_offset[k], SO_DTYPE_F32,
+                                   model.slice_numel[k], unscale, &ss));
             local += ss;
         }
         const double ref_norm = sqrt(local);
@@ -394,8 +406,8 @@ int main(void) {
         if (ev->norm == 1) {
             double sumsq = -1.0;
             CHECK_OK(so_session_local_grad_sumsq(s, -1, &sumsq));
-            CHECKF(memcmp(&sumsq, &local, sizeof sumsq) == 0, "step %zu: local_grad_sumsq %.17g, reference %.17g",
-                   step, sumsq, local);
+            CHECKF(memcmp(&sumsq, &local, sizeof sumsq) == 0, "step %zu: local_grad_sumsq %.17g, reference %.17g", step,
+                   sumsq, local);
             args.norm_source = SO_NORM_SOURCE_GIVEN;
             args.global_norm = sqrt(sumsq);
         } else if (ev->norm == 2) {
@@ -543,10 +555,11 @@ int main(void) {
                 check_close("exp_avg_sq", step, sg, j, o, after.v[sg][j], wv, b.v, gs * gs + gd * gd);
             }
         }
-        printf("step %2zu: S %6g micro %u norm %.4g clip %.4f skipped %d | spec %u kept %u rescaled %u rolled back %u "
-               "redone %u stepped %u late %u\n",
-               step + 1, (double)ev->loss_scale, ev->micro_steps, r.global_norm, r.clip_coef, (int)r.skipped,
-               r.speculative, r.kept, r.rescaled, r.rolled_back, r.redone, r.stepped, r.late_gradients);
+        printf(
+            "step %2zu: S %6g micro %u norm %.4g clip %.4f skipped %d | spec %u kept %u rescaled %u rolled back %u "
+            "redone %u stepped %u late %u\n",
+            step + 1, (double)ev->loss_scale, ev->micro_steps, r.global_norm, r.clip_coef, (int)r.skipped,
+            r.speculative, r.kept, r.rescaled, r.rolled_back, r.redone, r.stepped, r.late_gradients);
 
         /* The counters: as the per-sub-group prediction says, and as the plan says. */
         CHECKF(r.speculative == n_spec && n_spec == ev->speculative,
@@ -582,9 +595,10 @@ int main(void) {
     const size_t late_bytes = (model.sg_numel[1] + model.sg_numel[3]) * sizeof(float);
     CHECKF(bytes == total * 3 * sizeof(float) + late_bytes, "host bytes %zu, expected %zu", bytes,
            total * 3 * sizeof(float) + late_bytes);
-    printf("worst error / bound: rescaled %.3f, rolled back %.3f, redone %.3f; largest bound relative to the value: "
-           "%.3g\n",
-           worst_ratio[RESCALED], worst_ratio[ROLLED_BACK], worst_ratio[REDONE], worst_rel_tol);
+    printf(
+        "worst error / bound: rescaled %.3f, rolled back %.3f, redone %.3f; largest bound relative to the value: "
+        "%.3g\n",
+        worst_ratio[RESCALED], worst_ratio[ROLLED_BACK], worst_ratio[REDONE], worst_rel_tol);
     CHECK(worst_rel_tol < 1e-4);
 
     so_session_destroy(s);

@@ -33,7 +33,9 @@ static bool has_name(const names *n, const char *s) {
     return false;
 }
 
-static bool is_ident(char c) { return c == '_' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'); }
+static bool is_ident(char c) {
+    return c == '_' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
+}
 
 /* Functions declared in the header: on a line that starts a declaration (not a comment,
  * not a preprocessor line), an identifier so_* directly followed by '('. */

@@ -49,7 +49,7 @@ int main() {
     try {
         session.grad_device(0, d_grad, n, so::DType::F32, stream);
     } catch (const so::Error& e) {
-        refused = e.status() == SO_STATUS_INVALID_STATE;  // no step has begun
+        refused = e.status() == SO_STATUS_INVALID_STATE; // no step has begun
     }
     CHECK(refused);
     session.reset();

@@ -2,7 +2,12 @@
  * host session given the same gradients and global norms, with clipping, a skipped step
  * and a late gradient in the run; after each step the model's device parameters equal the
  * bf16 rounding of the master weights, read back after a GPU-side wait on each sub-group's
- * final ticket. */
+ * final ticket. The local sums of squares (taken on the GPU at hand-over in the CUDA
+ * session, on the CPU in the host session) are equal bit for bit.
+ *
+ * Three runs: speculation off; speculation off with sub-group 1 placed on the GPU (stepped
+ * by the library's GPU kernel: bit-identical to the CPU kernel); speculation on without
+ * clipping, late gradients or skips (every speculative step is kept or cancelled, both exact). */
 #include "cuda_driver.h"
 
 #define NSG 3
@@ -15,10 +20,13 @@ typedef struct {
     size_t numel[NSG];
 } model;
 
-static void build(model *mm, int cuda, cu_ptr *d_params) {
+typedef enum { RUN_OFF, RUN_DEVICE, RUN_SPECULATIVE } run_kind;
+
+static void build(model *mm, int cuda, cu_ptr *d_params, run_kind kind) {
     so_session_options o = so_session_options_default();
     o.grad_dtype = SO_DTYPE_BF16;
     o.accum_dtype = SO_DTYPE_BF16;
+    o.speculation = kind == RUN_SPECULATIVE ? SO_SPECULATION_ON : SO_SPECULATION_OFF;
     if (cuda) {
         CHECK_OK(so_session_create_cuda(&o, NULL, &mm->s));
     } else {
@@ -51,6 +59,7 @@ static void build(model *mm, int cuda, cu_ptr *d_params) {
         if (cuda) {
             d.device_param = d_params[k];
             d.device_param_dtype = SO_DTYPE_BF16;
+            if (kind == RUN_DEVICE && k == 1) d.placement = SO_PLACEMENT_DEVICE;
         }
         uint32_t id;
         CHECK_OK(so_session_add_subgroup(mm->s, &d, &id));
@@ -58,8 +67,9 @@ static void build(model *mm, int cuda, cu_ptr *d_params) {
     }
 }
 
-int main(void) {
-    cuda_driver_load();
+static void run(run_kind kind) {
+    const char *names[] = {"speculation off", "sub-group 1 on the GPU", "speculation on, no clipping"};
+    printf("== %s\n", names[kind]);
     cu_ptr d_params[NSG], d_grads[NSG], d_late;
     model host, dev;
     size_t total = 0;
@@ -70,8 +80,8 @@ int main(void) {
         CU_CHECK(cu.mem_alloc(&d_grads[k], n * 2));
     }
     CU_CHECK(cu.mem_alloc(&d_late, SLICES[0][0] * 2));
-    build(&host, 0, NULL);
-    build(&dev, 1, d_params);
+    build(&host, 0, NULL, kind);
+    build(&dev, 1, d_params, kind);
     so_cuda_stream_t stream;
     CU_CHECK(cu.stream_create(&stream, 1));
     CHECK_OK(so_session_set_compute_stream(dev.s, stream));
@@ -83,7 +93,8 @@ int main(void) {
     uint16_t *previous = (uint16_t *)so_test_malloc(total * 2);
     size_t pinned = 0;
     for (int step = 1; step <= STEPS; step++) {
-        int is_late = step == 3, overflow = step == 4;
+        const int plain = kind == RUN_SPECULATIVE;
+        int is_late = step == 3 && kind == RUN_OFF, overflow = step == 4 && !plain;
         double norm = step % 2 ? 5.0 : 0.5; /* max_norm 1: odd steps clip */
         for (size_t i = 0; i < total; i++) grad[i] = so_f32_to_bf16((float)so_rng_normalish(&rng, 1e-2));
         for (size_t i = 0; i < SLICES[0][0]; i++) late[i] = so_f32_to_bf16((float)so_rng_normalish(&rng, 1e-2));
@@ -113,7 +124,8 @@ int main(void) {
                 CHECK_OK(so_session_slice_id(host.s, name, &slice_id));
                 size_t n = SLICES[k][j];
                 CHECK_OK(so_session_grad_copy(host.s, slice_id, grad + off + inner, n, NULL));
-                CHECK_OK(so_session_grad_device(dev.s, slice_id, d_grads[k] + inner * 2, n, SO_DTYPE_BF16, stream, NULL));
+                CHECK_OK(
+                    so_session_grad_device(dev.s, slice_id, d_grads[k] + inner * 2, n, SO_DTYPE_BF16, stream, NULL));
                 inner += n;
             }
         }
@@ -123,8 +135,13 @@ int main(void) {
             CHECK_OK(so_session_grad_device(dev.s, 0, d_late, SLICES[0][0], SO_DTYPE_BF16, stream, NULL));
         }
         so_step_args a = so_step_args_default();
-        a.max_norm = 1.0;
+        a.max_norm = plain ? 0.0 : 1.0;
         a.norm_source = SO_NORM_SOURCE_GIVEN;
+        double sh = -1.0, sd = -2.0;
+        CHECK_OK(so_session_local_grad_sumsq(host.s, -1, &sh));
+        CHECK_OK(so_session_local_grad_sumsq(dev.s, -1, &sd));
+        CHECKF(memcmp(&sh, &sd, sizeof sh) == 0, "step %d: sum of squares %.17g on the CPU, %.17g on the GPU", step, sh,
+               sd);
         a.global_norm = norm;
         a.overflow = overflow;
         so_ticket th, td;
@@ -136,8 +153,8 @@ int main(void) {
         rh.struct_size = rd.struct_size = sizeof rh;
         CHECK_OK(so_session_step_result(host.s, th, -1, &rh));
         CHECK_OK(so_session_step_result(dev.s, td, -1, &rd));
-        CHECK(rh.skipped == rd.skipped && rh.rescaled == rd.rescaled && rh.rolled_back == rd.rolled_back &&
-              rh.redone == rd.redone && rh.kept == rd.kept);
+        CHECK(rh.skipped == rd.skipped && rh.global_norm == rd.global_norm);
+        if (kind == RUN_DEVICE) CHECK(rd.device_stepped == (rd.skipped ? 0u : 1u));
         printf("step %d: skipped %d clip %.3f rescaled %u rolled back %u redone %u kept %u\n", step, rd.skipped,
                rd.clip_coef, rd.rescaled, rd.rolled_back, rd.redone, rd.kept);
         /* The published parameters, read back after a GPU-side wait on each final ticket. */
@@ -150,6 +167,14 @@ int main(void) {
             off += dev.numel[k];
         }
         CU_CHECK(cu.stream_sync(stream));
+        if (kind == RUN_DEVICE) {
+            /* The GPU holds sub-group 1's state: bring it into its host master buffer. */
+            so_subgroup_state st;
+            memset(&st, 0, sizeof st);
+            st.struct_size = sizeof st;
+            CHECK_OK(so_session_get_subgroup_state(dev.s, 1, &st));
+            CHECK(st.placement == SO_PLACEMENT_DEVICE && st.master == (void *)dev.master[1]);
+        }
         off = 0;
         for (int k = 0; k < NSG; k++) {
             for (size_t i = 0; i < dev.numel[k]; i++) {
@@ -169,8 +194,10 @@ int main(void) {
         memcpy(previous, readback, total * 2);
         CHECK_OK(so_session_pinned_bytes(dev.s, &pinned));
     }
-    printf("pinned bytes: %zu\n", pinned);
-    CHECK(pinned > 0);
+    size_t device_bytes = 0;
+    CHECK_OK(so_session_device_bytes(dev.s, &device_bytes));
+    printf("pinned bytes: %zu, device bytes: %zu\n", pinned, device_bytes);
+    CHECK(pinned > 0 && device_bytes > 0);
     so_session_destroy(host.s);
     so_session_destroy(dev.s);
     CU_CHECK(cu.stream_destroy(stream));
@@ -185,6 +212,13 @@ int main(void) {
     free(late);
     free(readback);
     free(previous);
-    printf("CUDA session bit-identical to the host session over %d steps\n", STEPS);
+    printf("CUDA session bit-identical to the host session over %d steps (%s)\n", STEPS, names[kind]);
+}
+
+int main(void) {
+    cuda_driver_load();
+    run(RUN_OFF);
+    run(RUN_DEVICE);
+    run(RUN_SPECULATIVE);
     return 0;
 }

@@ -32,8 +32,8 @@ typedef struct worker {
 } worker;
 
 /* Shared by the progress pair. */
-static size_t a_calls;   /* updates A has completed */
-static int b_done;       /* B has completed all of its updates */
+static size_t a_calls; /* updates A has completed */
+static int b_done;     /* B has completed all of its updates */
 
 static size_t load_size(const size_t *x) { return __atomic_load_n(x, __ATOMIC_SEQ_CST); }
 static int load_int(const int *x) { return __atomic_load_n(x, __ATOMIC_SEQ_CST); }
@@ -167,10 +167,11 @@ int main(void) {
         CHECK(pthread_create(&tb, NULL, run_worker, &b) == 0);
         CHECK(pthread_join(tb, NULL) == 0);
         CHECK(pthread_join(ta, NULL) == 0);
-        printf("progress: B made %zu updates while A made %zu (A at %zu when B started, %zu when B ended; A stopped "
-               "at %zu of its %zu)\n",
-               b.calls, b.a_calls_at_b_end - b.a_calls_at_b_start, b.a_calls_at_b_start, b.a_calls_at_b_end, a.calls,
-               a_budget);
+        printf(
+            "progress: B made %zu updates while A made %zu (A at %zu when B started, %zu when B ended; A stopped "
+            "at %zu of its %zu)\n",
+            b.calls, b.a_calls_at_b_end - b.a_calls_at_b_start, b.a_calls_at_b_start, b.a_calls_at_b_end, a.calls,
+            a_budget);
         CHECK(b.calls == b_calls);
         CHECKF(b.a_calls_at_b_end < a_budget, "B finished only after A had used its whole budget: starved");
         CHECK(a.calls < a_budget && a.calls >= b.a_calls_at_b_end);
@@ -187,7 +188,8 @@ int main(void) {
         const uint32_t pds[NW] = {SO_DTYPE_F32, SO_DTYPE_BF16, SO_DTYPE_F16, SO_DTYPE_F32, SO_DTYPE_BF16, SO_DTYPE_F32};
         const uint32_t gds[NW] = {SO_DTYPE_BF16, SO_DTYPE_F32, SO_DTYPE_F16, SO_DTYPE_F16, SO_DTYPE_BF16, SO_DTYPE_F32};
         const uint32_t mds[NW] = {SO_DTYPE_F32, SO_DTYPE_BF16, SO_DTYPE_F32, SO_DTYPE_BF16, SO_DTYPE_F32, SO_DTYPE_F32};
-        const uint32_t cds[NW] = {SO_DTYPE_BF16, SO_DTYPE_NONE, SO_DTYPE_BF16, SO_DTYPE_F16, SO_DTYPE_NONE, SO_DTYPE_BF16};
+        const uint32_t cds[NW] = {SO_DTYPE_BF16, SO_DTYPE_NONE, SO_DTYPE_BF16,
+                                  SO_DTYPE_F16,  SO_DTYPE_NONE, SO_DTYPE_BF16};
         pthread_t t[NW];
         for (int k = 0; k < NW; k++) {
             worker_init(&w[k], k < 4 ? pool : NULL, 8192 * 8 + 17 * (size_t)k, pds[k], gds[k], mds[k], cds[k], 6, 0,

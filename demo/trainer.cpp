@@ -17,14 +17,16 @@
 // The check: the same run (same initial weights, same batches, same learning-rate schedule)
 // is repeated with a reference optimizer that collects every gradient, takes the global norm
 // exactly as the session does (sqrt of the sum over layers, in layer order, of
-// so_grad_sumsq(grad, 1 / loss_scale)), clips with the same factor and calls so_adam_update
-// on each layer. Without a rescaled, rolled-back or redone step the two runs must end with
+// grad_sumsq(grad, 1 / loss_scale)), clips with the same factor and calls adam_update on
+// each layer. Without a rescaled, rolled-back or redone step the two runs must end with
 // bit-identical weights; otherwise within the tolerance described at --tolerance. The
 // program exits with status 1 if the check fails (2 for usage or library errors).
 //
-// Uses the C API (superoffload.h) directly.
+// Uses the C++ wrapper (superoffload.hpp): superoffload::Session, Pool, adam_update and
+// grad_sumsq; every library error arrives as a superoffload::Error exception (main prints
+// it and exits with status 2).
 
-#include "superoffload.h"
+#include "superoffload.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -39,6 +41,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -48,31 +51,17 @@
 #include <sched.h>
 #endif
 
+namespace so = superoffload;
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t0) {
-    return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // ------------------------------------------------------------------------------------------
 // Errors
 // ------------------------------------------------------------------------------------------
-
-[[noreturn]] void fail_call(const char* call, so_status status) {
-    char message[1024];
-    so_last_error_message(message, sizeof message);
-    std::fprintf(stderr, "superoffload-demo: %s failed: %s (%s)\n", call,
-                 so_status_str(static_cast<uint32_t>(status)), message);
-    std::exit(2);
-}
-
-#define SO_CHECK(call)                                                \
-    do {                                                              \
-        so_status so_check_status_ = (call);                          \
-        if (so_check_status_ != SO_STATUS_OK) fail_call(#call, so_check_status_); \
-    } while (0)
 
 [[noreturn]] void usage_error(const std::string& message) {
     std::fprintf(stderr, "superoffload-demo: %s (try --help)\n", message.c_str());
@@ -218,25 +207,46 @@ Options parse_options(int argc, char** argv) {
         if (arg == "-h" || arg == "--help") {
             std::fputs(kUsage, stdout);
             std::exit(0);
-        } else if (arg == "--layers") o.layers = (int)parse_long(arg, next(), 2, 64);
-        else if (arg == "--width") o.width = (int)parse_long(arg, next(), 1, 1 << 16);
-        else if (arg == "--input") o.input = (int)parse_long(arg, next(), 1, 1 << 16);
-        else if (arg == "--classes") o.classes = (int)parse_long(arg, next(), 2, 1 << 16);
-        else if (arg == "--batch") o.batch = (int)parse_long(arg, next(), 1, 1 << 16);
-        else if (arg == "--seed") o.seed = (uint64_t)parse_long(arg, next(), 0, 1L << 62);
-        else if (arg == "--steps") o.steps = (int)parse_long(arg, next(), 1, 1 << 20);
-        else if (arg == "--lr") o.lr = parse_double(arg, next(), 0.0);
-        else if (arg == "--warmup") o.warmup = (int)parse_long(arg, next(), 0, 1 << 20);
-        else if (arg == "--weight-decay") o.weight_decay = parse_double(arg, next(), 0.0);
-        else if (arg == "--max-norm") o.max_norm = parse_double(arg, next(), 0.0);
-        else if (arg == "--no-speculation") o.speculation = false;
-        else if (arg == "--threads") o.threads = (int)parse_long(arg, next(), 1, 256);
-        else if (arg == "--cores") { o.cores = parse_cores(arg, next()); o.cores_given = true; }
-        else if (arg == "--train-cores") { o.train_cores = parse_cores(arg, next()); o.train_cores_given = true; }
-        else if (arg == "--no-check") o.check = false;
-        else if (arg == "--tolerance") o.tolerance = parse_double(arg, next(), 0.0);
-        else if (arg == "--print-every") o.print_every = (int)parse_long(arg, next(), 1, 1 << 20);
-        else usage_error("unknown argument \"" + arg + "\"");
+        } else if (arg == "--layers")
+            o.layers = (int)parse_long(arg, next(), 2, 64);
+        else if (arg == "--width")
+            o.width = (int)parse_long(arg, next(), 1, 1 << 16);
+        else if (arg == "--input")
+            o.input = (int)parse_long(arg, next(), 1, 1 << 16);
+        else if (arg == "--classes")
+            o.classes = (int)parse_long(arg, next(), 2, 1 << 16);
+        else if (arg == "--batch")
+            o.batch = (int)parse_long(arg, next(), 1, 1 << 16);
+        else if (arg == "--seed")
+            o.seed = (uint64_t)parse_long(arg, next(), 0, 1L << 62);
+        else if (arg == "--steps")
+            o.steps = (int)parse_long(arg, next(), 1, 1 << 20);
+        else if (arg == "--lr")
+            o.lr = parse_double(arg, next(), 0.0);
+        else if (arg == "--warmup")
+            o.warmup = (int)parse_long(arg, next(), 0, 1 << 20);
+        else if (arg == "--weight-decay")
+            o.weight_decay = parse_double(arg, next(), 0.0);
+        else if (arg == "--max-norm")
+            o.max_norm = parse_double(arg, next(), 0.0);
+        else if (arg == "--no-speculation")
+            o.speculation = false;
+        else if (arg == "--threads")
+            o.threads = (int)parse_long(arg, next(), 1, 256);
+        else if (arg == "--cores") {
+            o.cores = parse_cores(arg, next());
+            o.cores_given = true;
+        } else if (arg == "--train-cores") {
+            o.train_cores = parse_cores(arg, next());
+            o.train_cores_given = true;
+        } else if (arg == "--no-check")
+            o.check = false;
+        else if (arg == "--tolerance")
+            o.tolerance = parse_double(arg, next(), 0.0);
+        else if (arg == "--print-every")
+            o.print_every = (int)parse_long(arg, next(), 1, 1 << 20);
+        else
+            usage_error("unknown argument \"" + arg + "\"");
     }
     std::vector<uint32_t> cpus = allowed_cpus();
     if (!o.cores_given && cpus.size() >= 2) o.cores = {cpus.back()};
@@ -310,7 +320,7 @@ public:
         z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
         return z ^ (z >> 31);
     }
-    double uniform() { return ((next() >> 11) + 0.5) * (1.0 / 9007199254740992.0); }  // (0, 1)
+    double uniform() { return ((next() >> 11) + 0.5) * (1.0 / 9007199254740992.0); } // (0, 1)
     double normal() {
         double u = uniform(), v = uniform();
         return std::sqrt(-2.0 * std::log(u)) * std::cos(6.283185307179586 * v);
@@ -412,14 +422,14 @@ private:
 // Dense kernels. Matrices are row-major; a layer's weight is stored [in][out].
 // ------------------------------------------------------------------------------------------
 
-constexpr int kRows = 4;   // output rows per register block
-constexpr int kCols = 32;  // output columns per register block
+constexpr int kRows = 4;  // output rows per register block
+constexpr int kCols = 32; // output columns per register block
 
 // Y[r, c] = init[c] (or 0) + sum_{k ascending} X(r, k) * M[k, c], for r < R, c < C, where
 // X(r, k) = X[r * xr + k * xk] and M is K x C. Tasks are column blocks; each computes every
 // row of its columns.
-void gemm(Workers& w, int R, int K, int C, const float* X, size_t xr, size_t xk, const float* M,
-          const float* init, float* Y) {
+void gemm(Workers& w, int R, int K, int C, const float* X, size_t xr, size_t xk, const float* M, const float* init,
+          float* Y) {
     size_t blocks = (C + kCols - 1) / kCols;
     w.parallel_for(blocks, [&](size_t b0, size_t b1) {
         for (size_t blk = b0; blk < b1; ++blk) {
@@ -479,7 +489,8 @@ void backward_input(Workers& w, int B, int I, int O, const float* dZ, const floa
         for (size_t blk = b0; blk < b1; ++blk) {
             const int i0 = (int)blk * 4, in = std::min(4, I - i0);
             for (int b = 0; b < B; ++b)
-                for (int i = i0; i < i0 + in; ++i) dX[(size_t)b * I + i] = dot(dZ + (size_t)b * O, W + (size_t)i * O, O);
+                for (int i = i0; i < i0 + in; ++i)
+                    dX[(size_t)b * I + i] = dot(dZ + (size_t)b * O, W + (size_t)i * O, O);
         }
     });
 }
@@ -491,7 +502,7 @@ void backward_input(Workers& w, int B, int I, int O, const float* dZ, const floa
 struct LayerShape {
     int in, out;
     size_t weight_numel() const { return (size_t)in * out; }
-    size_t numel() const { return weight_numel() + out; }  // [weight (in x out) | bias (out)]
+    size_t numel() const { return weight_numel() + out; } // [weight (in x out) | bias (out)]
 };
 
 std::vector<LayerShape> shapes_of(const Options& o) {
@@ -542,7 +553,7 @@ struct Teacher {
 
 struct Batch {
     std::vector<float> x;    // B x input
-    std::vector<int> labels;  // B
+    std::vector<int> labels; // B
 };
 
 Batch make_batch(const Options& o, const Teacher& teacher, int step) {
@@ -559,16 +570,16 @@ Batch make_batch(const Options& o, const Teacher& teacher, int step) {
 // ------------------------------------------------------------------------------------------
 
 struct StepInfo {
-    double loss = 0, accuracy = 0;  // of this step's forward
+    double loss = 0, accuracy = 0; // of this step's forward
     double norm = 0, clip = 1;
     uint32_t speculative = 0, kept = 0, rescaled = 0, rolled_back = 0, redone = 0, stepped = 0;
     bool skipped = false;
-    double exposed_ms = 0;  // how long the next forward waited for this step's optimizer
+    double exposed_ms = 0; // how long the next forward waited for this step's optimizer
 };
 
 // Linear warmup to the peak, then cosine decay to a tenth of it at the last step. The
 // session's group is updated before each step's backward, so no step is redone for it.
-double lr_at(const Options& o, int step) {  // step counts from 1
+double lr_at(const Options& o, int step) { // step counts from 1
     if (step <= o.warmup) return o.lr * (double)step / o.warmup;
     const int decay = o.steps - o.warmup;
     const double x = decay > 1 ? (double)(step - o.warmup - 1) / (decay - 1) : 1.0;
@@ -596,72 +607,54 @@ class SessionOptimizer : public Optimizer {
 public:
     SessionOptimizer(const Options& o, const std::vector<LayerShape>& shapes, std::vector<std::vector<float>>& params)
         : o_(o), shapes_(shapes) {
-        so_session_options so = so_session_options_default();
-        so.cores = o.cores.empty() ? nullptr : o.cores.data();
-        so.num_cores = o.cores.size();
-        so.speculation = o.speculation;
-        SO_CHECK(so_session_create(&so, &session_));
-        so_group_hparams gh = group_hparams(1);
-        SO_CHECK(so_session_add_group(session_, &gh, &group_));
+        so::SessionOptions options;
+        options.cores = o.cores; // empty: the default pool
+        options.speculation = o.speculation;
+        session_ = so::Session::create(options);
+        group_ = session_.add_group(group_hparams(1));
         for (size_t k = 0; k < shapes.size(); ++k) {
-            std::string wname = "layer" + std::to_string(k) + ".weight";
-            std::string bname = "layer" + std::to_string(k) + ".bias";
-            so_slice_desc slices[2] = {{wname.c_str(), 0, shapes[k].weight_numel()},
-                                       {bname.c_str(), shapes[k].weight_numel(), (size_t)shapes[k].out}};
-            so_subgroup_desc d = so_subgroup_desc_default();
-            d.group = group_;
-            d.master = params[k].data();
-            d.master_dtype = SO_DTYPE_F32;
-            d.numel = params[k].size();
-            d.slices = slices;
-            d.num_slices = 2;
-            uint32_t sg = 0;
-            SO_CHECK(so_session_add_subgroup(session_, &d, &sg));
-            if (sg != k) usage_error("unexpected sub-group id");
-            uint32_t ws = 0, bs = 0;
-            SO_CHECK(so_session_slice_id(session_, wname.c_str(), &ws));
-            SO_CHECK(so_session_slice_id(session_, bname.c_str(), &bs));
-            weight_slice_.push_back(ws);
-            bias_slice_.push_back(bs);
+            const std::string wname = "layer" + std::to_string(k) + ".weight";
+            const std::string bname = "layer" + std::to_string(k) + ".bias";
+            const size_t wn = shapes[k].weight_numel();
+            const uint32_t sg =
+                session_.add_subgroup(group_, params[k], {{wname, 0, wn}, {bname, wn, (size_t)shapes[k].out}});
+            if (sg != k) throw std::logic_error("unexpected sub-group id " + std::to_string(sg));
+            weight_slice_.push_back(session_.slice_id(wname));
+            bias_slice_.push_back(session_.slice_id(bname));
         }
-        final_.assign(shapes.size(), 0);
+        final_.assign(shapes.size(), so::no_ticket);
     }
-    ~SessionOptimizer() override { so_session_destroy(session_); }
 
     void before_layer(int layer) override {
         auto t0 = Clock::now();
-        SO_CHECK(so_ticket_wait(session_, final_[layer], -1));
+        session_.wait(final_[layer]);
         double dt = seconds_since(t0);
         waited_ += dt;
         if (pending_) exposed_ += dt;
     }
     void begin_step(int step) override {
-        so_group_hparams gh = group_hparams(step);
-        SO_CHECK(so_session_set_group(session_, group_, &gh));
-        SO_CHECK(so_session_begin_step(session_, 1.0f, 1));
+        session_.set_group(group_, group_hparams(step));
+        session_.begin_step(1.0f, 1);
     }
     void grad_ready(int layer, const float* grad) override {
         auto t0 = Clock::now();
         const LayerShape& s = shapes_[layer];
-        SO_CHECK(so_session_grad_copy(session_, weight_slice_[layer], grad, s.weight_numel(), nullptr));
-        SO_CHECK(so_session_grad_copy(session_, bias_slice_[layer], grad + s.weight_numel(), s.out, nullptr));
+        session_.grad_copy(weight_slice_[layer], grad, s.weight_numel());
+        session_.grad_copy(bias_slice_[layer], grad + s.weight_numel(), (size_t)s.out);
         handoff_ += seconds_since(t0);
     }
     void end_step(int, StepInfo&) override {
-        so_step_args args = so_step_args_default();
+        so::StepArgs args;
         args.max_norm = o_.max_norm;
-        SO_CHECK(so_session_step(session_, &args, &step_ticket_));
-        for (size_t k = 0; k < shapes_.size(); ++k) SO_CHECK(so_session_final_ticket(session_, (uint32_t)k, &final_[k]));
+        step_ticket_ = session_.step(args);
+        for (size_t k = 0; k < shapes_.size(); ++k) final_[k] = session_.final_ticket((uint32_t)k);
         pending_ = true;
         exposed_ = 0;
     }
     void collect(StepInfo& info) override {
         if (!pending_) return;
-        so_step_result r;
-        std::memset(&r, 0, sizeof r);
-        r.struct_size = sizeof r;
         auto t0 = Clock::now();
-        SO_CHECK(so_session_step_result(session_, step_ticket_, -1, &r));
+        const so::StepResult r = session_.step_result(step_ticket_);
         double dt = seconds_since(t0);
         waited_ += dt;
         info.exposed_ms = (exposed_ + dt) * 1e3;
@@ -680,8 +673,8 @@ public:
     double handoff_seconds() const override { return handoff_; }
 
 private:
-    so_group_hparams group_hparams(int step) const {
-        so_group_hparams gh = so_group_hparams_default();
+    so::GroupHparams group_hparams(int step) const {
+        so::GroupHparams gh; // betas and eps: the AdamW defaults
         gh.lr = lr_at(o_, step);
         gh.weight_decay = o_.weight_decay;
         return gh;
@@ -689,31 +682,31 @@ private:
 
     const Options& o_;
     std::vector<LayerShape> shapes_;
-    so_session* session_ = nullptr;
+    so::Session session_; // destroyed (after its queued work) with the optimizer
     uint32_t group_ = 0;
     std::vector<uint32_t> weight_slice_, bias_slice_;
-    std::vector<so_ticket> final_;
-    so_ticket step_ticket_ = 0;
+    std::vector<so::Ticket> final_;
+    so::Ticket step_ticket_ = so::no_ticket;
     bool pending_ = false;
     double waited_ = 0, handoff_ = 0, exposed_ = 0;
 };
 
-// The reference: collect every gradient; norm, clip and so_adam_update per layer at the end.
+// The reference: collect every gradient; norm, clip and adam_update per layer at the end.
 class ReferenceOptimizer : public Optimizer {
 public:
     ReferenceOptimizer(const Options& o, const std::vector<LayerShape>& shapes, std::vector<std::vector<float>>& params)
         : o_(o), shapes_(shapes), params_(params) {
-        so_pool_options po = so_pool_options_default();
-        po.cores = o.cores.empty() ? nullptr : o.cores.data();
-        po.num_cores = o.cores.size();
-        if (!o.cores.empty()) SO_CHECK(so_pool_create(&po, &pool_));  // else the default pool
+        if (!o.cores.empty()) { // else the default pool
+            so::PoolOptions po;
+            po.cores = o.cores;
+            pool_ = so::Pool::create(po);
+        }
         for (const auto& s : shapes) {
             grads_.emplace_back(s.numel());
             m_.emplace_back(s.numel(), 0.0f);
             v_.emplace_back(s.numel(), 0.0f);
         }
     }
-    ~ReferenceOptimizer() override { so_pool_destroy(pool_); }
 
     void begin_step(int) override {}
     void grad_ready(int layer, const float* grad) override {
@@ -721,36 +714,26 @@ public:
     }
     void end_step(int step, StepInfo& info) override {
         auto t0 = Clock::now();
+        const so::PoolRef pool = pool_ ? so::PoolRef(pool_) : so::PoolRef();
         const float loss_scale = 1.0f;
         const float unscale = (float)(1.0 / (double)loss_scale);
         // The global norm exactly as the session takes it: per-layer sums of squares of the
         // unscaled gradient, added in layer (registration) order, then the square root.
         double sumsq = 0.0;
-        for (size_t k = 0; k < shapes_.size(); ++k) {
-            double s = 0.0;
-            SO_CHECK(so_grad_sumsq(pool_, grads_[k].data(), SO_DTYPE_F32, grads_[k].size(), unscale, &s));
-            sumsq += s;
-        }
+        for (size_t k = 0; k < shapes_.size(); ++k)
+            sumsq += so::grad_sumsq(pool, grads_[k].data(), grads_[k].size(), unscale);
         const double norm = std::sqrt(sumsq);
         const double clip = o_.max_norm > 0 ? std::min(1.0, o_.max_norm / (norm + 1e-6)) : 1.0;
-        const float factor = (float)(clip / (double)loss_scale);
-        for (size_t k = 0; k < shapes_.size(); ++k) {
-            so_adam_hparams hp = so_adam_hparams_default();
-            hp.mode = SO_ADAM_MODE_ADAMW;
-            hp.lr = lr_at(o_, step);
-            hp.weight_decay = o_.weight_decay;  // betas and eps: the AdamW defaults, as the group's
-            hp.bias_correction = true;
-            hp.step = (uint64_t)step;
-            so_adam_buffers b = so_adam_buffers_default();
-            b.numel = grads_[k].size();
-            b.param = params_[k].data();
-            b.grad = grads_[k].data();
-            b.exp_avg = m_[k].data();
-            b.exp_avg_sq = v_[k].data();
-            so_update_options uo = so_update_options_default();
-            uo.grad_scale = factor;
-            SO_CHECK(so_adam_update(pool_, &hp, &b, &uo, nullptr));
-        }
+        so::UpdateOptions uo;
+        uo.grad_scale = (float)(clip / (double)loss_scale);
+        so::Hparams hp; // betas and eps: the AdamW defaults, as the group's
+        hp.mode = so::Mode::AdamW;
+        hp.lr = lr_at(o_, step);
+        hp.weight_decay = o_.weight_decay;
+        hp.bias_correction = true;
+        hp.step = (uint64_t)step;
+        for (size_t k = 0; k < shapes_.size(); ++k)
+            so::adam_update(pool, hp, so::make_adam_buffers(params_[k], grads_[k], m_[k], v_[k]), uo);
         info.norm = norm;
         info.clip = clip;
         info.stepped = (uint32_t)shapes_.size();
@@ -762,7 +745,7 @@ private:
     const Options& o_;
     std::vector<LayerShape> shapes_;
     std::vector<std::vector<float>>& params_;
-    so_pool* pool_ = nullptr;
+    so::Pool pool_; // empty: the default pool
     std::vector<std::vector<float>> grads_, m_, v_;
     double waited_ = 0;
 };
@@ -777,8 +760,8 @@ struct RunResult {
 };
 
 void print_header() {
-    std::printf("%5s %8s %6s %9s %7s %5s %5s %5s %5s %5s %8s\n", "step", "loss", "acc", "|g|", "clip", "spec",
-                "kept", "resc", "rback", "redo", "wait_ms");
+    std::printf("%5s %8s %6s %9s %7s %5s %5s %5s %5s %5s %8s\n", "step", "loss", "acc", "|g|", "clip", "spec", "kept",
+                "resc", "rback", "redo", "wait_ms");
 }
 
 void print_step(int step, const StepInfo& s) {
@@ -790,7 +773,7 @@ RunResult train(const Options& o, const std::vector<LayerShape>& shapes, std::ve
                 Optimizer& opt, Workers& workers, bool print) {
     const int L = (int)shapes.size(), B = o.batch;
     Teacher teacher(o.input, o.classes, o.seed);
-    std::vector<std::vector<float>> acts(L + 1);  // acts[k]: input of layer k (B x in); acts[L]: logits
+    std::vector<std::vector<float>> acts(L + 1); // acts[k]: input of layer k (B x in); acts[L]: logits
     for (int k = 0; k < L; ++k) acts[k].resize((size_t)B * shapes[k].in);
     acts[L].resize((size_t)B * o.classes);
     std::vector<float> dz, dprev, grad;
@@ -853,7 +836,7 @@ RunResult train(const Options& o, const std::vector<LayerShape>& shapes, std::ve
                 // session step them.
                 dprev.resize((size_t)B * s.in);
                 backward_input(workers, B, s.in, s.out, dz.data(), W, dprev.data());
-                const std::vector<float>& a = acts[k];  // tanh output of layer k-1
+                const std::vector<float>& a = acts[k]; // tanh output of layer k-1
                 for (size_t i = 0; i < dprev.size(); ++i) dprev[i] *= 1.0f - a[i] * a[i];
             }
             grad.resize(s.numel());
@@ -889,32 +872,30 @@ double mean_loss(const RunResult& r, int first, int count) {
     return s / count;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-    Options o = parse_options(argc, argv);
-    if (so_abi_version() != SO_ABI_VERSION) {
-        std::fprintf(stderr, "superoffload-demo: libsuperoffload has ABI %u, this program was built for %d\n",
-                     so_abi_version(), SO_ABI_VERSION);
+int run(const Options& o) {
+    if (!so::abi_compatible()) {
+        std::fprintf(stderr, "superoffload-demo: libsuperoffload has ABI %u, this program was built for %u\n",
+                     so::abi_version(), so::header_abi_version);
         return 2;
     }
     std::vector<LayerShape> shapes = shapes_of(o);
     size_t total = 0;
     for (const auto& s : shapes) total += s.numel();
-    std::printf("superoffload-demo (libsuperoffload %s)\n", so_version_string());
+    std::printf("superoffload-demo (libsuperoffload %s)\n", so::version_string());
     std::printf("model: %d layers %d -> %d x %d -> %d, %.2f M parameters, batch %d, %d steps\n", o.layers, o.input,
                 o.width, o.layers - 1, o.classes, total / 1e6, o.batch, o.steps);
     char clip[64] = "off";
     if (o.max_norm > 0) std::snprintf(clip, sizeof clip, "max_norm %g", o.max_norm);
     std::printf("AdamW peak lr %g (warmup %d, cosine decay), wd %g, clip %s, speculation %s\n", o.lr, o.warmup,
                 o.weight_decay, clip, o.speculation ? "on" : "off");
-    std::printf("threads: %d training (cores %s), CPU-Adam pool cores %s\n\n", o.threads, cores_text(o.train_cores).c_str(),
-                cores_text(o.cores).c_str());
+    std::printf("threads: %d training (cores %s), CPU-Adam pool cores %s\n\n", o.threads,
+                cores_text(o.train_cores).c_str(), cores_text(o.cores).c_str());
 
     if (!o.train_cores.empty() && (size_t)o.threads > o.train_cores.size())
-        std::printf("note: %d training threads share %zu core(s) (--train-cores %s); pass more cores, they may overlap "
-                    "--cores\n\n",
-                    o.threads, o.train_cores.size(), cores_text(o.train_cores).c_str());
+        std::printf(
+            "note: %d training threads share %zu core(s) (--train-cores %s); pass more cores, they may overlap "
+            "--cores\n\n",
+            o.threads, o.train_cores.size(), cores_text(o.train_cores).c_str());
     Workers workers(o.threads, o.train_cores);
     const std::vector<std::vector<float>> initial = init_params(shapes, o.seed);
 
@@ -925,7 +906,7 @@ int main(int argc, char** argv) {
     {
         SessionOptimizer opt(o, shapes, params);
         run = train(o, shapes, params, opt, workers, true);
-    }  // the session is destroyed here; `params` holds its final master weights
+    } // the session is destroyed here; `params` holds its final master weights
     for (const auto& s : run.steps) {
         rescaled += s.rescaled;
         rolled_back += s.rolled_back;
@@ -965,7 +946,7 @@ int main(int argc, char** argv) {
             std::memcpy(&ub, &b, 4);
             if (ua != ub) ++differing;
             double d = std::fabs((double)a - (double)b);
-            if (!(d <= max_abs)) max_abs = d;  // NaN propagates
+            if (!(d <= max_abs)) max_abs = d; // NaN propagates
         }
     int first_loss_diff = 0, first_norm_diff = 0;
     double max_loss_diff = 0;
@@ -980,9 +961,10 @@ int main(int argc, char** argv) {
     auto step_text = [](int s) { return s ? "step " + std::to_string(s) : std::string("none"); };
 
     std::printf("\ncheck against the reference optimizer (%.2f M weights):\n", total / 1e6);
-    std::printf("  first step rescaled/rolled back/redone: %s; first step whose loss differs: %s, whose norm "
-                "differs: %s\n",
-                step_text(first_inexact).c_str(), step_text(first_loss_diff).c_str(), step_text(first_norm_diff).c_str());
+    std::printf(
+        "  first step rescaled/rolled back/redone: %s; first step whose loss differs: %s, whose norm "
+        "differs: %s\n",
+        step_text(first_inexact).c_str(), step_text(first_loss_diff).c_str(), step_text(first_norm_diff).c_str());
     std::printf("  weights differing: %zu of %zu, max |difference| %.3g (%.4f x lr), max loss difference %.3g\n",
                 differing, total, max_abs, o.lr > 0 ? max_abs / o.lr : 0.0, max_loss_diff);
     bool ok;
@@ -1002,4 +984,19 @@ int main(int argc, char** argv) {
     }
     std::printf("check %s\n", ok ? "passed" : "FAILED");
     return ok ? 0 : 1;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+    const Options o = parse_options(argc, argv);
+    try {
+        return run(o);
+    } catch (const so::Error& e) {
+        std::fprintf(stderr, "superoffload-demo: %s (%s)\n", e.what(), e.status_description());
+        return 2;
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "superoffload-demo: %s\n", e.what());
+        return 2;
+    }
 }

@@ -9,12 +9,12 @@
 
 /** Version of the header, from Cargo.toml. */
 #define SO_VERSION_MAJOR 0
-#define SO_VERSION_MINOR 1
+#define SO_VERSION_MINOR 2
 #define SO_VERSION_PATCH 0
 /** `(major << 16) | (minor << 8) | patch`. */
 #define SO_VERSION_NUMBER ((SO_VERSION_MAJOR << 16) | (SO_VERSION_MINOR << 8) | SO_VERSION_PATCH)
 /** The ABI this header describes; compare with `so_abi_version()` at start-up. */
-#define SO_ABI_VERSION 1
+#define SO_ABI_VERSION 2
 
 /** A CUDA stream: the same type as `cudaStream_t` and `CUstream` (no CUDA header needed). */
 typedef struct CUstream_st *so_cuda_stream_t;
@@ -26,6 +26,11 @@ typedef struct CUstream_st *so_cuda_stream_t;
 #define SO_NODISCARD
 #endif
 
+
+/**
+ * The lane of step-wide tickets; sub-group `k` has lane `k + 1`.
+ */
+#define STEP_LANE 0
 
 /**
  * Result status of every fallible call (`so_status` in C). `SO_STATUS_OK` (0) is success.
@@ -274,6 +279,65 @@ enum so_skip_reason
 typedef enum so_skip_reason so_skip_reason;
 #else
 typedef uint32_t so_skip_reason;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Whether sub-groups are stepped during backward, before `so_session_step` knows the clip
+ * factor (`so_session_options.speculation`).
+ */
+enum so_speculation
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Every sub-group is stepped once, after `so_session_step` decides.
+   */
+  SO_SPECULATION_OFF = 0,
+  /**
+   * Every sub-group that can speculate does, as soon as its gradient is complete.
+   */
+  SO_SPECULATION_ON = 1,
+  /**
+   * Decided per step and sub-group from earlier steps' measurements: speculate while the
+   * clip factor mostly stayed unchanged and the sub-group's gradient arrived early enough
+   * before `so_session_step` (the default).
+   */
+  SO_SPECULATION_AUTO = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum so_speculation so_speculation;
+#else
+typedef uint32_t so_speculation;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Where a sub-group's master weights and moments live and are stepped
+ * (`so_subgroup_desc.placement`, `so_session_set_placement`).
+ */
+enum so_placement
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Host memory, stepped by the CPU kernels.
+   */
+  SO_PLACEMENT_HOST = 0,
+  /**
+   * GPU memory (CUDA sessions, f32 master weights): stepped by the library's GPU kernel,
+   * bit-identical to the CPU kernels, after `so_session_step` decides.
+   */
+  SO_PLACEMENT_DEVICE = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum so_placement so_placement;
+#else
+typedef uint32_t so_placement;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -538,11 +602,12 @@ typedef struct so_session_options {
    */
   uint32_t accum_dtype;
   /**
-   * Step complete sub-groups during backward.
+   * One of `so_speculation`: whether sub-groups are stepped during backward.
    */
-  bool speculation;
+  uint32_t speculation;
   /**
-   * Host bytes the session may allocate (moments, gradient buffers); 0 for no limit.
+   * Host bytes the session may allocate (moments, gradient buffers, the low-precision copy,
+   * late-gradient buffers); 0 for no limit.
    */
   uint64_t host_memory_limit;
   /**
@@ -560,6 +625,12 @@ typedef struct so_session_options {
    * sessions then send the copy to the GPU instead of f32).
    */
   uint32_t copy_dtype;
+  /**
+   * CUDA sessions: device bytes for the automatic split, which places the first
+   * sub-groups in forward order on the GPU after a few measured steps (see the README);
+   * 0 turns it off.
+   */
+  uint64_t gpu_budget_bytes;
 } so_session_options;
 
 /**
@@ -663,6 +734,19 @@ typedef struct so_subgroup_desc {
    * `SO_DTYPE_F32`, `SO_DTYPE_BF16` or `SO_DTYPE_F16` (CUDA sessions).
    */
   uint32_t device_param_dtype;
+  /**
+   * NULL (the session allocates them) or caller buffers of `numel` elements of the
+   * session's moment dtype, borrowed like `master`: the first and second moments.
+   */
+  void *exp_avg;
+  void *exp_avg_sq;
+  /**
+   * One of `so_placement`. `SO_PLACEMENT_DEVICE` (CUDA sessions, f32 master) keeps the
+   * master weights and moments in GPU memory (`master` gives their initial values and
+   * receives them back when the sub-group moves to the host); its gradient is copied on
+   * the GPU, never to the host.
+   */
+  uint32_t placement;
 } so_subgroup_desc;
 
 /**
@@ -788,7 +872,66 @@ typedef struct so_step_result {
    * Why the step was skipped: one of `so_skip_reason` (`SO_SKIP_REASON_NONE` when it was not).
    */
   uint32_t skip_reason;
+  /**
+   * Speculative steps that had not started at `so_session_step`: cancelled, and their
+   * sub-groups stepped once with the exact factor (also counted in `stepped`).
+   */
+  uint32_t cancelled;
+  /**
+   * Sub-groups stepped on the GPU (`SO_PLACEMENT_DEVICE`).
+   */
+  uint32_t device_stepped;
+  /**
+   * Sub-groups placed on the GPU during this step.
+   */
+  uint32_t device_subgroups;
+  /**
+   * Elements the optimizer passes touched after `so_session_step` was called (a pass over
+   * a sub-group counts its elements): the work left after backward.
+   */
+  uint64_t final_pass_elements;
+  /**
+   * Seconds the compute stream (CUDA sessions, through `so_ticket_enqueue_wait`) or the
+   * calling threads (ticket waits) waited on this session's tickets between the previous
+   * `so_session_step` and this one: the optimizer time the previous step left exposed.
+   */
+  double forward_wait_s;
 } so_step_result;
+
+/**
+ * Where a sub-group's state lives (filled by `so_session_get_subgroup_state`).
+ */
+typedef struct so_subgroup_state {
+  /**
+   * Set by the caller to `sizeof(so_subgroup_state)` before the call.
+   */
+  size_t struct_size;
+  /**
+   * One of `so_placement`: where the sub-group is stepped.
+   */
+  uint32_t placement;
+  /**
+   * Elements of the sub-group.
+   */
+  size_t numel;
+  /**
+   * Host buffers of the master weights and both moments (the caller's borrowed buffers,
+   * or the session's own). For a device-placed sub-group they were brought up to date by
+   * the call.
+   */
+  void *master;
+  void *exp_avg;
+  void *exp_avg_sq;
+  /**
+   * `SO_DTYPE_*` of `master` and of both moments.
+   */
+  uint32_t master_dtype;
+  uint32_t moment_dtype;
+  /**
+   * Steps the sub-group has taken.
+   */
+  uint64_t step_count;
+} so_subgroup_state;
 
 #ifdef __cplusplus
 extern "C" {
@@ -1427,9 +1570,12 @@ so_status so_session_set_compute_stream(struct so_session *session,
 /**
  * @brief Makes `stream` wait, on the GPU and without blocking the calling thread, until
  * `ticket` is complete — e.g. a sub-group's final ticket before the forward of its layer
- * reads the published weights. Implemented with a device word the session's stream
- * writes as tickets complete (`cuStreamWaitValue64`), so it may be called before the work
- * has even started. The outcome of failed work is reported on the host (`so_ticket_wait`).
+ * reads the published weights. Implemented with one device word per ticket lane (a
+ * sub-group's tickets, or the step-wide ones) that the session's stream writes as tickets
+ * complete (`cuStreamWaitValue64`), so it may be called before the work has even started,
+ * and waits for that work alone. The wait is timed on the GPU: the total is the next step
+ * result's `forward_wait_s`. The outcome of failed work is reported on the host
+ * (`so_ticket_wait`).
  * @return `SO_STATUS_OK`, `SO_STATUS_NOT_FOUND` for a ticket never issued,
  *         `SO_STATUS_STREAM_CAPTURING`, `SO_STATUS_INVALID_STATE` for a host session.
  * @note Thread-safety: see `so_session`.
@@ -1472,6 +1618,55 @@ SO_NODISCARD so_status so_session_trace(struct so_session *session, bool enable)
  * @note Thread-safety: see `so_session`.
  */
 SO_NODISCARD so_status so_session_trace_save(const struct so_session *session, const char *path);
+
+/**
+ * @brief Describes a sub-group's state buffers, after its outstanding work, so that a caller
+ * can read (or, between steps, write) its master weights and moments in place — e.g. to
+ * build a torch-style optimizer state dict. The pointers stay valid until the sub-group is
+ * removed or the session destroyed. A device-placed sub-group's host buffers are updated
+ * by this call; writes to them reach the device only through `so_session_set_placement`
+ * or a checkpoint load.
+ * @param out_state Caller-provided with `struct_size = sizeof(so_subgroup_state)`.
+ * @return `SO_STATUS_OK`, `SO_STATUS_NOT_FOUND`, `SO_STATUS_CUDA_ERROR`.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_get_subgroup_state(const struct so_session *session,
+                                        uint32_t subgroup,
+                                        struct so_subgroup_state *out_state);
+
+/**
+ * @brief Sets a sub-group's step count, between steps (after writing its state in place,
+ * e.g. from a torch optimizer state dict).
+ * @return `SO_STATUS_OK`, `SO_STATUS_NOT_FOUND`, `SO_STATUS_INVALID_STATE` during a step.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_set_step_count(struct so_session *session,
+                                    uint32_t subgroup,
+                                    uint64_t count);
+
+/**
+ * @brief Moves a sub-group's master weights and moments between host and GPU memory
+ * (`so_placement`), between steps, bit for bit. On the GPU it is stepped by the library's
+ * kernel after each decision (never speculatively); back on the host its borrowed master
+ * buffer holds the current weights again.
+ * @return `SO_STATUS_OK`; `SO_STATUS_UNSUPPORTED` in a host session or for non-f32 master
+ *         weights; `SO_STATUS_INVALID_STATE` during a step; `SO_STATUS_NOT_FOUND`;
+ *         `SO_STATUS_CUDA_ERROR` (then nothing changed).
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD
+so_status so_session_set_placement(struct so_session *session,
+                                   uint32_t subgroup,
+                                   uint32_t placement);
+
+/**
+ * @brief GPU bytes the session allocated (device-placed state, staging buffers, sums of
+ * squares, ticket words); 0 for a host session.
+ * @note Thread-safety: see `so_session`.
+ */
+SO_NODISCARD so_status so_session_device_bytes(const struct so_session *session, size_t *out_bytes);
 
 /**
  * Returns the ABI version of the loaded library; compare with `SO_ABI_VERSION`.

@@ -188,6 +188,19 @@ enum class Mode : std::uint32_t {
     L2 = SO_ADAM_MODE_L2,       ///< L2 regularisation `g <- g + wd * p` (torch Adam).
 };
 
+/** Whether sub-groups are stepped during backward (`so_speculation`). */
+enum class Speculation : std::uint32_t {
+    Off = SO_SPECULATION_OFF,   ///< Every sub-group is stepped once, after step() decides.
+    On = SO_SPECULATION_ON,     ///< Every sub-group that can speculate does.
+    Auto = SO_SPECULATION_AUTO, ///< Decided per step from earlier steps' measurements (default).
+};
+
+/** Where a sub-group's master weights and moments live (`so_placement`). */
+enum class Placement : std::uint32_t {
+    Host = SO_PLACEMENT_HOST,     ///< Host memory, stepped by the CPU kernels.
+    Device = SO_PLACEMENT_DEVICE, ///< GPU memory, stepped by the library's GPU kernel.
+};
+
 /** Element type of a buffer (`so_dtype`). */
 enum class DType : std::uint32_t {
     None = SO_DTYPE_NONE, ///< No buffer (optional buffers only).
@@ -864,8 +877,8 @@ struct LossScalerOptions {
 /**
  * How to create a Session (the C++ form of `so_session_options`). Default-constructed, it
  * holds `so_session_options_default()`: the default pool, AdamW with bias correction, f32
- * moments, gradients and accumulation, speculation on, no memory limit, no loss scaler, no
- * master-weight copy.
+ * moments, gradients and accumulation, automatic speculation, no memory limit, no loss scaler,
+ * no master-weight copy, no automatic split.
  *
  * Ownership: a plain value. `pool` is a reference: the session takes its own reference to
  * the pool, so the Pool may be destroyed once Session::create has returned. The core list is
@@ -889,9 +902,9 @@ struct SessionOptions {
     DType grad_dtype;
     /** DType of the sub-group gradient buffers, in which micro-steps accumulate. */
     DType accum_dtype;
-    /** Step complete sub-groups during backward. */
-    bool speculation;
-    /** Host bytes the session may allocate (moments, gradient buffers); 0 for no limit. */
+    /** Whether complete sub-groups are stepped during backward. */
+    Speculation speculation;
+    /** Host bytes the session may allocate (moments, gradient buffers, copies); 0 for no limit. */
     std::uint64_t host_memory_limit;
     /** Must stay false: sessions refuse AMSGrad (its running maximum cannot be rolled back). */
     bool amsgrad;
@@ -902,6 +915,8 @@ struct SessionOptions {
      * each sub-group's master weights, written in the same pass as every update.
      */
     DType copy_dtype;
+    /** CUDA sessions: device bytes for the automatic split (0: off). */
+    std::uint64_t gpu_budget_bytes;
 
     /** The library's defaults. @note Never throws. */
     SessionOptions() noexcept : SessionOptions(so_session_options_default()) {}
@@ -913,9 +928,10 @@ struct SessionOptions {
     explicit SessionOptions(const so_session_options& raw) noexcept
         : pool(), cores(), mode(static_cast<Mode>(raw.mode)), bias_correction(raw.bias_correction),
           moment_dtype(static_cast<DType>(raw.moment_dtype)), grad_dtype(static_cast<DType>(raw.grad_dtype)),
-          accum_dtype(static_cast<DType>(raw.accum_dtype)), speculation(raw.speculation),
-          host_memory_limit(raw.host_memory_limit), amsgrad(raw.amsgrad), loss_scaler(),
-          copy_dtype(static_cast<DType>(raw.copy_dtype)) {}
+          accum_dtype(static_cast<DType>(raw.accum_dtype)),
+          speculation(static_cast<Speculation>(raw.speculation)), host_memory_limit(raw.host_memory_limit),
+          amsgrad(raw.amsgrad), loss_scaler(), copy_dtype(static_cast<DType>(raw.copy_dtype)),
+          gpu_budget_bytes(raw.gpu_budget_bytes) {}
 };
 
 /**
@@ -1018,6 +1034,11 @@ struct StepResult {
     std::uint32_t redone = 0;        ///< Speculative steps undone and taken again.
     std::uint32_t stepped = 0;       ///< Sub-groups stepped at step() that had not speculated.
     so_skip_reason skip_reason = SO_SKIP_REASON_NONE; ///< Why the step was skipped.
+    std::uint32_t cancelled = 0;       ///< Speculative steps cancelled at step() (stepped once instead).
+    std::uint32_t device_stepped = 0;  ///< Sub-groups stepped on the GPU.
+    std::uint32_t device_subgroups = 0; ///< Sub-groups placed on the GPU during this step.
+    std::uint64_t final_pass_elements = 0; ///< Elements the passes after step() touched.
+    double forward_wait_s = 0.0;       ///< Seconds the forward waited on tickets since the previous step().
 
     /** All zero (clip_coef 1). @note Never throws. */
     StepResult() noexcept = default;
@@ -1028,7 +1049,9 @@ struct StepResult {
           grad_factor(raw.grad_factor), loss_scale(raw.loss_scale), next_loss_scale(raw.next_loss_scale),
           speculative(raw.speculative), late_gradients(raw.late_gradients), kept(raw.kept), rescaled(raw.rescaled),
           rolled_back(raw.rolled_back), redone(raw.redone), stepped(raw.stepped),
-          skip_reason(static_cast<so_skip_reason>(raw.skip_reason)) {}
+          skip_reason(static_cast<so_skip_reason>(raw.skip_reason)), cancelled(raw.cancelled),
+          device_stepped(raw.device_stepped), device_subgroups(raw.device_subgroups),
+          final_pass_elements(raw.final_pass_elements), forward_wait_s(raw.forward_wait_s) {}
 };
 
 /** Where the work behind a ticket stands (TicketStatus::state). */
@@ -1156,7 +1179,8 @@ private:
         raw.moment_dtype = static_cast<std::uint32_t>(options.moment_dtype);
         raw.grad_dtype = static_cast<std::uint32_t>(options.grad_dtype);
         raw.accum_dtype = static_cast<std::uint32_t>(options.accum_dtype);
-        raw.speculation = options.speculation;
+        raw.speculation = static_cast<std::uint32_t>(options.speculation);
+        raw.gpu_budget_bytes = options.gpu_budget_bytes;
         raw.host_memory_limit = options.host_memory_limit;
         raw.amsgrad = options.amsgrad;
         raw.copy_dtype = static_cast<std::uint32_t>(options.copy_dtype);
@@ -1572,8 +1596,22 @@ public:
      */
     template <class T>
     std::uint32_t add_subgroup_cuda(std::uint32_t group, T* master, std::size_t numel, const std::vector<Slice>& slices,
-                                    so_device_ptr device_param, DType device_dtype) {
-        return add_subgroup_impl(group, master, dtype_of<T>::value, numel, slices, nullptr, device_param, device_dtype);
+                                    so_device_ptr device_param, DType device_dtype,
+                                    Placement placement = Placement::Host) {
+        return add_subgroup_impl(group, master, dtype_of<T>::value, numel, slices, nullptr, device_param, device_dtype,
+                                 placement);
+    }
+
+    /** Moves a sub-group between host and GPU memory, between steps (`so_session_set_placement`). */
+    void set_placement(std::uint32_t subgroup, Placement placement) {
+        check(so_session_set_placement(handle_.get(), subgroup, static_cast<std::uint32_t>(placement)));
+    }
+
+    /** GPU bytes the session allocated (`so_session_device_bytes`). */
+    [[nodiscard]] std::size_t device_bytes() const {
+        std::size_t n = 0;
+        check(so_session_device_bytes(handle_.get(), &n));
+        return n;
     }
 
     /**
@@ -1647,7 +1685,7 @@ public:
 private:
     std::uint32_t add_subgroup_impl(std::uint32_t group, void* master, DType master_dtype, std::size_t numel,
                                     const std::vector<Slice>& slices, void* grad, so_device_ptr device_param = 0,
-                                    DType device_dtype = DType::None) {
+                                    DType device_dtype = DType::None, Placement placement = Placement::Host) {
         std::vector<so_slice_desc> raw_slices;
         raw_slices.reserve(slices.size());
         for (const Slice& s : slices) {
@@ -1668,6 +1706,7 @@ private:
         desc.num_slices = raw_slices.size();
         desc.device_param = device_param;
         desc.device_param_dtype = static_cast<std::uint32_t>(device_dtype);
+        desc.placement = static_cast<std::uint32_t>(placement);
         std::uint32_t id = 0;
         check(so_session_add_subgroup(handle_.get(), &desc, &id));
         return id;

@@ -7,53 +7,47 @@
 # Usage: scripts/gpu_examples.sh <prefix> [output dir] [parts: all | comma list of
 #        libtorch,jax,torch,e2e,gputests,overlap,host]
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-prefix="$(cd "$1" && pwd)"
-out="${2:-${OUT:-gpu-out}}"
-parts=",${3:-all},"
-mkdir -p "$out"
-want() { [[ "$parts" == ",all," || "$parts" == *",$1,"* ]]; }
-export PYTHONUNBUFFERED=1 LD_LIBRARY_PATH="$prefix/lib:${LD_LIBRARY_PATH:-}" SUPEROFFLOAD_PREFIX="$prefix"
-threads=$(nproc)
-step() { printf '\n==== %s ====\n' "$1"; }
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+so_gpu_setup "$@" || exit
+export SUPEROFFLOAD_PREFIX="$prefix"
 
-if want libtorch; then
-  step "libtorch trainer"
+if so_want libtorch; then
+  so_step "libtorch trainer"
   timeout 300 bash examples/libtorch_trainer/run.sh "$prefix" > "$out/libtorch.txt" 2>&1; echo "exit $?" >> "$out/libtorch.txt"
   tail -25 "$out/libtorch.txt"
 fi
-if want jax; then
-  step "JAX FFI"
+if so_want jax; then
+  so_step "JAX FFI"
   timeout 240 bash examples/jax_ffi/run.sh "$prefix" > "$out/jax.txt" 2>&1; echo "exit $?" >> "$out/jax.txt"
   tail -20 "$out/jax.txt"
 fi
-if want torch; then
-  step "PyTorch extension: parity and FSDP2"
+if so_want torch; then
+  so_step "PyTorch extension: parity and FSDP2"
   timeout 300 bash examples/torch_optimizer/run.sh "$prefix" > "$out/torch_ext.txt" 2>&1; echo "exit $?" >> "$out/torch_ext.txt"
   tail -25 "$out/torch_ext.txt"
 fi
-if want e2e; then
-  step "PyTorch extension: end-to-end benchmark"
+if so_want e2e; then
+  so_step "PyTorch extension: end-to-end benchmark"
   timeout 420 bash examples/torch_optimizer/run.sh "$prefix" --bench-only > "$out/e2e.txt" 2>&1; echo "exit $?" >> "$out/e2e.txt"
   tail -40 "$out/e2e.txt"
 fi
-if want gputests; then
-  step "gpu_ tests, verbose"
+if so_want gputests; then
+  so_step "gpu_ tests, verbose"
   if [ ! -d build-gpu ]; then
     cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DSO_PREBUILT_DIR="$prefix" > /dev/null && cmake --build build-gpu -j "$threads" > /dev/null
   fi
   ctest --test-dir build-gpu -R 'gpu_' -V 2>&1 | grep -vE '^(UpdateCTestConfiguration|Parse|Added|Test project|Constructing|Checking|test [0-9]+$)' > "$out/gputests.txt"
   grep -E 'Passed|Failed|Skipped|tests passed' "$out/gputests.txt"
 fi
-if want overlap; then
-  step "overlap benchmark, backward longer than forward"
+if so_want overlap; then
+  so_step "overlap benchmark, backward longer than forward"
   cores=$(seq -s, 2 $((threads - 1)))
   timeout 240 python3 bench/cuda_bench.py --lib "$prefix/lib/libsuperoffload.so" --cores "$cores" --only overlap \
     --fwd-mm 1 --bwd-mm 6 --json "$out/cuda_long_backward.json" > "$out/cuda_long_backward.txt" 2>&1
   tail -60 "$out/cuda_long_backward.txt"
 fi
-if want host; then
-  step "host-mode session benchmarks ($threads cores)"
+if so_want host; then
+  so_step "host-mode session benchmarks ($threads cores)"
   for b in overlap_bench handoff_bench; do
     if [ -x "$prefix/bin/$b" ]; then timeout 180 "$prefix/bin/$b" 2>&1 | tee "$out/$b.txt" | tail -25; fi
   done

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the session benchmarks (release) and runs them with defaults sized for a 2-core
+# Builds the session benchmarks (release; the workspace member bench/rust) and runs them with defaults sized for a 2-core
 # machine (training thread on one core, the session pool on the other):
 #
 #   overlap_bench  step time of a simulated training loop with speculation on/off and
@@ -19,18 +19,14 @@
 #   SO_OVERLAP_ARGS   extra arguments for every overlap_bench run of the full set
 #   SO_HANDOFF_ARGS   extra arguments for every handoff_bench run of the full set
 #   SO_BENCH_OUT      where the JSON results go (default: out/session_bench)
-#   CARGO             the cargo program (default: cargo)
 # Timings on a machine shared with other work are noisy: read medians, repeat runs.
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-cargo="${CARGO:-cargo}"
-if ! command -v "$cargo" >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then cargo="$HOME/.cargo/bin/cargo"; fi
+so_find_cargo
 out="${SO_BENCH_OUT:-out/session_bench}"
-
-"$cargo" build --release --locked --bin overlap_bench --bin handoff_bench >&2
-target_dir="$("$cargo" metadata --format-version 1 --no-deps 2>/dev/null | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')"
-bin="${target_dir:-target}/release"
+cargo build --release --locked -p superoffload-bench --bin overlap_bench --bin handoff_bench >&2
+bin="$(so_cargo_target_dir)/release"
 mkdir -p "$out"
 
 case "${1:-all}" in

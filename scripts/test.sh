@@ -1,51 +1,121 @@
 #!/usr/bin/env bash
-# The test command of this repository: the Rust tests, then the CMake build and the ctest
-# suite in c_tests/. Runs on a fresh Debian machine with a Rust toolchain, gcc/g++,
-# valgrind and pkg-config; installs cmake if it is missing.
+# The test command of this repository (CI runs it through .ci/run), in this order:
+#
+#   0. the device kernels (PTX text) assembled with ptxas from NVIDIA's pip wheel, no GPU
+#      needed (scripts/check_ptx.sh);
+#   1. style: `cargo fmt --check` and the C/C++ sources against .clang-format
+#      (scripts/check_format.sh);
+#   2. `cargo test --workspace` (the library and the benchmark crate);
+#   3. the CMake build and the ctest suite in c_tests/;
+#   4. the install (stripped) into <build>/install, with its size;
+#   5. the ctest suite once more, every test under valgrind memcheck (errors fatal);
+#   6. the C/C++ tests built with AddressSanitizer and UndefinedBehaviorSanitizer
+#      (-fsanitize=address,undefined -fno-sanitize-recover=all) against the installed library,
+#      and run. The Rust library itself is not instrumented (that needs a nightly rustc):
+#      ASan still checks every heap block the library allocates through malloc (bounds of
+#      what the tests access, double frees, leaks at exit), not the library's own accesses.
+#
+# Runs on a fresh Debian machine with a Rust toolchain (rustfmt included), gcc/g++ and
+# pkg-config. What is missing of cmake, valgrind and clang-format-14 is installed with
+# apt-get (as root or through sudo; cmake is required, the other two are optional). A part
+# whose tool is missing or cannot be installed is skipped, and said so in a line starting
+# with SKIPPED and in the summary at the end. GPU tests skip (exit 77) without a GPU.
 #
 # Environment:
-#   SO_BUILD_DIR   CMake build directory (default: build)
-#   SO_JOBS        parallel build and test jobs (default: the number of CPUs)
-#   SO_SKIP_CARGO_TEST=1  skip `cargo test` (only the CMake/ctest part)
+#   SO_BUILD_DIR        CMake build directory (default: build)
+#   SO_JOBS             parallel build and test jobs (default: the number of CPUs)
+#   SO_SKIP_CARGO_TEST=1  skip `cargo test` (only the CMake/ctest parts)
+#   SO_INSTALL_TOOLS=0  install no optional tool (valgrind, clang-format-14)
+#   SO_SKIP=LIST        skip parts, a comma list of: ptx, style, valgrind, sanitize
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-
-build_dir="${SO_BUILD_DIR:-build}"
-jobs="${SO_JOBS:-$(nproc 2>/dev/null || echo 2)}"
+build_dir="$(so_abs "${SO_BUILD_DIR:-build}")"
+jobs="$(so_jobs)"
 start=$(date +%s)
+last=$start
+last_name=""
+timings=()
+skipped=()
 
 section() {
-    printf '\n==== %s (+%ss) ====\n' "$1" "$(( $(date +%s) - start ))"
+    local now
+    now=$(date +%s)
+    if [ -n "$last_name" ]; then timings+=("$(printf '%5ss  %s' "$((now - last))" "$last_name")"); fi
+    last=$now
+    last_name="$1"
+    printf '\n==== %s (+%ss) ====\n' "$1" "$((now - start))"
 }
+skip() {
+    echo "SKIPPED: $*"
+    skipped+=("$*")
+}
+wanted() { [[ ",${SO_SKIP:-}," != *",$1,"* ]]; }
 
 section "Tools"
-if ! command -v cmake >/dev/null 2>&1; then
-    echo "cmake not found; installing it with apt-get"
-    if [ "$(id -u)" -eq 0 ]; then
-        sudo=()
-    elif command -v sudo >/dev/null 2>&1; then
-        sudo=(sudo)
-    else
-        echo "error: cmake is missing and this user can neither apt-get install nor sudo" >&2
-        exit 1
+so_require cmake
+if [ "${SO_INSTALL_TOOLS:-1}" != 0 ] && so_can_install; then
+    optional=()
+    command -v valgrind >/dev/null 2>&1 || optional+=(valgrind)
+    command -v clang-format-14 >/dev/null 2>&1 || command -v clang-format >/dev/null 2>&1 || optional+=(clang-format-14)
+    if [ "${#optional[@]}" -gt 0 ]; then
+        t0=$(date +%s)
+        if so_apt_install "${optional[@]}"; then
+            echo "installed ${optional[*]} in $(($(date +%s) - t0)) s"
+        else
+            echo "could not install ${optional[*]}; the parts that need them are skipped"
+        fi
     fi
-    export DEBIAN_FRONTEND=noninteractive
-    "${sudo[@]}" apt-get update -qq
-    "${sudo[@]}" apt-get install -y -qq --no-install-recommends cmake >/dev/null
 fi
 cargo --version
 cmake --version | head -n 1
 ${CC:-cc} --version | head -n 1
 ${CXX:-c++} --version | head -n 1
-if command -v valgrind >/dev/null 2>&1; then valgrind --version; else echo "valgrind: not found (leak tests will be skipped)"; fi
+if command -v valgrind >/dev/null 2>&1; then valgrind --version; else echo "valgrind: not found"; fi
 if command -v pkg-config >/dev/null 2>&1; then echo "pkg-config $(pkg-config --version)"; else echo "pkg-config: not found (its check will be skipped)"; fi
 
-if [ "${SO_SKIP_CARGO_TEST:-0}" != 1 ]; then
-    section "cargo test"
-    cargo test --locked -j "$jobs"
+# ---------------------------------------------------------------- style
+if wanted ptx; then
+    section "PTX: the device kernels assemble (scripts/check_ptx.sh)"
+    ptx_status=0
+    if [ "${SO_INSTALL_TOOLS:-1}" != 0 ]; then bash scripts/check_ptx.sh --install || ptx_status=$?; else bash scripts/check_ptx.sh || ptx_status=$?; fi
+    case "$ptx_status" in
+        0) ;;
+        77) skip "PTX check: no ptxas" ;;
+        *) exit "$ptx_status" ;;
+    esac
 fi
 
+if wanted style; then
+    section "Style: cargo fmt --check"
+    if cargo fmt --version >/dev/null 2>&1; then
+        cargo fmt --all --check
+        echo "cargo fmt: formatted"
+    else
+        skip "cargo fmt --check: rustfmt is not installed (rustup component add rustfmt)"
+    fi
+
+    section "Style: clang-format (scripts/check_format.sh)"
+    rc=0
+    bash scripts/check_format.sh || rc=$?
+    case $rc in
+        0) ;;
+        77) skip "clang-format check: clang-format 14 not installed" ;;
+        *) exit "$rc" ;;
+    esac
+else
+    skip "style checks (SO_SKIP)"
+fi
+
+# ---------------------------------------------------------------- Rust tests
+if [ "${SO_SKIP_CARGO_TEST:-0}" != 1 ]; then
+    section "cargo test --workspace"
+    cargo test --workspace --locked -j "$jobs"
+else
+    skip "cargo test (SO_SKIP_CARGO_TEST=1)"
+fi
+
+# ---------------------------------------------------------------- CMake build and ctest
 section "CMake configure ($build_dir)"
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release
 
@@ -55,4 +125,52 @@ cmake --build "$build_dir" -j "$jobs"
 section "ctest"
 ctest --test-dir "$build_dir" --output-on-failure -j "$jobs"
 
-section "All tests passed"
+# ---------------------------------------------------------------- install
+section "Install into $build_dir/install"
+prefix="$build_dir/install"
+rm -rf "$prefix"
+cmake --install "$build_dir" --prefix "$prefix" >/dev/null
+(cd "$prefix" && du -ab . | sort -k2 | awk '$1 > 65536 && !/\/$/ { printf "%9.2f MB  %s\n", $1 / 1e6, $2 }')
+echo "install tree: $(du -sb "$prefix" | awk '{ printf "%.2f MB", $1 / 1e6 }') in $(find "$prefix" -type f | wc -l) files"
+
+# ---------------------------------------------------------------- valgrind
+# build_consumer is left out: it runs cmake and a compiler, and its programs are the API
+# tests' subset; every other test (gpu_ ones skip at once without a GPU) runs under memcheck.
+if ! wanted valgrind; then
+    skip "ctest under valgrind (SO_SKIP)"
+elif command -v valgrind >/dev/null 2>&1; then
+    section "ctest under valgrind memcheck (SO_VALGRIND=1)"
+    SO_VALGRIND=1 ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" -E '^build_consumer$'
+else
+    skip "ctest under valgrind: valgrind is not installed"
+fi
+
+# ---------------------------------------------------------------- sanitizers
+if ! wanted sanitize; then
+    skip "ASan+UBSan build of the C/C++ tests (SO_SKIP)"
+else
+    section "ASan+UBSan build of the C/C++ tests ($build_dir/sanitize)"
+    probe_dir="$(mktemp -d)"
+    printf 'int main(void) { return 0; }\n' > "$probe_dir/probe.c"
+    if ${CC:-cc} -fsanitize=address,undefined "$probe_dir/probe.c" -o "$probe_dir/probe" 2>/dev/null &&
+        "$probe_dir/probe"; then
+        rm -rf "$probe_dir"
+        cmake -S . -B "$build_dir/sanitize" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSO_PREBUILT_DIR="$prefix" \
+            -DSO_SANITIZE=address,undefined
+        cmake --build "$build_dir/sanitize" -j "$jobs"
+        section "ctest, ASan+UBSan"
+        ctest --test-dir "$build_dir/sanitize" --output-on-failure -j "$jobs" -E '^build_consumer$'
+    else
+        rm -rf "$probe_dir"
+        skip "ASan+UBSan: ${CC:-cc} cannot build and run a -fsanitize=address,undefined program (libasan/libubsan missing?)"
+    fi
+fi
+
+section "Summary"
+for t in "${timings[@]}"; do echo "$t"; done
+echo "total: $(($(date +%s) - start)) s"
+if [ "${#skipped[@]}" -gt 0 ]; then
+    echo "skipped parts:"
+    for s in "${skipped[@]}"; do echo "  - $s"; done
+fi
+echo "All tests passed"

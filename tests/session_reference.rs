@@ -15,8 +15,8 @@ mod common;
 use common::*;
 use superoffload::kernels::{self, AdamHyper, DType, Floats, FloatsMut, Isa, UpdateOptions, f16};
 use superoffload::session::{
-    Borrowed, GroupHparams, LossScaler, LossScalerOptions, NormSource, Session, SessionOptions, SliceDesc, StepArgs,
-    SubGroupDesc, clip_coefficient, grad_factor,
+    Borrowed, GroupHparams, LossScaler, LossScalerOptions, NormSource, Session, SessionOptions, SliceDesc, Speculation,
+    StepArgs, SubGroupDesc, clip_coefficient, grad_factor,
 };
 
 /// (group, slice sizes) per sub-group, in forward order.
@@ -112,6 +112,7 @@ fn session_matches_the_reference_trainer() {
     let session = Session::new(SessionOptions {
         grad_dtype: DType::F16,
         accum_dtype: DType::F32,
+        speculation: Speculation::On,
         loss_scaler: Some(scaler_options),
         pool: Some(std::sync::Arc::new(pool(Isa::best(), 2))),
         ..SessionOptions::default()
@@ -136,10 +137,7 @@ fn session_matches_the_reference_trainer() {
         // SAFETY: the masters outlive the session and are only read between steps.
         let master =
             unsafe { Borrowed::new("master", masters[sg].as_mut_ptr().cast(), masters[sg].len(), DType::F32) }.unwrap();
-        assert_eq!(
-            session.add_subgroup(SubGroupDesc { group: *group, master, grad: None, slices }).unwrap(),
-            sg as u32
-        );
+        assert_eq!(session.add_subgroup(SubGroupDesc::new(*group, master, slices)).unwrap(), sg as u32);
     }
 
     let mut seen = std::collections::HashMap::new();
@@ -162,6 +160,7 @@ fn session_matches_the_reference_trainer() {
         session.begin_step(None, ev.micro_steps).unwrap();
         let mut ref_grads: Vec<Vec<f32>> = lay.numels.iter().map(|&n| vec![0.0; n]).collect();
         let mut got_any = vec![false; lay.slices.len()];
+        let mut spec_tickets = Vec::new();
         for micro in 0..ev.micro_steps {
             if micro > 0 {
                 session.next_micro_step().unwrap();
@@ -171,11 +170,21 @@ fn session_matches_the_reference_trainer() {
                     continue;
                 }
                 let g = f16_gradient(&mut rng, range.len(), ev.magnitude, loss_scale);
-                session.grad_copy(i as u32, Floats::F16(&g)).unwrap();
-                kernels::copy_into(FloatsMut::F32(&mut ref_grads[*sg][range.clone()]), Floats::F16(&g), got_any[i])
-                    .unwrap();
+                spec_tickets.extend(session.grad_copy(i as u32, Floats::F16(&g)).unwrap());
+                kernels::copy_into(
+                    FloatsMut::F32(&mut ref_grads[*sg][range.clone()]),
+                    Floats::F16(&g),
+                    got_any[i],
+                    None,
+                )
+                .unwrap();
                 got_any[i] = true;
             }
+        }
+        // Every speculative step runs before what follows (none is cancelled or preempted:
+        // the paths this test predicts; tests/session_schedule.rs covers the others).
+        for t in spec_tickets.drain(..) {
+            let _ = session.wait(t, None);
         }
         let complete: Vec<bool> = (0..MODEL.len()).map(|sg| ev.missing.is_none_or(|m| lay.slices[m].0 != sg)).collect();
         let spec_grads = ref_grads.clone();
@@ -184,7 +193,7 @@ fn session_matches_the_reference_trainer() {
             let (sg, range) = &lay.slices[i];
             let g = f16_gradient(&mut rng, range.len(), ev.magnitude, loss_scale);
             session.grad_copy(i as u32, Floats::F16(&g)).unwrap();
-            kernels::copy_into(FloatsMut::F32(&mut ref_grads[*sg][range.clone()]), Floats::F16(&g), got_any[i])
+            kernels::copy_into(FloatsMut::F32(&mut ref_grads[*sg][range.clone()]), Floats::F16(&g), got_any[i], None)
                 .unwrap();
             if complete[*sg] {
                 late_sg = Some(*sg);
@@ -199,8 +208,12 @@ fn session_matches_the_reference_trainer() {
 
         // The reference decision, from the complete gradients.
         let unscale = (1.0 / loss_scale as f64) as f32;
-        let local: f64 =
-            ref_grads.iter().map(|g| kernels::grad_sumsq(&ref_pool, Floats::F32(g), unscale).unwrap()).sum();
+        // Per slice, in forward order, as the session takes them at hand-over.
+        let local: f64 = lay
+            .slices
+            .iter()
+            .map(|(sg, r)| kernels::grad_sumsq(&ref_pool, Floats::F32(&ref_grads[*sg][r.clone()]), unscale).unwrap())
+            .sum();
         let norm = if ev.given_norm {
             let sumsq = session.local_grad_sumsq(None).unwrap();
             assert_eq!(sumsq.to_bits(), local.to_bits(), "step {step}: local sum of squares");

@@ -9,7 +9,8 @@ use common::*;
 use superoffload::error::Status;
 use superoffload::kernels::{DType, Floats, Isa};
 use superoffload::session::{
-    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SkipReason, SliceDesc, StepArgs, SubGroupDesc,
+    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SkipReason, SliceDesc, Speculation, StepArgs,
+    SubGroupDesc,
 };
 
 /// A session of one sub-group per entry of `sizes` (one slice each, named `s<i>`), over
@@ -17,7 +18,7 @@ use superoffload::session::{
 fn session(masters: &mut [Vec<f32>], speculation: bool) -> Session {
     let s = Session::new(SessionOptions {
         pool: Some(Arc::new(pool(Isa::best(), 2))),
-        speculation,
+        speculation: if speculation { Speculation::On } else { Speculation::Off },
         ..SessionOptions::default()
     })
     .unwrap();
@@ -26,7 +27,7 @@ fn session(masters: &mut [Vec<f32>], speculation: bool) -> Session {
         // SAFETY: the test keeps `masters` alive and unmoved for the session's lifetime.
         let master = unsafe { Borrowed::new("master", m.as_mut_ptr().cast(), m.len(), DType::F32) }.unwrap();
         let slices = vec![SliceDesc { name: format!("s{i}"), offset: 0, numel: m.len() }];
-        s.add_subgroup(SubGroupDesc { group: 0, master, grad: None, slices }).unwrap();
+        s.add_subgroup(SubGroupDesc::new(0, master, slices)).unwrap();
     }
     s
 }

@@ -52,13 +52,13 @@ static void cuda_driver_load(void) {
         printf("SKIP: dlopen(libcuda.so.1): %s\n", dlerror());
         exit(77);
     }
-#define SO_CU_LOAD(field, name)                                           \
-    do {                                                                  \
-        *(void **)(&cu.field) = dlsym(lib, name);                         \
-        if (!cu.field) {                                                  \
-            fprintf(stderr, "libcuda lacks %s\n", name);                  \
-            exit(1);                                                      \
-        }                                                                 \
+#define SO_CU_LOAD(field, name)                          \
+    do {                                                 \
+        *(void **)(&cu.field) = dlsym(lib, name);        \
+        if (!cu.field) {                                 \
+            fprintf(stderr, "libcuda lacks %s\n", name); \
+            exit(1);                                     \
+        }                                                \
     } while (0)
     SO_CU_LOAD(init, "cuInit");
     SO_CU_LOAD(device_get, "cuDeviceGet");
@@ -87,13 +87,13 @@ static void cuda_driver_load(void) {
     }
 }
 
-#define CU_CHECK(call)                                                            \
-    do {                                                                          \
-        cu_result cu_r_ = (call);                                                 \
-        if (cu_r_ != 0) {                                                         \
+#define CU_CHECK(call)                                                                   \
+    do {                                                                                 \
+        cu_result cu_r_ = (call);                                                        \
+        if (cu_r_ != 0) {                                                                \
             fprintf(stderr, "%s:%d: %s failed: %d\n", __FILE__, __LINE__, #call, cu_r_); \
-            exit(1);                                                              \
-        }                                                                         \
+            exit(1);                                                                     \
+        }                                                                                \
     } while (0)
 
 #endif

@@ -59,8 +59,8 @@ static inline void so_st_write_file(const char *path, const void *data, size_t l
 typedef struct so_st_ckpt {
     unsigned char *bytes; /* the whole file */
     size_t len;
-    char *header;         /* the JSON header, NUL-terminated copy */
-    size_t data_start;    /* offset of the data section in `bytes` */
+    char *header;      /* the JSON header, NUL-terminated copy */
+    size_t data_start; /* offset of the data section in `bytes` */
 } so_st_ckpt;
 
 /* Reads and checks the framing of a checkpoint (exits on a malformed file: the tests only
@@ -338,13 +338,15 @@ static inline void so_st_poison_last_error(void) {
 
 /* `expr` must return `want`, and so_last_error_message must start with `fn` and contain
  * `needle` (case-sensitive). The last error is poisoned first. */
-#define EXPECT_REFUSED(expr, want, fn, needle)                                                         \
-    do {                                                                                               \
-        so_st_poison_last_error();                                                                     \
-        CHECK_STATUS((expr), (want));                                                                  \
-        const char *msg_ = so_test_last_error();                                                       \
-        CHECKF(strncmp(msg_, fn, strlen(fn)) == 0 && msg_[strlen(fn)] == ':', "message \"%s\" does not " \
-               "start with %s:", msg_, fn);                                                            \
+#define EXPECT_REFUSED(expr, want, fn, needle)                                                            \
+    do {                                                                                                  \
+        so_st_poison_last_error();                                                                        \
+        CHECK_STATUS((expr), (want));                                                                     \
+        const char *msg_ = so_test_last_error();                                                          \
+        CHECKF(strncmp(msg_, fn, strlen(fn)) == 0 && msg_[strlen(fn)] == ':',                             \
+               "message \"%s\" does not "                                                                 \
+               "start with %s:",                                                                          \
+               msg_, fn);                                                                                 \
         CHECKF(strstr(msg_, (needle)) != NULL, "message \"%s\" does not mention \"%s\"", msg_, (needle)); \
     } while (0)
 

@@ -23,41 +23,40 @@
 
 /* ------------------------------------------------------------------------------ checks */
 
-#define CHECK(cond)                                                                    \
-    do {                                                                               \
-        if (!(cond)) {                                                                 \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);   \
-            so_test_dump_last_error();                                                 \
-            exit(1);                                                                   \
-        }                                                                              \
+#define CHECK(cond)                                                                  \
+    do {                                                                             \
+        if (!(cond)) {                                                               \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+            so_test_dump_last_error();                                               \
+            exit(1);                                                                 \
+        }                                                                            \
     } while (0)
 
 /* CHECK with a printf-style explanation (at least the format string). */
-#define CHECKF(cond, ...)                                                              \
-    do {                                                                               \
-        if (!(cond)) {                                                                 \
-            fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #cond);   \
-            fprintf(stderr, __VA_ARGS__);                                              \
-            fputc('\n', stderr);                                                       \
-            so_test_dump_last_error();                                                 \
-            exit(1);                                                                   \
-        }                                                                              \
+#define CHECKF(cond, ...)                                                            \
+    do {                                                                             \
+        if (!(cond)) {                                                               \
+            fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #cond); \
+            fprintf(stderr, __VA_ARGS__);                                            \
+            fputc('\n', stderr);                                                     \
+            so_test_dump_last_error();                                               \
+            exit(1);                                                                 \
+        }                                                                            \
     } while (0)
 
 /* A call that must return SO_STATUS_OK. */
 #define CHECK_OK(expr) CHECK_STATUS((expr), SO_STATUS_OK)
 
 /* A call that must return `want`. */
-#define CHECK_STATUS(expr, want)                                                       \
-    do {                                                                               \
-        so_status got_status_ = (expr);                                                \
-        if (got_status_ != (want)) {                                                   \
-            fprintf(stderr, "%s:%d: %s returned %u (%s), expected %u (%s)\n", __FILE__, \
-                    __LINE__, #expr, (unsigned)got_status_, so_status_str(got_status_), \
-                    (unsigned)(want), so_status_str(want));                            \
-            so_test_dump_last_error();                                                 \
-            exit(1);                                                                   \
-        }                                                                              \
+#define CHECK_STATUS(expr, want)                                                                               \
+    do {                                                                                                       \
+        so_status got_status_ = (expr);                                                                        \
+        if (got_status_ != (want)) {                                                                           \
+            fprintf(stderr, "%s:%d: %s returned %u (%s), expected %u (%s)\n", __FILE__, __LINE__, #expr,       \
+                    (unsigned)got_status_, so_status_str(got_status_), (unsigned)(want), so_status_str(want)); \
+            so_test_dump_last_error();                                                                         \
+            exit(1);                                                                                           \
+        }                                                                                                      \
     } while (0)
 
 static inline void so_test_dump_last_error(void) {
@@ -164,7 +163,7 @@ static inline uint16_t so_f32_to_bf16(float f) {
     /* bf16: 8 significant bits, the exponent range of binary32 (min normal 2^-126). */
     double r = so_round_to_precision((double)f, 8, -126);
     if (fabs(r) > 0x1.fffffep127) r = r > 0 ? INFINITY : -INFINITY; /* overflow */
-    uint32_t bits = so_f32_to_bits((float)r); /* exact: r has 8 significant bits */
+    uint32_t bits = so_f32_to_bits((float)r);                       /* exact: r has 8 significant bits */
     assert((bits & 0xFFFFu) == 0);
     return (uint16_t)(bits >> 16);
 }
@@ -279,8 +278,7 @@ static inline so_pool *so_test_pool(uint32_t isa, size_t threads) {
     so_pool *pool = NULL;
     so_status st = so_pool_create(&o, &pool);
     if (st == SO_STATUS_UNSUPPORTED) {
-        printf("note: ISA %s is not supported by this CPU: skipped (%s)\n", so_isa_name(isa),
-               so_test_last_error());
+        printf("note: ISA %s is not supported by this CPU: skipped (%s)\n", so_isa_name(isa), so_test_last_error());
         return NULL;
     }
     CHECK_OK(st);

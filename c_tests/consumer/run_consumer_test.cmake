@@ -60,6 +60,26 @@ if(NOT target STREQUAL "libsuperoffload.so.${major}")
   message(FATAL_ERROR "libsuperoffload.so -> ${target}")
 endif()
 
+# A lean install: the binaries are stripped (debug info, if installed at all, is in .debug/
+# directories, left out of the count). Limits: the shared library 5 MB, the whole tree 40 MB
+# (about 3.6 MB and 30 MB stripped on x86-64; 43 MB and 255 MB unstripped).
+file(SIZE "${libdir}/libsuperoffload.so.${SO_VERSION}" shared_size)
+if(shared_size GREATER 5000000)
+  message(FATAL_ERROR "libsuperoffload.so.${SO_VERSION} has ${shared_size} bytes (limit 5 MB): not stripped?")
+endif()
+file(GLOB_RECURSE installed LIST_DIRECTORIES false "${prefix}/*")
+set(tree_size 0)
+foreach(f IN LISTS installed)
+  if(NOT f MATCHES "/\\.debug/" AND NOT IS_SYMLINK "${f}")
+    file(SIZE "${f}" size)
+    math(EXPR tree_size "${tree_size} + ${size}")
+  endif()
+endforeach()
+if(tree_size GREATER 40000000)
+  message(FATAL_ERROR "the install tree has ${tree_size} bytes (limit 40 MB)")
+endif()
+message(STATUS "install tree: ${tree_size} bytes, shared library ${shared_size} bytes")
+
 # configure_build_run(<name> <prefix>): the consumer against <prefix>, then its programs.
 function(configure_build_run name pfx)
   set(bin "${SO_WORK_DIR}/${name}")

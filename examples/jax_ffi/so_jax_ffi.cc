@@ -143,23 +143,23 @@ struct SliceLoc {
 };
 
 struct SubGroup {
-    float* master = nullptr;  // page-aligned, owned
+    float* master = nullptr; // page-aligned, owned
     size_t numel = 0;
     uint64_t device_param = 0;
 };
 
-}  // namespace
+} // namespace
 
 extern "C" {
 
 /** Options of sojax_create (mirrored by a ctypes Structure in train_mlp.py). */
 typedef struct sojax_options {
-    int32_t cuda;         // 1: CUDA session (device 0), 0: host session
-    int32_t speculation;  // step complete sub-groups during backward
+    int32_t cuda;        // 1: CUDA session (device 0), 0: host session
+    int32_t speculation; // step complete sub-groups during backward
     double lr, beta1, beta2, eps, weight_decay;
-    int64_t warmup, total_steps;  // LR: linear warm-up over `warmup` steps, cosine to
-    double min_lr_ratio;          // min_lr_ratio * lr at step total_steps - 1
-    double max_norm;              // clip the global gradient norm to this (0: never)
+    int64_t warmup, total_steps; // LR: linear warm-up over `warmup` steps, cosine to
+    double min_lr_ratio;         // min_lr_ratio * lr at step total_steps - 1
+    double max_norm;             // clip the global gradient norm to this (0: never)
 } sojax_options;
 
 /** What sojax_last_result reports about the latest step. */
@@ -170,7 +170,7 @@ typedef struct sojax_result {
     uint32_t speculative, kept, rescaled, rolled_back, redone, stepped;
 } sojax_result;
 
-}  // extern "C"
+} // extern "C"
 
 namespace {
 
@@ -179,7 +179,7 @@ struct Trainer {
     so_session* session = nullptr;
     sojax_options opt{};
     std::vector<SubGroup> sgs;
-    std::vector<SliceLoc> slices;  // by slice id
+    std::vector<SliceLoc> slices; // by slice id
     bool in_step = false;
     uint64_t steps_begun = 0;
     so_ticket last_step = 0;
@@ -213,7 +213,7 @@ struct Trainer {
 
     /** Ends the step; the ticket of the whole step. Lock held. */
     std::string end_step(so_ticket* out) {
-        std::string e = begin_if_needed();  // a step without any gradient: all zero
+        std::string e = begin_if_needed(); // a step without any gradient: all zero
         if (!e.empty()) return e;
         so_step_args a = so_step_args_default();
         a.max_norm = opt.max_norm;
@@ -226,7 +226,7 @@ struct Trainer {
     }
 
     ~Trainer() {
-        so_session_destroy(session);  // waits for queued work before the masters go
+        so_session_destroy(session); // waits for queued work before the masters go
         for (auto& sg : sgs) std::free(sg.master);
     }
 };
@@ -264,7 +264,8 @@ ffi::Error check_slice(const Trainer& t, int64_t slice, const ffi::AnyBuffer& bu
 void note_not_aliased() {
     static const bool debug = std::getenv("SOJAX_DEBUG") != nullptr;
     static std::once_flag once;
-    if (debug) std::call_once(once, [] { std::fprintf(stderr, "sojax: so_grad's result is not aliased to its operand\n"); });
+    if (debug)
+        std::call_once(once, [] { std::fprintf(stderr, "sojax: so_grad's result is not aliased to its operand\n"); });
 }
 
 /** so_step's results, one per slice in slice-id order, checked before the step is taken. */
@@ -292,7 +293,7 @@ ffi::Error GradCpuImpl(ffi::AnyBuffer grad, ffi::Result<ffi::AnyBuffer> out, int
     std::lock_guard<std::mutex> g(t->mu);
     if (t->opt.cuda) return ffi::Error::InvalidArgument("so_grad on the CPU platform with a CUDA trainer");
     if (auto e = check_slice(*t, slice, grad, "so_grad"); e.failure()) return e;
-    if (out->untyped_data() != grad.untyped_data()) {  // not aliased: pass the gradient through
+    if (out->untyped_data() != grad.untyped_data()) { // not aliased: pass the gradient through
         note_not_aliased();
         std::memcpy(out->untyped_data(), grad.untyped_data(), grad.size_bytes());
     }
@@ -308,7 +309,7 @@ ffi::Error StepCpuImpl(ffi::RemainingArgs grads, ffi::RemainingRets params, int6
     if (t == nullptr) return no_trainer(trainer);
     std::lock_guard<std::mutex> g(t->mu);
     if (t->opt.cuda) return ffi::Error::InvalidArgument("so_step on the CPU platform with a CUDA trainer");
-    (void)grads;  // only there to order this call after every so_grad
+    (void)grads; // only there to order this call after every so_grad
     std::vector<void*> outs;
     if (auto e = collect_results(*t, params, &outs); e.failure()) return e;
     so_ticket ticket = 0;
@@ -344,8 +345,9 @@ ffi::Error GradCudaImpl(so_cuda_stream_t stream, ffi::AnyBuffer grad, ffi::Resul
         if (r != 0) return ffi::Error::Internal(d.err(r, "cuMemcpyDtoDAsync (gradient pass-through)"));
     }
     if (std::string e = t->begin_if_needed(); !e.empty()) return ffi::Error::Internal(e);
-    so_status st = so_session_grad_device(t->session, static_cast<uint32_t>(slice), reinterpret_cast<so_device_ptr>(keep),
-                                          grad.element_count(), SO_DTYPE_F32, stream, nullptr);
+    so_status st =
+        so_session_grad_device(t->session, static_cast<uint32_t>(slice), reinterpret_cast<so_device_ptr>(keep),
+                               grad.element_count(), SO_DTYPE_F32, stream, nullptr);
     if (st != SO_STATUS_OK) return ffi::Error::Internal(so_message(st, "so_session_grad_device"));
     return ffi::Error::Success();
 }
@@ -355,7 +357,7 @@ ffi::Error StepCudaImpl(so_cuda_stream_t stream, ffi::RemainingArgs grads, ffi::
     if (t == nullptr) return no_trainer(trainer);
     std::lock_guard<std::mutex> g(t->mu);
     if (!t->opt.cuda) return ffi::Error::InvalidArgument("so_step on the CUDA platform with a host trainer");
-    (void)grads;  // only there to order this call after every so_grad (and keep them alive)
+    (void)grads; // only there to order this call after every so_grad (and keep them alive)
     std::vector<void*> outs;
     if (auto e = collect_results(*t, params, &outs); e.failure()) return e;
     const Driver& d = driver();
@@ -385,14 +387,11 @@ ffi::Error StepCudaImpl(so_cuda_stream_t stream, ffi::RemainingArgs grads, ffi::
     return ffi::Error::Success();
 }
 
-}  // namespace
+} // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SoJaxGradCpu, GradCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("trainer")
-                                  .Attr<int64_t>("slice"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    SoJaxGradCpu, GradCpuImpl,
+    ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>("trainer").Attr<int64_t>("slice"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SoJaxStepCpu, StepCpuImpl,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<int64_t>("trainer"));
@@ -405,12 +404,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SoJaxGradCuda, GradCudaImpl,
                                   .Attr<int64_t>("trainer")
                                   .Attr<int64_t>("slice"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SoJaxStepCuda, StepCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<so_cuda_stream_t>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("trainer"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    SoJaxStepCuda, StepCudaImpl,
+    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<so_cuda_stream_t>>().RemainingArgs().RemainingRets().Attr<int64_t>(
+        "trainer"));
 
 // ---- the C entries Python calls through ctypes -------------------------------------------
 
@@ -573,8 +570,8 @@ __attribute__((visibility("default"))) int sojax_last_result(int64_t handle, soj
         g_error = so_message(st, "so_session_step_result");
         return 1;
     }
-    *out = sojax_result{r.serial, r.skipped ? 1 : 0, r.global_norm, r.clip_coef, r.speculative, r.kept,
-                        r.rescaled, r.rolled_back, r.redone, r.stepped};
+    *out = sojax_result{r.serial, r.skipped ? 1 : 0, r.global_norm, r.clip_coef, r.speculative,
+                        r.kept,   r.rescaled,        r.rolled_back, r.redone,    r.stepped};
     return 0;
 }
 
@@ -613,4 +610,4 @@ __attribute__((visibility("default"))) void sojax_destroy(int64_t handle) {
     delete t;
 }
 
-}  // extern "C"
+} // extern "C"

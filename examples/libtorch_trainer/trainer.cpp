@@ -113,7 +113,7 @@ struct CheckFailed : std::runtime_error {
 
 struct Config {
     bool cuda = false;
-    bool bf16 = false;  // model parameters (and gradients) in bf16; f32 otherwise
+    bool bf16 = false; // model parameters (and gradients) in bf16; f32 otherwise
     int64_t vocab = 64, seq = 32, dim = 64, layers = 2, heads = 4, batch = 8;
     int64_t steps = 60, warmup = 6;
     bool tied = true;
@@ -179,10 +179,13 @@ uint64_t splitmix64(uint64_t& s) {
  *  (--order 2) or (3a + b) mod V of them (--order 3): harder, they need the attention. */
 struct MarkovData {
     int64_t vocab;
-    std::vector<int32_t> succ;  // vocab * vocab * 4
+    std::vector<int32_t> succ; // vocab * vocab * 4
     int order;
-    int64_t context(int64_t a, int64_t c) const { return order == 1 ? c : order == 2 ? a * vocab + c : (3 * a + c) % vocab; }
-    explicit MarkovData(int64_t v, uint64_t seed, int order_) : vocab(v), succ(static_cast<size_t>(v * v * 4)), order(order_) {
+    int64_t context(int64_t a, int64_t c) const {
+        return order == 1 ? c : order == 2 ? a * vocab + c : (3 * a + c) % vocab;
+    }
+    explicit MarkovData(int64_t v, uint64_t seed, int order_)
+        : vocab(v), succ(static_cast<size_t>(v * v * 4)), order(order_) {
         uint64_t s = seed;
         for (auto& x : succ) x = static_cast<int32_t>(splitmix64(s) % static_cast<uint64_t>(v));
     }
@@ -309,11 +312,11 @@ struct ParamRef {
 
 struct SubGroupLayout {
     std::string name;
-    uint32_t group = 0;  // 0: blocks (decay), 1: embeddings and head (no decay)
+    uint32_t group = 0; // 0: blocks (decay), 1: embeddings and head (no decay)
     std::vector<ParamRef> params;
     int64_t numel = 0;
-    torch::Tensor master;  // f32, CPU, contiguous: the session's borrowed master weights
-    torch::Tensor flat;    // the model's storage: bf16 on the GPU or f32 on the CPU
+    torch::Tensor master; // f32, CPU, contiguous: the session's borrowed master weights
+    torch::Tensor flat;   // the model's storage: bf16 on the GPU or f32 on the CPU
 };
 
 /** A zeroed f32 CPU tensor on whole pages of its own: a CUDA session page-locks the master
@@ -323,7 +326,8 @@ torch::Tensor page_aligned_f32(int64_t numel) {
     void* p = std::aligned_alloc(page, bytes);
     if (p == nullptr) throw std::bad_alloc();
     std::memset(p, 0, bytes);
-    return torch::from_blob(p, {numel}, [](void* q) { std::free(q); }, torch::kFloat32);
+    return torch::from_blob(
+        p, {numel}, [](void* q) { std::free(q); }, torch::kFloat32);
 }
 
 /** Groups the parameters into sub-groups in forward order, fills each sub-group's f32
@@ -331,14 +335,15 @@ torch::Tensor page_aligned_f32(int64_t numel) {
  *  per sub-group on `device` in `dtype` (parameters become views into it). */
 std::vector<SubGroupLayout> build_layout(GPT& model, const Config& c, torch::Device device, torch::Dtype dtype) {
     std::vector<SubGroupLayout> sgs;
-    auto add = [&](const std::string& name, uint32_t group, const std::string& prefix, const std::vector<std::string>& extra) {
+    auto add = [&](const std::string& name, uint32_t group, const std::string& prefix,
+                   const std::vector<std::string>& extra) {
         SubGroupLayout sg;
         sg.name = name;
         sg.group = group;
         for (auto& np : model->named_parameters()) {
             const std::string& n = np.key();
-            const bool match = (!prefix.empty() && n.rfind(prefix, 0) == 0) ||
-                               std::find(extra.begin(), extra.end(), n) != extra.end();
+            const bool match =
+                (!prefix.empty() && n.rfind(prefix, 0) == 0) || std::find(extra.begin(), extra.end(), n) != extra.end();
             if (match) sg.params.push_back(ParamRef{n, np.value(), 0, np.value().numel(), 0});
         }
         if (sg.params.empty()) throw std::logic_error("no parameters for sub-group " + name);
@@ -394,10 +399,11 @@ struct RunSpec {
     OptKind kind = OptKind::Session;
     double max_norm = 1.0;
     uint64_t init_seed = 0;
-    int64_t save_at = -1;     // save a checkpoint after this many steps
-    std::string ckpt_dir;     // where
-    std::string resume_dir;   // start from this checkpoint
+    int64_t save_at = -1;   // save a checkpoint after this many steps
+    std::string ckpt_dir;   // where
+    std::string resume_dir; // start from this checkpoint
     bool quiet = false;
+    size_t gpu_subgroups = 0; // the first sub-groups kept on the GPU (SO_PLACEMENT_DEVICE)
 };
 
 struct StepStats {
@@ -407,13 +413,13 @@ struct StepStats {
 
 struct RunOut {
     int64_t first_step = 0;
-    std::vector<double> loss;  // indexed by step; NaN where not run
-    std::vector<double> norm;  // global gradient norm per step
-    std::vector<torch::Tensor> masters;  // per sub-group, f32 CPU (session: its master; torch: its f32 masters)
-    std::vector<torch::Tensor> model;    // per sub-group flat model weights, on the CPU
+    std::vector<double> loss;           // indexed by step; NaN where not run
+    std::vector<double> norm;           // global gradient norm per step
+    std::vector<torch::Tensor> masters; // per sub-group, f32 CPU (session: its master; torch: its f32 masters)
+    std::vector<torch::Tensor> model;   // per sub-group flat model weights, on the CPU
     StepStats stats;
-    bool every_step_kept = true;  // each step: clip coefficient 1, no rescale/redo, all speculative steps kept
-    bool every_step_stepped = true;  // each step: every sub-group stepped at step() (speculation off)
+    bool every_step_kept = true;    // each step: clip coefficient 1, no rescale/redo, all speculative steps kept
+    bool every_step_stepped = true; // each step: every sub-group stepped at step() (speculation off)
     double seconds = 0;
 };
 
@@ -499,10 +505,10 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
     out.norm = out.loss;
 
     // ---- the optimizer -------------------------------------------------------------------
-    so::Session session;  // RAII owner of the so_session (host or CUDA)
+    so::Session session; // RAII owner of the so_session (host or CUDA)
     auto hooks = std::make_shared<HookState>();
-    std::vector<torch::Tensor> torch_masters;  // TorchAdamW: one f32 master per parameter, on `device`
-    std::vector<std::pair<torch::Tensor, torch::Tensor>> torch_pairs;  // (model param, its master)
+    std::vector<torch::Tensor> torch_masters; // TorchAdamW: one f32 master per parameter, on `device`
+    std::vector<std::pair<torch::Tensor, torch::Tensor>> torch_pairs; // (model param, its master)
     std::unique_ptr<torch::optim::AdamW> adamw;
 
     so::GroupHparams ghp[2];
@@ -516,8 +522,8 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
 
     if (use_session) {
         so::SessionOptions o;
-        o.speculation = spec.kind == OptKind::Session;
-        o.grad_dtype = o.accum_dtype = c.bf16 ? so::DType::Bf16 : so::DType::F32;  // the model's
+        o.speculation = spec.kind == OptKind::Session ? so::Speculation::On : so::Speculation::Off;
+        o.grad_dtype = o.accum_dtype = c.bf16 ? so::DType::Bf16 : so::DType::F32; // the model's
         if (c.cuda) {
             so::CudaOptions co;
             co.device = device.index();
@@ -531,12 +537,14 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
         for (size_t k = 0; k < sgs.size(); k++) {
             auto& sg = sgs[k];
             std::vector<so::Slice> slices;
-            for (auto& p : sg.params) slices.push_back({p.name, static_cast<size_t>(p.offset), static_cast<size_t>(p.numel)});
+            for (auto& p : sg.params)
+                slices.push_back({p.name, static_cast<size_t>(p.offset), static_cast<size_t>(p.numel)});
             float* master = sg.master.data_ptr<float>();
             const size_t n = static_cast<size_t>(sg.numel);
             const uint32_t id =
                 c.cuda ? session.add_subgroup_cuda(sg.group, master, n, slices,
-                                                   reinterpret_cast<so_device_ptr>(sg.flat.data_ptr()), o.accum_dtype)
+                                                   reinterpret_cast<so_device_ptr>(sg.flat.data_ptr()), o.accum_dtype,
+                                                   k < spec.gpu_subgroups ? so::Placement::Device : so::Placement::Host)
                        : session.add_subgroup(sg.group, master, n, slices);
             if (id != k) throw std::logic_error("unexpected sub-group id");
             for (auto& p : sg.params) p.slice = session.slice_id(p.name);
@@ -567,7 +575,9 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
         std::vector<torch::Tensor> gp[2];
         for (auto& sg : sgs) {
             for (auto& p : sg.params) {
-                auto m = sg.master.narrow(0, p.offset, p.numel).view(p.param.sizes()).to(device, torch::kFloat32, false, true);
+                auto m = sg.master.narrow(0, p.offset, p.numel)
+                             .view(p.param.sizes())
+                             .to(device, torch::kFloat32, false, true);
                 m.set_requires_grad(true);
                 torch_masters.push_back(m);
                 torch_pairs.emplace_back(p.param, m);
@@ -607,7 +617,8 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
             if (session.step_count(static_cast<uint32_t>(k)) != static_cast<uint64_t>(first)) {
                 throw std::runtime_error("sub-group " + sgs[k].name + " has " +
                                          std::to_string(session.step_count(static_cast<uint32_t>(k))) +
-                                         " steps after loading, the trainer's step counter says " + std::to_string(first));
+                                         " steps after loading, the trainer's step counter says " +
+                                         std::to_string(first));
             }
         }
     }
@@ -615,7 +626,7 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
 
     // ---- the loop --------------------------------------------------------------------------
     std::vector<torch::Tensor> params = model->parameters();
-    so::Ticket pending = so::no_ticket;  // the latest step's ticket whose result is not read yet
+    so::Ticket pending = so::no_ticket; // the latest step's ticket whose result is not read yet
     int64_t pending_step = -1;
     auto resolve = [&]() {
         if (pending == so::no_ticket) return;
@@ -631,9 +642,12 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
         st.stepped += r.stepped;
         st.late += r.late_gradients;
         out.norm[static_cast<size_t>(pending_step)] = r.global_norm;
-        if (r.skipped) throw std::runtime_error("step " + std::to_string(pending_step) + " was skipped (non-finite gradient?)");
+        if (r.skipped)
+            throw std::runtime_error("step " + std::to_string(pending_step) + " was skipped (non-finite gradient?)");
         const uint32_t n = static_cast<uint32_t>(sgs.size());
-        if (!(r.clip_coef == 1.0 && r.kept == n && r.speculative == n && r.rescaled == 0 && r.redone == 0)) {
+        // GPU-resident sub-groups never speculate: they are stepped once, on the GPU.
+        const uint32_t host = n - r.device_stepped;
+        if (!(r.clip_coef == 1.0 && r.kept == host && r.speculative == host && r.rescaled == 0 && r.redone == 0)) {
             out.every_step_kept = false;
         }
         if (r.stepped != n) out.every_step_stepped = false;
@@ -665,12 +679,13 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
             } else {
                 session.wait(fin);
                 torch::NoGradGuard ng;
-                sgs[k].flat.copy_(sgs[k].master);  // "publication" in CPU mode
+                sgs[k].flat.copy_(sgs[k].master); // "publication" in CPU mode
             }
         };
         auto logits = model->forward(x, before);
-        auto loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat32).view({-1, c.vocab}), y.reshape({-1}));
-        resolve();  // the previous step's result (its finalization overlapped this forward)
+        auto loss =
+            torch::nn::functional::cross_entropy(logits.to(torch::kFloat32).view({-1, c.vocab}), y.reshape({-1}));
+        resolve(); // the previous step's result (its finalization overlapped this forward)
 
         if (use_session) {
             session.begin_step(1.0f, 1);
@@ -691,7 +706,7 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
             for (auto& pm : torch_pairs) pm.second.mutable_grad() = pm.first.grad().to(torch::kFloat32);
             out.norm[static_cast<size_t>(step)] = torch::nn::utils::clip_grad_norm_(torch_masters, spec.max_norm);
             adamw->step();
-            for (auto& pm : torch_pairs) pm.first.copy_(pm.second);  // bf16 (CUDA) or f32 model copy
+            for (auto& pm : torch_pairs) pm.first.copy_(pm.second); // bf16 (CUDA) or f32 model copy
         }
         out.loss[static_cast<size_t>(step)] = loss.item<double>();
         if (!spec.quiet && (step % c.log_every == 0 || step == c.steps - 1)) {
@@ -704,7 +719,9 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
             mkdir(spec.ckpt_dir.c_str(), 0755);
             session.save(spec.ckpt_dir + "/session.safetensors");
             write_text(spec.ckpt_dir + "/trainer.txt", std::to_string(step + 1) + "\n" + config_fingerprint(c) + "\n");
-            if (!spec.quiet) std::printf("  [%s] saved a checkpoint after step %" PRId64 " to %s\n", spec.label.c_str(), step, spec.ckpt_dir.c_str());
+            if (!spec.quiet)
+                std::printf("  [%s] saved a checkpoint after step %" PRId64 " to %s\n", spec.label.c_str(), step,
+                            spec.ckpt_dir.c_str());
         }
     }
     resolve();
@@ -713,8 +730,15 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
     if (use_session) {
         for (size_t k = 0; k < sgs.size(); k++) session.wait(session.final_ticket(static_cast<uint32_t>(k)));
         if (c.cuda) torch::cuda::synchronize();
+        for (size_t k = 0; k < spec.gpu_subgroups; k++) {
+            // A GPU-resident sub-group's master lives on the GPU: bring it into its host buffer.
+            so_subgroup_state st{};
+            st.struct_size = sizeof st;
+            if (so_session_get_subgroup_state(session.raw(), static_cast<uint32_t>(k), &st) != SO_STATUS_OK)
+                throw std::runtime_error("so_session_get_subgroup_state failed");
+        }
         for (auto& sg : sgs) out.masters.push_back(sg.master.clone());
-        if (!c.cuda) {  // the last step's weights into the model, as the next forward would
+        if (!c.cuda) { // the last step's weights into the model, as the next forward would
             torch::NoGradGuard ng;
             for (auto& sg : sgs) sg.flat.copy_(sg.master);
         }
@@ -722,13 +746,14 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
         size_t i = 0;
         for (auto& sg : sgs) {
             auto m = torch::empty({sg.numel}, torch::kFloat32);
-            for (auto& p : sg.params) m.narrow(0, p.offset, p.numel).copy_(torch_masters[i++].detach().reshape({-1}).cpu());
+            for (auto& p : sg.params)
+                m.narrow(0, p.offset, p.numel).copy_(torch_masters[i++].detach().reshape({-1}).cpu());
             out.masters.push_back(m);
         }
     }
     if (c.cuda) torch::cuda::synchronize();
     for (auto& sg : sgs) out.model.push_back(sg.flat.cpu());
-    session.reset();  // destroy the session before the buffers it borrows
+    session.reset(); // destroy the session before the buffers it borrows
     out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!spec.quiet) {
         const auto& s = out.stats;
@@ -790,7 +815,8 @@ void write_losses(const std::string& path, const RunOut& r, int64_t steps) {
     std::ofstream f(path);
     for (int64_t s = r.first_step; s < steps; s++) {
         char line[128];
-        std::snprintf(line, sizeof line, "%" PRId64 " %a %.9g\n", s, r.loss[static_cast<size_t>(s)], r.loss[static_cast<size_t>(s)]);
+        std::snprintf(line, sizeof line, "%" PRId64 " %a %.9g\n", s, r.loss[static_cast<size_t>(s)],
+                      r.loss[static_cast<size_t>(s)]);
         f << line;
     }
     if (!f) throw std::runtime_error("cannot write " + path);
@@ -813,7 +839,8 @@ int compare_loss_files(const std::string& pa, const std::string& pb, int64_t fro
         if (it == b.end()) continue;
         compared++;
         if (it->second != kv.second) {
-            if (bad++ < 5) std::printf("  step %" PRId64 ": %s vs %s\n", kv.first, kv.second.c_str(), it->second.c_str());
+            if (bad++ < 5)
+                std::printf("  step %" PRId64 ": %s vs %s\n", kv.first, kv.second.c_str(), it->second.c_str());
         }
     }
     std::printf("compare %s %s from step %" PRId64 ": %d steps compared, %d differ\n", pa.c_str(), pb.c_str(), from,
@@ -821,7 +848,7 @@ int compare_loss_files(const std::string& pa, const std::string& pb, int64_t fro
     return compared > 0 && bad == 0 ? 0 : 1;
 }
 
-}  // namespace
+} // namespace
 
 int main(int argc, char** argv) {
     // Deterministic cuBLAS (needed for the bit-for-bit checks); before CUDA starts.
@@ -856,7 +883,8 @@ int main(int argc, char** argv) {
         if (c.cuda) {
             so_status st = so_cuda_available();
             if (st != SO_STATUS_OK) so_check(st, "so_cuda_available (torch sees a GPU, superoffload does not)");
-            c.vocab = 256, c.seq = 128, c.dim = 384, c.layers = 6, c.heads = 6, c.batch = 16, c.steps = 80, c.warmup = 8;
+            c.vocab = 256, c.seq = 128, c.dim = 384, c.layers = 6, c.heads = 6, c.batch = 16, c.steps = 80,
+            c.warmup = 8;
             c.lr = 1e-3;
         }
         c.steps = args.i64("steps", c.steps);
@@ -899,12 +927,13 @@ int main(int argc, char** argv) {
             so_pool_info info{};
             info.struct_size = sizeof info;
             so_check(so_pool_get_info(nullptr, &info), "so_pool_get_info");
-            std::printf("superoffload %s; torch %s; mode %s, %s model parameters%s\n", so::version_string(), TORCH_VERSION,
-                        c.cuda ? "CUDA (parameters on the GPU, CUDA session)" : "CPU (host session)",
+            std::printf("superoffload %s; torch %s; mode %s, %s model parameters%s\n", so::version_string(),
+                        TORCH_VERSION, c.cuda ? "CUDA (parameters on the GPU, CUDA session)" : "CPU (host session)",
                         c.bf16 ? "bf16" : "f32", c.cuda || have_gpu ? "" : " [no GPU]");
             std::printf("model: vocab %" PRId64 ", seq %" PRId64 ", dim %" PRId64 ", layers %" PRId64 ", heads %" PRId64
                         ", %s head, %" PRId64 " parameters in %" PRId64 " sub-groups; batch %" PRId64 ", %" PRId64
-                        " steps (warm-up %" PRId64 ", peak lr %.1e, cosine), clip %.1f; session pool: %zu threads, %s\n",
+                        " steps (warm-up %" PRId64
+                        ", peak lr %.1e, cosine), clip %.1f; session pool: %zu threads, %s\n",
                         c.vocab, c.seq, c.dim, c.layers, c.heads, c.tied ? "tied" : "untied", n, c.layers + 2, c.batch,
                         c.steps, c.warmup, c.lr, c.clip, info.num_threads, so_isa_name(info.isa));
             std::printf("data: Markov chain (order %d), entropy floor %.3f nats (uniform: %.3f)\n", data.order,
@@ -928,7 +957,7 @@ int main(int argc, char** argv) {
         }
 
         // ---- the checks ----
-        const std::string checks = args.str("check", "parity,exact,resume");
+        const std::string checks = args.str("check", "parity,exact,resume,gpu");
         auto want = [&](const char* k) { return checks.find(k) != std::string::npos; };
         bool ok = true;
         const int64_t half = c.steps / 2;
@@ -970,7 +999,8 @@ int main(int argc, char** argv) {
                 for (size_t k = 0; k < r1.masters.size(); k++) {
                     wmax = std::max(wmax, (r1.masters[k] - r2.masters[k]).abs().max().item<double>());
                 }
-                std::printf("  parity over %" PRId64 " steps: loss relative difference mean %.3g, max %.3g (tolerance: "
+                std::printf("  parity over %" PRId64
+                            " steps: loss relative difference mean %.3g, max %.3g (tolerance: "
                             "mean <= %.1g); gradient norm relative difference mean %.3g, max %.3g; final master "
                             "weights max |diff| %.3g\n",
                             c.steps, mean, mx, c.parity_tol, nd / static_cast<double>(c.steps), nmx, wmax);
@@ -985,7 +1015,8 @@ int main(int argc, char** argv) {
                 if (r1.stats.clipped == 0) std::printf("  note: clipping never triggered in this configuration\n");
             }
             if (want("resume")) {
-                std::printf("\n== run 3: fresh model (init seed %" PRIu64 ") and session, resumed from %s at step %" PRId64 "\n",
+                std::printf("\n== run 3: fresh model (init seed %" PRIu64
+                            ") and session, resumed from %s at step %" PRId64 "\n",
                             c.seed + 1000, ckpt.c_str(), half);
                 RunSpec s3{"resumed", OptKind::Session, c.clip, c.seed + 1000, -1, "", ckpt, false};
                 RunOut r3 = train(c, data, s3);
@@ -995,19 +1026,35 @@ int main(int argc, char** argv) {
             }
         }
         if (want("exact")) {
-            std::printf("\n== runs 4 and 5: clipping that never triggers (max_norm 1e6), speculative vs speculation off\n");
+            std::printf(
+                "\n== runs 4 and 5: clipping that never triggers (max_norm 1e6), speculative vs speculation off\n");
             RunSpec s4{"spec", OptKind::Session, 1e6, c.seed, -1, "", "", true};
             RunSpec s5{"no-spec", OptKind::SessionNoSpec, 1e6, c.seed, -1, "", "", true};
             RunOut r4 = train(c, data, s4);
             RunOut r5 = train(c, data, s5);
-            std::printf("  speculative: %.1f s, speculative steps %" PRIu64 " all kept: %s; speculation off: %.1f s, "
+            std::printf("  speculative: %.1f s, speculative steps %" PRIu64
+                        " all kept: %s; speculation off: %.1f s, "
                         "stepped at step() %" PRIu64 "; final loss %.6f / %.6f\n",
-                        r4.seconds, r4.stats.speculative, r4.every_step_kept ? "yes" : "NO", r5.seconds, r5.stats.stepped,
-                        r4.loss.back(), r5.loss.back());
+                        r4.seconds, r4.stats.speculative, r4.every_step_kept ? "yes" : "NO", r5.seconds,
+                        r5.stats.stepped, r4.loss.back(), r5.loss.back());
             bool pass = r4.every_step_kept && r5.every_step_stepped;
             pass &= compare_exact("speculative vs non-speculative", r4, r5, 0, c.steps);
             std::printf("  exact: %s\n", pass ? "PASS" : "FAIL");
             ok &= pass;
+            if (want("gpu") && c.cuda) {
+                // The library's GPU kernel is the CPU kernels' operation sequence: keeping the
+                // first sub-groups on the GPU changes no bit of the run.
+                RunSpec s6{"gpu-resident", OptKind::Session, 1e6, c.seed, -1, "", "", true};
+                s6.gpu_subgroups = std::max<size_t>(1, static_cast<size_t>(c.layers) / 3);
+                std::printf("\n== run 6: the first %zu sub-groups on the GPU (library GPU kernel) vs all offloaded\n",
+                            s6.gpu_subgroups);
+                RunOut r6 = train(c, data, s6);
+                bool gpu_pass = r6.every_step_kept;
+                gpu_pass &= compare_exact("GPU-resident vs all offloaded", r6, r4, 0, c.steps);
+                std::printf("  GPU-resident: %.1f s vs %.1f s; %s\n", r6.seconds, r4.seconds,
+                            gpu_pass ? "PASS" : "FAIL");
+                ok &= gpu_pass;
+            }
         }
         std::printf("\n%s\n", ok ? "ALL CHECKS PASSED" : "SOME CHECKS FAILED");
         return ok ? 0 : 1;

@@ -68,7 +68,9 @@ const char* status_constant(so_status st) {
 
 // Errors found by this file (not by the library) use the library's statuses too, so Python
 // sees one exception type with a status for everything a session refuses.
-[[noreturn]] void fail(so_status st, const std::string& message) { throw so::Error(st, "superoffload_torch: " + message); }
+[[noreturn]] void fail(so_status st, const std::string& message) {
+    throw so::Error(st, "superoffload_torch: " + message);
+}
 
 void require(bool ok, const std::string& message) {
     if (!ok) fail(SO_STATUS_INVALID_ARGUMENT, message);
@@ -81,8 +83,8 @@ so::DType parse_dtype(const std::string& s, bool allow_none = false) {
     if (s == "bf16" || s == "bfloat16") return so::DType::Bf16;
     if (s == "f16" || s == "float16" || s == "half") return so::DType::F16;
     if (allow_none && (s.empty() || s == "none")) return so::DType::None;
-    fail(SO_STATUS_INVALID_ARGUMENT, "unknown dtype \"" + s + "\" (use f32, bf16, f16" +
-                                         std::string(allow_none ? " or none)" : ")"));
+    fail(SO_STATUS_INVALID_ARGUMENT,
+         "unknown dtype \"" + s + "\" (use f32, bf16, f16" + std::string(allow_none ? " or none)" : ")"));
 }
 
 const char* dtype_str(so::DType d) {
@@ -117,7 +119,8 @@ at::ScalarType scalar_type(so::DType d) {
 }
 
 std::string describe(const at::Tensor& t) {
-    std::string s = std::string(c10::toString(t.scalar_type())) + "[" + std::to_string(t.numel()) + "] on " + t.device().str();
+    std::string s =
+        std::string(c10::toString(t.scalar_type())) + "[" + std::to_string(t.numel()) + "] on " + t.device().str();
     if (!t.is_contiguous()) s += " (non-contiguous)";
     return s;
 }
@@ -187,8 +190,10 @@ double adam_update(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg,
                    const std::string& mode, bool bias_correction, const TorchPool* pool,
                    std::optional<at::Tensor> param_copy_opt) {
     const at::Tensor param_copy = param_copy_opt.value_or(at::Tensor());
-    for (const at::Tensor* t : {static_cast<const at::Tensor*>(&param), &grad, static_cast<const at::Tensor*>(&exp_avg), static_cast<const at::Tensor*>(&exp_avg_sq)}) {
-        require(t->device().is_cpu() && t->is_contiguous(), "adam_update takes contiguous CPU tensors; got " + describe(*t));
+    for (const at::Tensor* t : {static_cast<const at::Tensor*>(&param), &grad, static_cast<const at::Tensor*>(&exp_avg),
+                                static_cast<const at::Tensor*>(&exp_avg_sq)}) {
+        require(t->device().is_cpu() && t->is_contiguous(),
+                "adam_update takes contiguous CPU tensors; got " + describe(*t));
         require(t->numel() == param.numel(), "adam_update: every tensor must have param.numel() elements");
     }
     so_adam_hparams hp = so_adam_hparams_default();
@@ -316,12 +321,12 @@ public:
     // slices (name, offset, numel); in a CUDA session also `device_param`, the model's
     // parameter storage on the GPU where updated weights are published (kept alive too).
     // Returns (sub-group id, [slice id per slice]).
-    std::pair<uint32_t, std::vector<uint32_t>> add_subgroup(uint32_t group, const at::Tensor& master,
-                                                            const std::vector<std::tuple<std::string, int64_t, int64_t>>& slices,
-                                                            std::optional<at::Tensor> device_param) {
+    std::pair<uint32_t, std::vector<uint32_t>> add_subgroup(
+        uint32_t group, const at::Tensor& master, const std::vector<std::tuple<std::string, int64_t, int64_t>>& slices,
+        std::optional<at::Tensor> device_param) {
         live();
-        require(master.defined() && master.device().is_cpu(), "the master weights must be a CPU tensor; got " +
-                                                                  (master.defined() ? describe(master) : "None"));
+        require(master.defined() && master.device().is_cpu(),
+                "the master weights must be a CPU tensor; got " + (master.defined() ? describe(master) : "None"));
         require(master.is_contiguous(), "the master weights must be contiguous; got " + describe(master));
         require(master.numel() > 0, "the master weights are empty");
         require(!master.requires_grad(), "the master weights must not require grad (pass a detached tensor)");
@@ -342,15 +347,22 @@ public:
                     "device_param must be on cuda:" + std::to_string(device_) + "; got " + describe(dp));
             require(dp.is_contiguous(), "device_param must be contiguous; got " + describe(dp));
             require(dp.numel() == master.numel(), "device_param has " + std::to_string(dp.numel()) +
-                                                      " elements, the master weights " + std::to_string(master.numel()));
+                                                      " elements, the master weights " +
+                                                      std::to_string(master.numel()));
             const so::DType ddt = tensor_dtype(dp, "device_param");
             void* mptr = master.data_ptr();
             const auto dptr = static_cast<so_device_ptr>(reinterpret_cast<uintptr_t>(dp.data_ptr()));
             py::gil_scoped_release nogil; // page-locking a large master takes a while
             switch (mdt) {
-            case so::DType::F32: id = s_.add_subgroup_cuda(group, static_cast<float*>(mptr), master.numel(), sl, dptr, ddt); break;
-            case so::DType::Bf16: id = s_.add_subgroup_cuda(group, static_cast<so::bf16*>(mptr), master.numel(), sl, dptr, ddt); break;
-            default: id = s_.add_subgroup_cuda(group, static_cast<so::f16*>(mptr), master.numel(), sl, dptr, ddt); break;
+            case so::DType::F32:
+                id = s_.add_subgroup_cuda(group, static_cast<float*>(mptr), master.numel(), sl, dptr, ddt);
+                break;
+            case so::DType::Bf16:
+                id = s_.add_subgroup_cuda(group, static_cast<so::bf16*>(mptr), master.numel(), sl, dptr, ddt);
+                break;
+            default:
+                id = s_.add_subgroup_cuda(group, static_cast<so::f16*>(mptr), master.numel(), sl, dptr, ddt);
+                break;
             }
         } else {
             require(!device_param.has_value() || !device_param->defined(),
@@ -429,7 +441,8 @@ public:
             stream_ptr = *stream;
         } else {
 #if SO_TORCH_CUDA
-            stream_ptr = reinterpret_cast<uint64_t>(at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream());
+            stream_ptr = reinterpret_cast<uint64_t>(
+                at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream());
 #else
             fail(SO_STATUS_INVALID_ARGUMENT, "this build has no CUDA headers: pass the producing stream's cuda_stream");
 #endif
@@ -443,12 +456,14 @@ public:
 #if SO_TORCH_CUDA
             t.record_stream(*copy_stream_);
 #else
-            fail(SO_STATUS_INVALID_ARGUMENT, "this build has no CUDA headers: pass record_on=torch.cuda.ExternalStream(copy_stream)");
+            fail(SO_STATUS_INVALID_ARGUMENT,
+                 "this build has no CUDA headers: pass record_on=torch.cuda.ExternalStream(copy_stream)");
 #endif
         }
         py::gil_scoped_release nogil;
         return s_.grad_device(slice, static_cast<so_device_ptr>(reinterpret_cast<uintptr_t>(t.data_ptr())),
-                              static_cast<size_t>(t.numel()), accum_dtype_, reinterpret_cast<so_cuda_stream_t>(stream_ptr));
+                              static_cast<size_t>(t.numel()), accum_dtype_,
+                              reinterpret_cast<so_cuda_stream_t>(stream_ptr));
     }
 
     double local_grad_sumsq(double timeout_s) {
@@ -620,7 +635,8 @@ private:
         return reinterpret_cast<so_cuda_stream_t>(
             at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream());
 #else
-        fail(SO_STATUS_INVALID_ARGUMENT, std::string(where) + ": this build has no CUDA headers: pass the stream's cuda_stream");
+        fail(SO_STATUS_INVALID_ARGUMENT,
+             std::string(where) + ": this build has no CUDA headers: pass the stream's cuda_stream");
 #endif
     }
 
@@ -654,8 +670,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         try {
             if (p) std::rethrow_exception(p);
         } catch (const so::Error& e) {
-            const std::string msg = std::string(e.what()) + " [" + status_constant(e.status()) + ": " +
-                                    e.status_description() + "]";
+            const std::string msg =
+                std::string(e.what()) + " [" + status_constant(e.status()) + ": " + e.status_description() + "]";
             py::object exc = py::reinterpret_borrow<py::object>(g_error_type)(msg);
             exc.attr("status") = static_cast<int>(e.status());
             exc.attr("status_name") = status_constant(e.status());
@@ -663,17 +679,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }
     });
 
-    m.def("version", [] { return std::string(so::version_string()); }, "libsuperoffload's version string");
+    m.def(
+        "version", [] { return std::string(so::version_string()); }, "libsuperoffload's version string");
     m.def("abi_version", [] { return so::abi_version(); });
     m.attr("header_abi_version") = so::header_abi_version;
     m.attr("compiled_with_cuda_headers") = static_cast<bool>(SO_TORCH_CUDA);
-    m.def("cuda_available", [] {
-        const so_status st = so_cuda_available();
-        return py::make_tuple(st == SO_STATUS_OK, st == SO_STATUS_OK ? std::string() : so::last_error_message());
-    }, "(available, why not): whether libsuperoffload can use CUDA here");
+    m.def(
+        "cuda_available",
+        [] {
+            const so_status st = so_cuda_available();
+            return py::make_tuple(st == SO_STATUS_OK, st == SO_STATUS_OK ? std::string() : so::last_error_message());
+        },
+        "(available, why not): whether libsuperoffload can use CUDA here");
 
     py::class_<TorchPool>(m, "Pool")
-        .def(py::init<size_t, std::optional<std::vector<uint32_t>>>(), py::arg("threads") = 0, py::arg("cores") = py::none())
+        .def(py::init<size_t, std::optional<std::vector<uint32_t>>>(), py::arg("threads") = 0,
+             py::arg("cores") = py::none())
         .def("info", &TorchPool::info);
 
     m.def("adam_update", &adam_update, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
@@ -716,7 +737,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("wait_final", &TorchSession::wait_final, py::arg("subgroups"))
         .def("query", &TorchSession::query, py::arg("ticket"))
         .def("enqueue_wait", &TorchSession::enqueue_wait, py::arg("ticket"), py::arg("stream") = py::none())
-        .def("enqueue_wait_final", &TorchSession::enqueue_wait_final, py::arg("subgroups"), py::arg("stream") = py::none())
+        .def("enqueue_wait_final", &TorchSession::enqueue_wait_final, py::arg("subgroups"),
+             py::arg("stream") = py::none())
         .def("set_compute_stream", &TorchSession::set_compute_stream, py::arg("stream") = py::none(),
              py::arg("force") = false)
         .def("loss_scale", &TorchSession::loss_scale)

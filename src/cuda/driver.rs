@@ -1,10 +1,12 @@
-//! The few CUDA driver calls the transport makes, on cudarc's raw bindings (loaded at run
-//! time: the crate builds and runs without CUDA). Every failure becomes an [`Error`] with
-//! the driver's error name.
+//! The CUDA driver calls the transport makes, on cudarc's `result` layer (the driver is
+//! loaded at run time: the crate builds and runs without CUDA). cudarc's safe layer is not
+//! used: it destroys streams it does not own. Every failure becomes an [`Error`] with the
+//! driver's error name.
 
 use std::ffi::{CStr, c_void};
 use std::sync::OnceLock;
 
+use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
 use crate::error::{Error, Result, Status};
@@ -21,42 +23,24 @@ pub fn available() -> Result<()> {
             if !unsafe { sys::is_culib_present() } {
                 return Err("the CUDA driver library (libcuda.so) cannot be loaded".into());
             }
-            // SAFETY: the library is present; cuInit may be called any number of times.
-            let r = unsafe { sys::cuInit(0) };
-            if r != sys::CUresult::CUDA_SUCCESS {
-                return Err(format!("cuInit failed: {}", error_name(r)));
-            }
-            let mut count = 0;
-            // SAFETY: out-pointer to a local.
-            let r = unsafe { sys::cuDeviceGetCount(&mut count) };
-            match (r, count) {
-                (sys::CUresult::CUDA_SUCCESS, n) if n > 0 => Ok(()),
-                (sys::CUresult::CUDA_SUCCESS, _) => Err("the CUDA driver reports no device".into()),
-                (r, _) => Err(format!("cuDeviceGetCount failed: {}", error_name(r))),
+            result::init().map_err(|e| format!("cuInit failed: {}", name(e)))?;
+            match result::device::get_count() {
+                Ok(n) if n > 0 => Ok(()),
+                Ok(_) => Err("the CUDA driver reports no device".into()),
+                Err(e) => Err(format!("cuDeviceGetCount failed: {}", name(e))),
             }
         })
         .clone()
         .map_err(|why| Error::new(Status::CudaUnavailable, format!("CUDA unavailable: {why}")))
 }
 
-fn error_name(r: sys::CUresult) -> String {
-    let mut name: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: out-pointer; the driver returns a static string or leaves NULL.
-    unsafe { sys::cuGetErrorName(r, &mut name) };
-    if name.is_null() {
-        format!("{r:?}")
-    } else {
-        // SAFETY: a static NUL-terminated string from the driver.
-        unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
-    }
+fn name(e: DriverError) -> String {
+    e.error_name().map_or_else(|_| format!("{:?}", e.0), |n| n.to_string_lossy().into_owned())
 }
 
-pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::new(Status::CudaError, format!("{what} failed: {}", error_name(r))))
-    }
+/// Maps a driver result to ours, naming the call.
+fn check<T>(r: std::result::Result<T, DriverError>, what: &str) -> Result<T> {
+    r.map_err(|e| Error::new(Status::CudaError, format!("{what} failed: {}", name(e))))
 }
 
 /// The device's primary context (the one PyTorch and JAX use), retained for our lifetime.
@@ -72,11 +56,9 @@ unsafe impl Sync for Context {}
 impl Context {
     pub(crate) fn primary(ordinal: i32) -> Result<Context> {
         available()?;
-        let mut device = 0;
-        // SAFETY: out-pointers to locals; the library is loaded and initialised.
-        check(unsafe { sys::cuDeviceGet(&mut device, ordinal) }, &format!("cuDeviceGet({ordinal})"))?;
-        let mut ctx = std::ptr::null_mut();
-        check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, device) }, "cuDevicePrimaryCtxRetain")?;
+        let device = check(result::device::get(ordinal), &format!("cuDeviceGet({ordinal})"))?;
+        // SAFETY: a valid device; released in Drop.
+        let ctx = check(unsafe { result::primary_ctx::retain(device) }, "cuDevicePrimaryCtxRetain")?;
         let context = Context { device, ctx };
         context.bind()?;
         Ok(context)
@@ -85,36 +67,31 @@ impl Context {
     /// Makes the context current on the calling thread (cheap when it already is).
     pub(crate) fn bind(&self) -> Result<()> {
         // SAFETY: a retained context.
-        check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
+        check(unsafe { result::ctx::set_current(self.ctx) }, "cuCtxSetCurrent")
     }
 }
 
 impl Drop for Context {
     fn drop(&mut self) {
         // SAFETY: releases the reference `primary` retained.
-        unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+        let _ = unsafe { result::primary_ctx::release(self.device) };
     }
 }
 
 pub(crate) fn stream_create() -> Result<CUstream> {
-    let mut stream = std::ptr::null_mut();
-    let flags = sys::CUstream_flags_enum::CU_STREAM_NON_BLOCKING as u32;
-    // SAFETY: out-pointer; a context is current.
-    check(unsafe { sys::cuStreamCreate(&mut stream, flags) }, "cuStreamCreate")?;
-    Ok(stream)
+    check(result::stream::create(result::stream::StreamKind::NonBlocking), "cuStreamCreate")
 }
 
 pub(crate) fn stream_synchronize(stream: CUstream) -> Result<()> {
     // SAFETY: a valid stream handle.
-    check(unsafe { sys::cuStreamSynchronize(stream) }, "cuStreamSynchronize")
+    check(unsafe { result::stream::synchronize(stream) }, "cuStreamSynchronize")
 }
 
 /// Refuses a stream that is being captured into a CUDA graph: the session's copies and
 /// host waits cannot be part of a graph.
 pub(crate) fn refuse_capturing(stream: CUstream) -> Result<()> {
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: out-pointer; a valid (caller's) stream handle.
-    check(unsafe { sys::cuStreamIsCapturing(stream, &mut status) }, "cuStreamIsCapturing")?;
+    // SAFETY: a valid (caller's) stream handle.
+    let status = check(unsafe { result::stream::is_capturing(stream) }, "cuStreamIsCapturing")?;
     if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
         return Err(Error::new(
             Status::StreamCapturing,
@@ -124,59 +101,81 @@ pub(crate) fn refuse_capturing(stream: CUstream) -> Result<()> {
     Ok(())
 }
 
-pub(crate) fn event_create() -> Result<CUevent> {
-    let mut event = std::ptr::null_mut();
-    let flags = sys::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32;
-    // SAFETY: out-pointer; a context is current.
-    check(unsafe { sys::cuEventCreate(&mut event, flags) }, "cuEventCreate")?;
-    Ok(event)
+/// An event for ordering only; `timing` events can also measure elapsed time.
+pub(crate) fn event_create(timing: bool) -> Result<CUevent> {
+    let flags = if timing { sys::CUevent_flags::CU_EVENT_DEFAULT } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING };
+    check(result::event::create(flags), "cuEventCreate")
 }
 
 pub(crate) fn event_destroy(event: CUevent) {
     // SAFETY: an event this module created.
-    unsafe { sys::cuEventDestroy_v2(event) };
+    let _ = unsafe { result::event::destroy(event) };
 }
 
 pub(crate) fn event_record(event: CUevent, stream: CUstream) -> Result<()> {
     // SAFETY: valid handles.
-    check(unsafe { sys::cuEventRecord(event, stream) }, "cuEventRecord")
+    check(unsafe { result::event::record(event, stream) }, "cuEventRecord")
 }
 
 pub(crate) fn event_synchronize(event: CUevent) -> Result<()> {
     // SAFETY: a valid event.
-    check(unsafe { sys::cuEventSynchronize(event) }, "cuEventSynchronize")
+    check(unsafe { result::event::synchronize(event) }, "cuEventSynchronize")
+}
+
+/// Whether the work before `event` is done (`Ok(false)`: not yet).
+pub(crate) fn event_done(event: CUevent) -> Result<bool> {
+    // SAFETY: a valid event.
+    match unsafe { result::event::query(event) } {
+        Ok(()) => Ok(true),
+        Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+        Err(e) => check(Err(e), "cuEventQuery"),
+    }
+}
+
+/// Milliseconds between two completed timing events.
+pub(crate) fn event_elapsed_ms(start: CUevent, end: CUevent) -> Result<f32> {
+    // SAFETY: valid timing events, both complete.
+    check(unsafe { result::event::elapsed(start, end) }, "cuEventElapsedTime")
 }
 
 pub(crate) fn stream_wait_event(stream: CUstream, event: CUevent) -> Result<()> {
     // SAFETY: valid handles.
-    check(unsafe { sys::cuStreamWaitEvent(stream, event, 0) }, "cuStreamWaitEvent")
+    check(
+        unsafe { result::stream::wait_event(stream, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) },
+        "cuStreamWaitEvent",
+    )
 }
 
 pub(crate) fn memcpy_dtoh_async(dst: *mut u8, src: CUdeviceptr, bytes: usize, stream: CUstream) -> Result<()> {
     // SAFETY: the caller guarantees both ranges stay valid until the copy completes.
-    check(unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, bytes, stream) }, "cuMemcpyDtoHAsync")
+    let dst = unsafe { std::slice::from_raw_parts_mut(dst, bytes) };
+    check(unsafe { result::memcpy_dtoh_async(dst, src, stream) }, "cuMemcpyDtoHAsync")
 }
 
 pub(crate) fn memcpy_htod_async(dst: CUdeviceptr, src: *const u8, bytes: usize, stream: CUstream) -> Result<()> {
     // SAFETY: as above.
-    check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), bytes, stream) }, "cuMemcpyHtoDAsync")
+    let src = unsafe { std::slice::from_raw_parts(src, bytes) };
+    check(unsafe { result::memcpy_htod_async(dst, src, stream) }, "cuMemcpyHtoDAsync")
 }
 
 pub(crate) fn memcpy_dtod_async(dst: CUdeviceptr, src: CUdeviceptr, bytes: usize, stream: CUstream) -> Result<()> {
     // SAFETY: as above.
-    check(unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream) }, "cuMemcpyDtoDAsync")
+    check(unsafe { result::memcpy_dtod_async(dst, src, bytes, stream) }, "cuMemcpyDtoDAsync")
+}
+
+pub(crate) fn memset_async(dst: CUdeviceptr, bytes: usize, stream: CUstream) -> Result<()> {
+    // SAFETY: device memory the transport owns, `bytes` long.
+    check(unsafe { result::memset_d8_async(dst, 0, bytes, stream) }, "cuMemsetD8Async")
 }
 
 pub(crate) fn mem_alloc(bytes: usize) -> Result<CUdeviceptr> {
-    let mut ptr = 0;
-    // SAFETY: out-pointer; a context is current.
-    check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) }, &format!("cuMemAlloc({bytes} bytes)"))?;
-    Ok(ptr)
+    // SAFETY: a context is current.
+    check(unsafe { result::malloc_sync(bytes.max(1)) }, &format!("cuMemAlloc({bytes} bytes)"))
 }
 
 pub(crate) fn mem_free(ptr: CUdeviceptr) {
     // SAFETY: memory this module allocated.
-    unsafe { sys::cuMemFree_v2(ptr) };
+    let _ = unsafe { result::free_sync(ptr) };
 }
 
 /// Page-locks host memory in place. `Ok(false)`: it was already page-locked by someone else
@@ -189,12 +188,18 @@ pub(crate) fn host_register(ptr: *mut u8, bytes: usize) -> Result<bool> {
     if unsafe { sys::cuMemHostGetFlags(&mut flags, ptr.cast()) } == sys::CUresult::CUDA_SUCCESS {
         return Ok(false);
     }
+    if let Ok(fault) = std::env::var("SUPEROFFLOAD_DEBUG_REGISTER_LIMIT") {
+        // Fault injection (tests): refuse registrations beyond this many bytes.
+        if fault.parse::<usize>().is_ok_and(|limit| bytes > limit) {
+            return check(Err(DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)), "cuMemHostRegister");
+        }
+    }
     // SAFETY: the caller guarantees the range is valid host memory.
     let r = unsafe { sys::cuMemHostRegister_v2(ptr.cast::<c_void>(), bytes, sys::CU_MEMHOSTREGISTER_PORTABLE) };
     if r == sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED {
         return Ok(false);
     }
-    check(r, &format!("cuMemHostRegister({bytes} bytes)"))?;
+    check(r.result(), &format!("cuMemHostRegister({bytes} bytes)"))?;
     Ok(true)
 }
 
@@ -207,21 +212,43 @@ pub(crate) fn host_unregister(ptr: *mut u8) {
 pub(crate) fn stream_wait_value(stream: CUstream, flag: CUdeviceptr, value: u64) -> Result<()> {
     let flags = sys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ as u32;
     // SAFETY: valid stream; `flag` is device memory the transport owns.
-    check(unsafe { sys::cuStreamWaitValue64_v2(stream, flag, value, flags) }, "cuStreamWaitValue64")
+    check(unsafe { sys::cuStreamWaitValue64_v2(stream, flag, value, flags) }.result(), "cuStreamWaitValue64")
 }
 
 /// Writes `value` to the device word at `flag` when `stream` reaches this point.
 pub(crate) fn stream_write_value(stream: CUstream, flag: CUdeviceptr, value: u64) -> Result<()> {
     let flags = sys::CUstreamWriteValue_flags_enum::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
     // SAFETY: as above.
-    check(unsafe { sys::cuStreamWriteValue64_v2(stream, flag, value, flags) }, "cuStreamWriteValue64")
+    check(unsafe { sys::cuStreamWriteValue64_v2(stream, flag, value, flags) }.result(), "cuStreamWriteValue64")
 }
 
-/// A loaded PTX module and its conversion kernels.
+/// A kernel argument: a pointer to the value, as cuLaunchKernel takes them.
+pub(crate) trait KernelArg {
+    fn ptr(&mut self) -> *mut c_void;
+}
+impl KernelArg for u64 {
+    fn ptr(&mut self) -> *mut c_void {
+        (self as *mut u64).cast()
+    }
+}
+impl KernelArg for u32 {
+    fn ptr(&mut self) -> *mut c_void {
+        (self as *mut u32).cast()
+    }
+}
+impl KernelArg for f32 {
+    fn ptr(&mut self) -> *mut c_void {
+        (self as *mut f32).cast()
+    }
+}
+
+/// The loaded PTX module and its kernels (`ptx.rs`).
 pub(crate) struct Kernels {
     module: sys::CUmodule,
     pub(crate) to_bf16: sys::CUfunction,
     pub(crate) to_f16: sys::CUfunction,
+    pub(crate) sumsq: sys::CUfunction,
+    pub(crate) adam: sys::CUfunction,
 }
 
 // SAFETY: module and function handles may be used from any thread with the context current.
@@ -230,20 +257,37 @@ unsafe impl Sync for Kernels {}
 
 impl Kernels {
     pub(crate) fn load() -> Result<Kernels> {
-        let ptx = std::ffi::CString::new(super::ptx::CONVERT).expect("PTX has no NUL");
-        let mut module = std::ptr::null_mut();
+        let ptx = std::ffi::CString::new(super::ptx::MODULE).expect("PTX has no NUL");
         // SAFETY: a NUL-terminated PTX image; a context is current.
-        check(
-            unsafe { sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()) },
-            "cuModuleLoadData (conversion kernels)",
-        )?;
+        let module = check(unsafe { result::module::load_data(ptx.as_ptr().cast()) }, "cuModuleLoadData")?;
         let function = |name: &CStr| -> Result<sys::CUfunction> {
-            let mut f = std::ptr::null_mut();
-            // SAFETY: out-pointer; the module is loaded.
-            check(unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) }, "cuModuleGetFunction")?;
-            Ok(f)
+            // SAFETY: the module is loaded; the name is NUL-terminated.
+            check(unsafe { result::module::get_function(module, name.into()) }, "cuModuleGetFunction")
         };
-        Ok(Kernels { module, to_bf16: function(c"so_f32_to_bf16")?, to_f16: function(c"so_f32_to_f16")? })
+        Ok(Kernels {
+            module,
+            to_bf16: function(c"so_f32_to_bf16")?,
+            to_f16: function(c"so_f32_to_f16")?,
+            sumsq: function(c"so_sumsq_partials")?,
+            adam: function(c"so_adam_step")?,
+        })
+    }
+
+    /// Launches `f` on `stream` with `args` (which must match the kernel's parameters).
+    pub(crate) fn launch(
+        &self,
+        f: sys::CUfunction,
+        blocks: u32,
+        threads: u32,
+        stream: CUstream,
+        args: &mut [&mut dyn KernelArg],
+    ) -> Result<()> {
+        let mut params: Vec<*mut c_void> = args.iter_mut().map(|a| a.ptr()).collect();
+        // SAFETY: `params` points to live values of the kernel's parameter types for the call.
+        check(
+            unsafe { result::launch_kernel(f, (blocks.max(1), 1, 1), (threads, 1, 1), 0, stream, &mut params) },
+            "cuLaunchKernel",
+        )
     }
 
     /// Converts `n` f32 at `src` into 16-bit values at `dst` on `stream`.
@@ -255,36 +299,15 @@ impl Kernels {
         n: usize,
         stream: CUstream,
     ) -> Result<()> {
-        const THREADS: u32 = 256;
-        let blocks = (n.div_ceil(THREADS as usize)).clamp(1, 8192) as u32;
+        let blocks = n.div_ceil(256).clamp(1, 8192) as u32;
         let (mut src, mut dst, mut n) = (src, dst, n as u64);
-        let mut params: [*mut c_void; 3] =
-            [(&mut src as *mut u64).cast(), (&mut dst as *mut u64).cast(), (&mut n as *mut u64).cast()];
-        // SAFETY: the kernel takes (u64, u64, u64); params point to live locals for the call.
-        check(
-            unsafe {
-                sys::cuLaunchKernel(
-                    f,
-                    blocks,
-                    1,
-                    1,
-                    THREADS,
-                    1,
-                    1,
-                    0,
-                    stream,
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            },
-            "cuLaunchKernel (conversion)",
-        )
+        self.launch(f, blocks, 256, stream, &mut [&mut src, &mut dst, &mut n])
     }
 }
 
 impl Drop for Kernels {
     fn drop(&mut self) {
         // SAFETY: the module `load` loaded.
-        unsafe { sys::cuModuleUnload(self.module) };
+        let _ = unsafe { result::module::unload(self.module) };
     }
 }

@@ -1,9 +1,17 @@
-//! Conversion kernels shipped as PTX text: the driver compiles them for the GPU at load
-//! time, so nothing needs nvcc or NVRTC. Both round exactly as `kernels::dtype` does on the
-//! CPU: bf16 by integer round-to-nearest-even with every NaN made 0x7FC0; f16 by the IEEE
-//! conversion with a NaN keeping its sign and top payload bits, quieted.
+//! The device kernels, shipped as PTX text: the driver compiles them for the GPU at load
+//! time, so nothing needs nvcc or NVRTC at build or run time (`scripts/check_ptx.sh`
+//! assembles them with ptxas where it is installed).
+//!
+//! - `so_f32_to_bf16`, `so_f32_to_f16`: publication of f32 staging buffers into 16-bit
+//!   parameters. Both round exactly as `kernels::dtype` does on the CPU: bf16 by integer
+//!   round-to-nearest-even with every NaN made 0x7FC0; f16 by the IEEE conversion with a NaN
+//!   keeping its sign and top payload bits, quieted.
+//! - `so_sumsq_partials`: the per-block f64 partials of a gradient's sum of squares, the same
+//!   bits as the CPU kernels' (summed in block order on the host).
+//! - `so_adam_step`: the Adam step of device-placed sub-groups, the CPU kernels' operation
+//!   sequence exactly (bit-identical results).
 
-pub(crate) const CONVERT: &str = r#"
+pub(crate) const MODULE: &str = r#"
 .version 7.0
 .target sm_52
 .address_size 64
@@ -97,6 +105,288 @@ f16_loop:
     add.u64 %rd4, %rd4, %rd6;
     bra f16_loop;
 f16_done:
+    ret;
+}
+
+// Sum of squares of scale * g, one f64 partial per block of 8192 elements, exactly as the CPU
+// kernels take it: element i of a block goes to lane i % 8, each lane adds its squares in
+// order with one rounding each, and the eight lanes are reduced by the tree
+// (l0+l4, l1+l5, l2+l6, l3+l7), then pairs two apart, then the last two.
+// One thread per (block, lane); the grid covers every block (threads past the end add
+// nothing and still take part in the shuffles).
+.visible .entry so_sumsq_partials(.param .u64 g, .param .u64 n, .param .u32 dtype, .param .f32 scale,
+                                  .param .u64 partials, .param .u64 blocks)
+{
+    .reg .pred %p<8>;
+    .reg .b16 %h<2>;
+    .reg .b32 %r<16>;
+    .reg .f32 %f<4>;
+    .reg .f64 %d<8>;
+    .reg .b64 %rd<20>;
+
+    ld.param.u64 %rd1, [g];
+    ld.param.u64 %rd2, [n];
+    ld.param.u32 %r1, [dtype];
+    ld.param.f32 %f1, [scale];
+    ld.param.u64 %rd3, [partials];
+    ld.param.u64 %rd4, [blocks];
+    cvta.to.global.u64 %rd1, %rd1;
+    cvta.to.global.u64 %rd3, %rd3;
+    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %ntid.x;
+    mov.u32 %r4, %tid.x;
+    mul.wide.u32 %rd5, %r2, %r3;
+    cvt.u64.u32 %rd6, %r4;
+    add.u64 %rd5, %rd5, %rd6;            // global thread index
+    shr.u64 %rd7, %rd5, 3;               // block
+    and.b64 %rd8, %rd5, 7;               // lane
+    mov.f64 %d1, 0d0000000000000000;     // accumulator
+    setp.ge.u64 %p1, %rd7, %rd4;
+    @%p1 bra sq_reduce;
+    mul.lo.u64 %rd9, %rd7, 8192;
+    add.u64 %rd10, %rd9, %rd8;           // first element
+    add.u64 %rd11, %rd9, 8192;
+    min.u64 %rd11, %rd11, %rd2;          // block end
+    setp.eq.u32 %p2, %r1, 1;             // f32
+    setp.eq.u32 %p3, %r1, 2;             // bf16 (else f16)
+sq_loop:
+    setp.ge.u64 %p4, %rd10, %rd11;
+    @%p4 bra sq_reduce;
+    @%p2 bra sq_f32;
+    shl.b64 %rd12, %rd10, 1;
+    add.u64 %rd13, %rd1, %rd12;
+    ld.global.u16 %h1, [%rd13];
+    @%p3 bra sq_bf16;
+    cvt.f32.f16 %f2, %h1;
+    bra.uni sq_add;
+sq_bf16:
+    cvt.u32.u16 %r5, %h1;
+    shl.b32 %r5, %r5, 16;
+    mov.b32 %f2, %r5;
+    bra.uni sq_add;
+sq_f32:
+    shl.b64 %rd12, %rd10, 2;
+    add.u64 %rd13, %rd1, %rd12;
+    ld.global.f32 %f2, [%rd13];
+sq_add:
+    mul.rn.f32 %f3, %f2, %f1;
+    cvt.f64.f32 %d2, %f3;
+    fma.rn.f64 %d1, %d2, %d2, %d1;
+    add.u64 %rd10, %rd10, 8;
+    bra.uni sq_loop;
+sq_reduce:
+    // lanes j < 4: l_j + l_{j+4}
+    mov.b64 {%r6, %r7}, %d1;
+    shfl.sync.down.b32 %r8, %r6, 4, 0x181f, 0xffffffff;
+    shfl.sync.down.b32 %r9, %r7, 4, 0x181f, 0xffffffff;
+    mov.b64 %d3, {%r8, %r9};
+    add.rn.f64 %d4, %d1, %d3;
+    // lanes j < 2: s_j + s_{j+2}
+    mov.b64 {%r6, %r7}, %d4;
+    shfl.sync.down.b32 %r8, %r6, 2, 0x181f, 0xffffffff;
+    shfl.sync.down.b32 %r9, %r7, 2, 0x181f, 0xffffffff;
+    mov.b64 %d3, {%r8, %r9};
+    add.rn.f64 %d5, %d4, %d3;
+    // lane 0: t_0 + t_1
+    mov.b64 {%r6, %r7}, %d5;
+    shfl.sync.down.b32 %r8, %r6, 1, 0x181f, 0xffffffff;
+    shfl.sync.down.b32 %r9, %r7, 1, 0x181f, 0xffffffff;
+    mov.b64 %d3, {%r8, %r9};
+    add.rn.f64 %d6, %d5, %d3;
+    setp.ne.u64 %p5, %rd8, 0;
+    or.pred %p5, %p5, %p1;
+    @%p5 bra sq_done;
+    shl.b64 %rd14, %rd7, 3;
+    add.u64 %rd15, %rd3, %rd14;
+    st.global.f64 [%rd15], %d6;
+sq_done:
+    ret;
+}
+
+// One AdamW / Adam-L2 step of f32 master weights, in exactly the CPU kernels' operation
+// sequence (kernels/math.rs, Update), every operation rounded once (.rn; nothing fused that
+// the CPU does not fuse):
+//   g  = g * grad_scale;  Adam-L2: g = fma(wd, p, g)
+//   m  = fma(1-b1, g, b1*m);  v = fma(1-b2, g*g, b2*v)
+//   u  = m / (sqrt(v) / sqrt(bc2) + eps);  p = fma(-lr/bc1, u, p*decay)
+// dtypes (so_dtype codes): gradient f32/bf16/f16, moments f32/bf16, the copy written to
+// `out` none(0)/f32/bf16/f16; 16-bit stores round to nearest even (a bf16 NaN is 0x7FC0,
+// an f16 NaN keeps its sign and top payload bits, quieted), as on the CPU.
+.visible .entry so_adam_step(.param .u64 p, .param .u64 g, .param .u64 m, .param .u64 v, .param .u64 out,
+                             .param .u64 n, .param .u32 g_dtype, .param .u32 m_dtype, .param .u32 out_dtype,
+                             .param .f32 grad_scale, .param .f32 beta1, .param .f32 omb1, .param .f32 beta2,
+                             .param .f32 omb2, .param .f32 eps, .param .f32 sqrt_bc2, .param .f32 step_size,
+                             .param .f32 decay, .param .f32 wd, .param .u32 has_l2)
+{
+    .reg .pred %p<16>;
+    .reg .b16 %h<8>;
+    .reg .b32 %r<40>;
+    .reg .f32 %f<40>;
+    .reg .b64 %rd<40>;
+
+    ld.param.u64 %rd1, [p];
+    ld.param.u64 %rd2, [g];
+    ld.param.u64 %rd3, [m];
+    ld.param.u64 %rd4, [v];
+    ld.param.u64 %rd5, [out];
+    ld.param.u64 %rd6, [n];
+    ld.param.u32 %r1, [g_dtype];
+    ld.param.u32 %r2, [m_dtype];
+    ld.param.u32 %r3, [out_dtype];
+    ld.param.f32 %f1, [grad_scale];
+    ld.param.f32 %f2, [beta1];
+    ld.param.f32 %f3, [omb1];
+    ld.param.f32 %f4, [beta2];
+    ld.param.f32 %f5, [omb2];
+    ld.param.f32 %f6, [eps];
+    ld.param.f32 %f7, [sqrt_bc2];
+    ld.param.f32 %f8, [step_size];
+    ld.param.f32 %f9, [decay];
+    ld.param.f32 %f10, [wd];
+    ld.param.u32 %r4, [has_l2];
+    cvta.to.global.u64 %rd1, %rd1;
+    cvta.to.global.u64 %rd2, %rd2;
+    cvta.to.global.u64 %rd3, %rd3;
+    cvta.to.global.u64 %rd4, %rd4;
+    cvta.to.global.u64 %rd5, %rd5;
+    neg.f32 %f11, %f8;
+    setp.eq.u32 %p1, %r1, 1;     // gradient f32
+    setp.eq.u32 %p2, %r1, 2;     // gradient bf16 (else f16)
+    setp.eq.u32 %p3, %r2, 1;     // moments f32 (else bf16)
+    setp.ne.u32 %p4, %r4, 0;     // L2 term
+    setp.eq.u32 %p5, %r3, 0;     // no copy
+    setp.eq.u32 %p6, %r3, 1;     // f32 copy
+    setp.eq.u32 %p7, %r3, 2;     // bf16 copy (else f16)
+    mov.u32 %r5, %ctaid.x;
+    mov.u32 %r6, %ntid.x;
+    mov.u32 %r7, %tid.x;
+    mul.wide.u32 %rd7, %r5, %r6;
+    cvt.u64.u32 %rd8, %r7;
+    add.u64 %rd7, %rd7, %rd8;            // i
+    mov.u32 %r8, %nctaid.x;
+    mul.wide.u32 %rd9, %r8, %r6;         // stride
+ad_loop:
+    setp.ge.u64 %p8, %rd7, %rd6;
+    @%p8 bra ad_done;
+    shl.b64 %rd10, %rd7, 2;              // 4-byte offset
+    shl.b64 %rd11, %rd7, 1;              // 2-byte offset
+    add.u64 %rd12, %rd1, %rd10;
+    ld.global.f32 %f12, [%rd12];         // p
+    // gradient
+    @%p1 bra ad_g32;
+    add.u64 %rd13, %rd2, %rd11;
+    ld.global.u16 %h1, [%rd13];
+    @%p2 bra ad_gbf;
+    cvt.f32.f16 %f13, %h1;
+    bra.uni ad_gdone;
+ad_gbf:
+    cvt.u32.u16 %r9, %h1;
+    shl.b32 %r9, %r9, 16;
+    mov.b32 %f13, %r9;
+    bra.uni ad_gdone;
+ad_g32:
+    add.u64 %rd13, %rd2, %rd10;
+    ld.global.f32 %f13, [%rd13];
+ad_gdone:
+    // moments
+    @%p3 bra ad_m32;
+    add.u64 %rd14, %rd3, %rd11;
+    add.u64 %rd15, %rd4, %rd11;
+    ld.global.u16 %h2, [%rd14];
+    ld.global.u16 %h3, [%rd15];
+    cvt.u32.u16 %r10, %h2;
+    shl.b32 %r10, %r10, 16;
+    mov.b32 %f14, %r10;
+    cvt.u32.u16 %r11, %h3;
+    shl.b32 %r11, %r11, 16;
+    mov.b32 %f15, %r11;
+    bra.uni ad_mdone;
+ad_m32:
+    add.u64 %rd14, %rd3, %rd10;
+    add.u64 %rd15, %rd4, %rd10;
+    ld.global.f32 %f14, [%rd14];
+    ld.global.f32 %f15, [%rd15];
+ad_mdone:
+    // the step
+    mul.rn.f32 %f16, %f13, %f1;          // g = g * grad_scale
+    @%p4 fma.rn.f32 %f16, %f10, %f12, %f16;   // Adam-L2: g = wd * p + g
+    mul.rn.f32 %f17, %f2, %f14;          // b1 * m
+    fma.rn.f32 %f18, %f3, %f16, %f17;    // m' = (1-b1) * g + b1 * m
+    mul.rn.f32 %f19, %f16, %f16;         // g * g
+    mul.rn.f32 %f20, %f4, %f15;          // b2 * v
+    fma.rn.f32 %f21, %f5, %f19, %f20;    // v' = (1-b2) * g*g + b2 * v
+    sqrt.rn.f32 %f22, %f21;
+    div.rn.f32 %f23, %f22, %f7;          // / sqrt(bc2)
+    add.rn.f32 %f24, %f23, %f6;          // + eps
+    div.rn.f32 %f25, %f18, %f24;         // u = m' / denom
+    mul.rn.f32 %f26, %f12, %f9;          // p * decay
+    fma.rn.f32 %f27, %f11, %f25, %f26;   // p' = -step_size * u + p * decay
+    st.global.f32 [%rd12], %f27;
+    // moments back
+    @%p3 bra ad_s32;
+    mov.b32 %r12, %f18;
+    shr.u32 %r13, %r12, 16;
+    and.b32 %r13, %r13, 1;
+    add.u32 %r14, %r12, 0x7fff;
+    add.u32 %r14, %r14, %r13;
+    shr.u32 %r14, %r14, 16;
+    and.b32 %r15, %r12, 0x7fffffff;
+    setp.gt.u32 %p9, %r15, 0x7f800000;
+    selp.b32 %r14, 0x7fc0, %r14, %p9;
+    cvt.u16.u32 %h4, %r14;
+    st.global.u16 [%rd14], %h4;
+    mov.b32 %r16, %f21;
+    shr.u32 %r17, %r16, 16;
+    and.b32 %r17, %r17, 1;
+    add.u32 %r18, %r16, 0x7fff;
+    add.u32 %r18, %r18, %r17;
+    shr.u32 %r18, %r18, 16;
+    and.b32 %r19, %r16, 0x7fffffff;
+    setp.gt.u32 %p10, %r19, 0x7f800000;
+    selp.b32 %r18, 0x7fc0, %r18, %p10;
+    cvt.u16.u32 %h5, %r18;
+    st.global.u16 [%rd15], %h5;
+    bra.uni ad_sdone;
+ad_s32:
+    st.global.f32 [%rd14], %f18;
+    st.global.f32 [%rd15], %f21;
+ad_sdone:
+    // the copy of the new weights
+    @%p5 bra ad_next;
+    @%p6 bra ad_o32;
+    add.u64 %rd16, %rd5, %rd11;
+    mov.b32 %r20, %f27;
+    and.b32 %r21, %r20, 0x7fffffff;
+    setp.gt.u32 %p11, %r21, 0x7f800000;  // NaN
+    @%p7 bra ad_obf;
+    cvt.rn.f16.f32 %h6, %f27;
+    shr.u32 %r22, %r20, 16;
+    and.b32 %r22, %r22, 0x8000;
+    shr.u32 %r23, %r21, 13;
+    and.b32 %r23, %r23, 0x3ff;
+    or.b32 %r23, %r23, 0x7e00;
+    or.b32 %r23, %r23, %r22;
+    cvt.u16.u32 %h7, %r23;
+    selp.b16 %h6, %h7, %h6, %p11;
+    st.global.u16 [%rd16], %h6;
+    bra.uni ad_next;
+ad_obf:
+    shr.u32 %r24, %r20, 16;
+    and.b32 %r24, %r24, 1;
+    add.u32 %r25, %r20, 0x7fff;
+    add.u32 %r25, %r25, %r24;
+    shr.u32 %r25, %r25, 16;
+    selp.b32 %r25, 0x7fc0, %r25, %p11;
+    cvt.u16.u32 %h6, %r25;
+    st.global.u16 [%rd16], %h6;
+    bra.uni ad_next;
+ad_o32:
+    add.u64 %rd16, %rd5, %rd10;
+    st.global.f32 [%rd16], %f27;
+ad_next:
+    add.u64 %rd7, %rd7, %rd9;
+    bra.uni ad_loop;
+ad_done:
     ret;
 }
 "#;

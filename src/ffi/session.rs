@@ -6,12 +6,12 @@ use std::time::Duration;
 use super::pool::{pool_arg, so_pool};
 use super::types::{dtype_from_raw, dtype_to_raw, so_adam_mode, so_dtype};
 use super::{WithStructSize, check_struct_size, ffi_boundary, non_null, read_struct};
-use crate::cuda::{CudaOptions, CudaSession};
+use crate::cuda::{self, CudaOptions, CudaTransport};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{AdamMode, DType, Floats};
 use crate::session::{
-    Borrowed, GroupHparams, LossScalerOptions, NormSource, Session, SessionOptions, SkipReason, SliceDesc, StepArgs, StepResult,
-    SubGroupDesc, TicketState,
+    Borrowed, DeviceParam, GroupHparams, LossScalerOptions, NormSource, Placement, Session, SessionOptions, SkipReason,
+    SliceDesc, Speculation, StepArgs, StepResult, SubGroupDesc, TicketState,
 };
 
 /// An offload session: sub-groups of parameters whose Adam state lives in host memory,
@@ -82,9 +82,10 @@ pub struct so_session_options {
     pub grad_dtype: u32,
     /// dtype of the sub-group gradient buffers, in which micro-steps accumulate.
     pub accum_dtype: u32,
-    /// Step complete sub-groups during backward.
-    pub speculation: bool,
-    /// Host bytes the session may allocate (moments, gradient buffers); 0 for no limit.
+    /// One of `so_speculation`: whether sub-groups are stepped during backward.
+    pub speculation: u32,
+    /// Host bytes the session may allocate (moments, gradient buffers, the low-precision copy,
+    /// late-gradient buffers); 0 for no limit.
     pub host_memory_limit: u64,
     /// Must be false: AMSGrad cannot be rolled back, so sessions refuse it.
     pub amsgrad: bool,
@@ -95,6 +96,37 @@ pub struct so_session_options {
     /// each sub-group's master weights, written in the same pass as every update (CUDA
     /// sessions then send the copy to the GPU instead of f32).
     pub copy_dtype: u32,
+    /// CUDA sessions: device bytes for the automatic split, which places the first
+    /// sub-groups in forward order on the GPU after a few measured steps (see the README);
+    /// 0 turns it off.
+    pub gpu_budget_bytes: u64,
+}
+
+/// Whether sub-groups are stepped during backward, before `so_session_step` knows the clip
+/// factor (`so_session_options.speculation`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum so_speculation {
+    /// Every sub-group is stepped once, after `so_session_step` decides.
+    Off = 0,
+    /// Every sub-group that can speculate does, as soon as its gradient is complete.
+    On = 1,
+    /// Decided per step and sub-group from earlier steps' measurements: speculate while the
+    /// clip factor mostly stayed unchanged and the sub-group's gradient arrived early enough
+    /// before `so_session_step` (the default).
+    Auto = 2,
+}
+
+/// Where a sub-group's master weights and moments live and are stepped
+/// (`so_subgroup_desc.placement`, `so_session_set_placement`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum so_placement {
+    /// Host memory, stepped by the CPU kernels.
+    Host = 0,
+    /// GPU memory (CUDA sessions, f32 master weights): stepped by the library's GPU kernel,
+    /// bit-identical to the CPU kernels, after `so_session_step` decides.
+    Device = 1,
 }
 
 /// Hyperparameters of a param group. Initialise with `so_group_hparams_default()`.
@@ -155,6 +187,15 @@ pub struct so_subgroup_desc {
     pub device_param: so_device_ptr,
     /// `SO_DTYPE_F32`, `SO_DTYPE_BF16` or `SO_DTYPE_F16` (CUDA sessions).
     pub device_param_dtype: u32,
+    /// NULL (the session allocates them) or caller buffers of `numel` elements of the
+    /// session's moment dtype, borrowed like `master`: the first and second moments.
+    pub exp_avg: *mut c_void,
+    pub exp_avg_sq: *mut c_void,
+    /// One of `so_placement`. `SO_PLACEMENT_DEVICE` (CUDA sessions, f32 master) keeps the
+    /// master weights and moments in GPU memory (`master` gives their initial values and
+    /// receives them back when the sub-group moves to the host); its gradient is copied on
+    /// the GPU, never to the host.
+    pub placement: u32,
 }
 
 /// What `so_session_step` is told. Initialise with `so_step_args_default()`.
@@ -212,6 +253,20 @@ pub struct so_step_result {
     pub stepped: u32,
     /// Why the step was skipped: one of `so_skip_reason` (`SO_SKIP_REASON_NONE` when it was not).
     pub skip_reason: u32,
+    /// Speculative steps that had not started at `so_session_step`: cancelled, and their
+    /// sub-groups stepped once with the exact factor (also counted in `stepped`).
+    pub cancelled: u32,
+    /// Sub-groups stepped on the GPU (`SO_PLACEMENT_DEVICE`).
+    pub device_stepped: u32,
+    /// Sub-groups placed on the GPU during this step.
+    pub device_subgroups: u32,
+    /// Elements the optimizer passes touched after `so_session_step` was called (a pass over
+    /// a sub-group counts its elements): the work left after backward.
+    pub final_pass_elements: u64,
+    /// Seconds the compute stream (CUDA sessions, through `so_ticket_enqueue_wait`) or the
+    /// calling threads (ticket waits) waited on this session's tickets between the previous
+    /// `so_session_step` and this one: the optimizer time the previous step left exposed.
+    pub forward_wait_s: f64,
 }
 
 /// Why a step was skipped (`so_step_result.skip_reason`).
@@ -276,11 +331,12 @@ fn session_defaults() -> so_session_options {
         moment_dtype: dtype_to_raw(d.moment_dtype),
         grad_dtype: dtype_to_raw(d.grad_dtype),
         accum_dtype: dtype_to_raw(d.accum_dtype),
-        speculation: d.speculation,
+        speculation: so_speculation::Auto as u32,
         host_memory_limit: 0,
         amsgrad: false,
         loss_scaler: std::ptr::null(),
         copy_dtype: so_dtype::None as u32,
+        gpu_budget_bytes: 0,
     }
 }
 
@@ -309,6 +365,21 @@ fn step_args_defaults() -> so_step_args {
     }
 }
 
+fn placement_from_raw(raw: u32, field: &str) -> Result<Placement> {
+    match raw {
+        x if x == so_placement::Host as u32 => Ok(Placement::Host),
+        x if x == so_placement::Device as u32 => Ok(Placement::Device),
+        other => Err(Error::invalid(format!("{field} = {other} is not a so_placement value"))),
+    }
+}
+
+fn placement_to_raw(p: Placement) -> u32 {
+    (match p {
+        Placement::Host => so_placement::Host,
+        Placement::Device => so_placement::Device,
+    }) as u32
+}
+
 fn required_dtype(raw: u32, field: &str) -> Result<DType> {
     dtype_from_raw(raw, field)?.ok_or_else(|| Error::invalid(format!("{field} is SO_DTYPE_NONE")))
 }
@@ -319,44 +390,11 @@ fn timeout(ns: i64) -> Option<Duration> {
 }
 
 /// # Safety
-/// `session` must be NULL or a live handle.
-unsafe fn handle_ref<'a>(session: *const so_session) -> Result<&'a Handle> {
-    non_null(session, "session")?;
-    // SAFETY: a live handle is a Box<Handle> pointer.
-    Ok(unsafe { &*session.cast::<Handle>() })
-}
-
-/// # Safety
-/// As `handle_ref`.
+/// `session` must be NULL or a live handle (a `Box<Session>` pointer).
 unsafe fn session_ref<'a>(session: *const so_session) -> Result<&'a Session> {
-    Ok(unsafe { handle_ref(session)? }.session())
-}
-
-/// # Safety
-/// As `handle_ref`.
-unsafe fn cuda_ref<'a>(session: *const so_session, what: &str) -> Result<&'a CudaSession> {
-    match unsafe { handle_ref(session)? } {
-        Handle::Cuda(c) => Ok(c),
-        Handle::Host(_) => Err(Error::new(
-            Status::InvalidState,
-            format!("{what} needs a CUDA session (so_session_create_cuda); this one is a host session"),
-        )),
-    }
-}
-
-/// What a `so_session*` points to.
-enum Handle {
-    Host(Session),
-    Cuda(CudaSession),
-}
-
-impl Handle {
-    fn session(&self) -> &Session {
-        match self {
-            Handle::Host(s) => s,
-            Handle::Cuda(c) => c.session(),
-        }
-    }
+    non_null(session, "session")?;
+    // SAFETY: a live handle is a Box<Session> pointer.
+    Ok(unsafe { &*session.cast::<Session>() })
 }
 
 /// Our name for CUDA's stream type is CUDA's own; NULL (the legacy default stream) is valid.
@@ -431,6 +469,9 @@ pub extern "C" fn so_subgroup_desc_default() -> so_subgroup_desc {
         num_slices: 0,
         device_param: 0,
         device_param_dtype: so_dtype::None as u32,
+        exp_avg: std::ptr::null_mut(),
+        exp_avg_sq: std::ptr::null_mut(),
+        placement: so_placement::Host as u32,
     };
     ffi_boundary!("so_subgroup_desc_default", fallback = empty(), { empty() })
 }
@@ -462,7 +503,7 @@ pub unsafe extern "C" fn so_session_create(
         non_null(out_session, "out_session")?;
         // SAFETY: as documented; see `session_options`.
         let options = unsafe { session_options(options)? };
-        let handle = Box::new(Handle::Host(Session::new(options)?));
+        let handle = Box::new(Session::new(options)?);
         // SAFETY: checked non-NULL.
         unsafe { out_session.write(Box::into_raw(handle).cast()) };
         Ok(())
@@ -492,9 +533,8 @@ pub unsafe extern "C" fn so_session_create_cuda(
         non_null(out_session, "out_session")?;
         let options = unsafe { session_options(options)? };
         let c = if cuda.is_null() { cuda_defaults() } else { unsafe { read_struct(cuda, "cuda")? } };
-        crate::cuda::available()?;
-        let session = CudaSession::new(options, CudaOptions { device: c.device, piece_bytes: c.piece_bytes })?;
-        let handle = Box::new(Handle::Cuda(session));
+        let handle =
+            Box::new(cuda::create_session(options, CudaOptions { device: c.device, piece_bytes: c.piece_bytes })?);
         unsafe { out_session.write(Box::into_raw(handle).cast()) };
         Ok(())
     })
@@ -543,11 +583,21 @@ unsafe fn session_options(options: *const so_session_options) -> Result<SessionO
             moment_dtype: required_dtype(raw.moment_dtype, "options->moment_dtype")?,
             grad_dtype: required_dtype(raw.grad_dtype, "options->grad_dtype")?,
             accum_dtype: required_dtype(raw.accum_dtype, "options->accum_dtype")?,
-            speculation: raw.speculation,
+            speculation: match raw.speculation {
+                x if x == so_speculation::Off as u32 => Speculation::Off,
+                x if x == so_speculation::On as u32 => Speculation::On,
+                x if x == so_speculation::Auto as u32 => Speculation::Auto,
+                other => {
+                    return Err(Error::invalid(format!(
+                        "options->speculation = {other} is not a so_speculation value"
+                    )));
+                }
+            },
             host_memory_limit: (raw.host_memory_limit != 0).then_some(raw.host_memory_limit as usize),
             amsgrad: raw.amsgrad,
             loss_scaler,
             copy_dtype: dtype_from_raw(raw.copy_dtype, "options->copy_dtype")?,
+            gpu_budget_bytes: raw.gpu_budget_bytes as usize,
         };
         Ok(options)
     }
@@ -566,7 +616,7 @@ pub unsafe extern "C" fn so_session_destroy(session: *mut so_session) {
     ffi_boundary!("so_session_destroy", fallback = (), {
         if !session.is_null() {
             // SAFETY: a live handle owns its Box.
-            drop(unsafe { Box::from_raw(session.cast::<Handle>()) });
+            drop(unsafe { Box::from_raw(session.cast::<Session>()) });
         }
     })
 }
@@ -656,17 +706,27 @@ pub unsafe extern "C" fn so_session_add_subgroup(
     out_subgroup: *mut u32,
 ) -> Status {
     ffi_boundary!("so_session_add_subgroup", {
-        let h = unsafe { handle_ref(session)? };
-        let s = h.session();
+        let s = unsafe { session_ref(session)? };
         non_null(out_subgroup, "out_subgroup")?;
         let d = unsafe { read_struct(desc, "desc")? };
         let master_dtype = required_dtype(d.master_dtype, "desc->master_dtype")?;
         // SAFETY: the header makes the caller keep both buffers valid while borrowed.
         let master = unsafe { Borrowed::new("desc->master", d.master, d.numel, master_dtype)? };
-        let grad = if d.grad.is_null() {
+        let optional = |ptr: *mut c_void, name: &str, dtype: DType| -> Result<Option<Borrowed>> {
+            // SAFETY: as `master`.
+            (!ptr.is_null()).then(|| unsafe { Borrowed::new(name, ptr, d.numel, dtype) }).transpose()
+        };
+        let grad = optional(d.grad, "desc->grad", s.options().accum_dtype)?;
+        let exp_avg = optional(d.exp_avg, "desc->exp_avg", s.options().moment_dtype)?;
+        let exp_avg_sq = optional(d.exp_avg_sq, "desc->exp_avg_sq", s.options().moment_dtype)?;
+        let placement = placement_from_raw(d.placement, "desc->placement")?;
+        let device = if d.device_param == 0 {
             None
         } else {
-            Some(unsafe { Borrowed::new("desc->grad", d.grad, d.numel, s.options().accum_dtype)? })
+            Some(DeviceParam {
+                ptr: d.device_param,
+                dtype: required_dtype(d.device_param_dtype, "desc->device_param_dtype")?,
+            })
         };
         if d.slices.is_null() || d.num_slices == 0 {
             return Err(Error::new(Status::NullArgument, "desc->slices is NULL or num_slices is 0"));
@@ -680,19 +740,16 @@ pub unsafe extern "C" fn so_session_add_subgroup(
                 .map_err(|_| Error::invalid(format!("desc->slices[{i}].name is not UTF-8")))?;
             slices.push(SliceDesc { name: name.to_string(), offset: raw.offset, numel: raw.numel });
         }
-        let desc = SubGroupDesc { group: d.group, master, grad, slices };
-        let id = match h {
-            Handle::Host(s) => {
-                if d.device_param != 0 {
-                    return Err(Error::invalid("desc->device_param is set but this is a host session"));
-                }
-                s.add_subgroup(desc)?
-            }
-            Handle::Cuda(c) => {
-                let dtype = required_dtype(d.device_param_dtype, "desc->device_param_dtype")?;
-                c.add_subgroup(desc, d.device_param, dtype)?
-            }
-        };
+        let id = s.add_subgroup(SubGroupDesc {
+            group: d.group,
+            master,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            slices,
+            device,
+            placement,
+        })?;
         unsafe { write_out(out_subgroup, "out_subgroup", id) }
     })
 }
@@ -876,7 +933,7 @@ pub unsafe extern "C" fn so_session_step(
     out_ticket: *mut so_ticket,
 ) -> Status {
     ffi_boundary!("so_session_step", {
-        let h = unsafe { handle_ref(session)? };
+        let s = unsafe { session_ref(session)? };
         non_null(out_ticket, "out_ticket")?;
         let a = if args.is_null() { step_args_defaults() } else { unsafe { read_struct(args, "args")? } };
         let norm = match a.norm_source {
@@ -885,10 +942,7 @@ pub unsafe extern "C" fn so_session_step(
             other => return Err(Error::invalid(format!("args->norm_source = {other} is not a so_norm_source value"))),
         };
         let args = StepArgs { max_norm: a.max_norm, norm, overflow: a.overflow };
-        let ticket = match h {
-            Handle::Host(s) => s.step(args)?,
-            Handle::Cuda(c) => c.step(args)?,
-        };
+        let ticket = s.step(args)?;
         unsafe { write_out(out_ticket, "out_ticket", ticket) }
     })
 }
@@ -935,6 +989,11 @@ pub unsafe extern "C" fn so_session_step_result(
                 SkipReason::NonFiniteNorm => so_skip_reason::NonFiniteNorm,
                 SkipReason::UnusableFactor => so_skip_reason::UnusableFactor,
             }) as u32,
+            cancelled: r.cancelled,
+            device_stepped: r.device_stepped,
+            device_subgroups: r.device_subgroups,
+            final_pass_elements: r.final_pass_elements,
+            forward_wait_s: r.forward_wait_s,
         };
         unsafe { write_out(out_result, "out_result", out) }
     })
@@ -1061,10 +1120,7 @@ pub unsafe extern "C" fn so_session_save(session: *mut so_session, path: *const 
 pub unsafe extern "C" fn so_session_load(session: *mut so_session, path: *const c_char) -> Status {
     ffi_boundary!("so_session_load", {
         let path = path_arg(path)?;
-        match unsafe { handle_ref(session)? } {
-            Handle::Host(s) => s.load(&path),
-            Handle::Cuda(c) => c.load(&path),
-        }
+        unsafe { session_ref(session)? }.load(&path)
     })
 }
 
@@ -1169,9 +1225,9 @@ pub unsafe extern "C" fn so_session_grad_device(
     out_ticket: *mut so_ticket,
 ) -> Status {
     ffi_boundary!("so_session_grad_device", {
-        let c = unsafe { cuda_ref(session, "so_session_grad_device")? };
+        let s = unsafe { session_ref(session)? };
         let dtype = required_dtype(dtype, "dtype")?;
-        let ticket = c.gradient_from_device(slice, grad, numel, dtype, stream_arg(stream))?;
+        let ticket = cuda::gradient_from_device(s, slice, grad, numel, dtype, stream_arg(stream))?;
         unsafe { write_opt(out_ticket, ticket.unwrap_or(0)) };
         Ok(())
     })
@@ -1188,16 +1244,19 @@ pub unsafe extern "C" fn so_session_grad_device(
 #[must_use]
 pub unsafe extern "C" fn so_session_set_compute_stream(session: *mut so_session, stream: so_cuda_stream_t) -> Status {
     ffi_boundary!("so_session_set_compute_stream", {
-        let c = unsafe { cuda_ref(session, "so_session_set_compute_stream")? };
-        c.set_compute_stream(stream_arg(stream))
+        let s = unsafe { session_ref(session)? };
+        cuda::transport_of(s, "so_session_set_compute_stream")?.set_compute_stream(stream_arg(stream))
     })
 }
 
 /// @brief Makes `stream` wait, on the GPU and without blocking the calling thread, until
 /// `ticket` is complete — e.g. a sub-group's final ticket before the forward of its layer
-/// reads the published weights. Implemented with a device word the session's stream
-/// writes as tickets complete (`cuStreamWaitValue64`), so it may be called before the work
-/// has even started. The outcome of failed work is reported on the host (`so_ticket_wait`).
+/// reads the published weights. Implemented with one device word per ticket lane (a
+/// sub-group's tickets, or the step-wide ones) that the session's stream writes as tickets
+/// complete (`cuStreamWaitValue64`), so it may be called before the work has even started,
+/// and waits for that work alone. The wait is timed on the GPU: the total is the next step
+/// result's `forward_wait_s`. The outcome of failed work is reported on the host
+/// (`so_ticket_wait`).
 /// @return `SO_STATUS_OK`, `SO_STATUS_NOT_FOUND` for a ticket never issued,
 ///         `SO_STATUS_STREAM_CAPTURING`, `SO_STATUS_INVALID_STATE` for a host session.
 /// @note Thread-safety: see `so_session`.
@@ -1209,12 +1268,7 @@ pub unsafe extern "C" fn so_ticket_enqueue_wait(
     stream: so_cuda_stream_t,
 ) -> Status {
     ffi_boundary!("so_ticket_enqueue_wait", {
-        let c = unsafe { cuda_ref(session, "so_ticket_enqueue_wait")? };
-        if ticket == 0 {
-            return Ok(());
-        }
-        c.session().ticket_state(ticket)?;
-        c.enqueue_wait(ticket, stream_arg(stream))
+        cuda::enqueue_wait(unsafe { session_ref(session)? }, ticket, stream_arg(stream))
     })
 }
 
@@ -1228,8 +1282,9 @@ pub unsafe extern "C" fn so_session_copy_stream(
     out_stream: *mut so_cuda_stream_t,
 ) -> Status {
     ffi_boundary!("so_session_copy_stream", {
-        let c = unsafe { cuda_ref(session, "so_session_copy_stream")? };
-        unsafe { write_out(out_stream, "out_stream", c.copy_stream().cast()) }
+        let s = unsafe { session_ref(session)? };
+        let stream = cuda::transport_of(s, "so_session_copy_stream")?.copy_stream();
+        unsafe { write_out(out_stream, "out_stream", stream.cast()) }
     })
 }
 
@@ -1240,10 +1295,7 @@ pub unsafe extern "C" fn so_session_copy_stream(
 #[must_use]
 pub unsafe extern "C" fn so_session_pinned_bytes(session: *const so_session, out_bytes: *mut usize) -> Status {
     ffi_boundary!("so_session_pinned_bytes", {
-        let n = match unsafe { handle_ref(session)? } {
-            Handle::Host(_) => 0,
-            Handle::Cuda(c) => c.pinned_bytes(),
-        };
+        let n = unsafe { session_ref(session)? }.transport_as::<CudaTransport>().map_or(0, CudaTransport::pinned_bytes);
         unsafe { write_out(out_bytes, "out_bytes", n) }
     })
 }
@@ -1273,5 +1325,108 @@ pub unsafe extern "C" fn so_session_trace_save(session: *const so_session, path:
     ffi_boundary!("so_session_trace_save", {
         let s = unsafe { session_ref(session)? };
         s.save_trace(&path_arg(path)?)
+    })
+}
+
+/// Where a sub-group's state lives (filled by `so_session_get_subgroup_state`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct so_subgroup_state {
+    /// Set by the caller to `sizeof(so_subgroup_state)` before the call.
+    pub struct_size: usize,
+    /// One of `so_placement`: where the sub-group is stepped.
+    pub placement: u32,
+    /// Elements of the sub-group.
+    pub numel: usize,
+    /// Host buffers of the master weights and both moments (the caller's borrowed buffers,
+    /// or the session's own). For a device-placed sub-group they were brought up to date by
+    /// the call.
+    pub master: *mut c_void,
+    pub exp_avg: *mut c_void,
+    pub exp_avg_sq: *mut c_void,
+    /// `SO_DTYPE_*` of `master` and of both moments.
+    pub master_dtype: u32,
+    pub moment_dtype: u32,
+    /// Steps the sub-group has taken.
+    pub step_count: u64,
+}
+
+// SAFETY: `#[repr(C)]` with `struct_size: usize` first.
+unsafe impl WithStructSize for so_subgroup_state {
+    const NAME: &'static str = "so_subgroup_state";
+}
+
+/// @brief Describes a sub-group's state buffers, after its outstanding work, so that a caller
+/// can read (or, between steps, write) its master weights and moments in place — e.g. to
+/// build a torch-style optimizer state dict. The pointers stay valid until the sub-group is
+/// removed or the session destroyed. A device-placed sub-group's host buffers are updated
+/// by this call; writes to them reach the device only through `so_session_set_placement`
+/// or a checkpoint load.
+/// @param out_state Caller-provided with `struct_size = sizeof(so_subgroup_state)`.
+/// @return `SO_STATUS_OK`, `SO_STATUS_NOT_FOUND`, `SO_STATUS_CUDA_ERROR`.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_get_subgroup_state(
+    session: *const so_session,
+    subgroup: u32,
+    out_state: *mut so_subgroup_state,
+) -> Status {
+    ffi_boundary!("so_session_get_subgroup_state", {
+        let s = unsafe { session_ref(session)? };
+        non_null(out_state, "out_state")?;
+        check_struct_size::<so_subgroup_state>(unsafe { out_state.cast::<usize>().read_unaligned() }, "out_state")?;
+        let st = s.subgroup_state(subgroup)?;
+        let out = so_subgroup_state {
+            struct_size: std::mem::size_of::<so_subgroup_state>(),
+            placement: placement_to_raw(st.placement),
+            numel: st.numel,
+            master: st.master.cast(),
+            exp_avg: st.exp_avg.cast(),
+            exp_avg_sq: st.exp_avg_sq.cast(),
+            master_dtype: dtype_to_raw(st.master_dtype),
+            moment_dtype: dtype_to_raw(st.moment_dtype),
+            step_count: st.step_count,
+        };
+        unsafe { write_out(out_state, "out_state", out) }
+    })
+}
+
+/// @brief Sets a sub-group's step count, between steps (after writing its state in place,
+/// e.g. from a torch optimizer state dict).
+/// @return `SO_STATUS_OK`, `SO_STATUS_NOT_FOUND`, `SO_STATUS_INVALID_STATE` during a step.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_set_step_count(session: *mut so_session, subgroup: u32, count: u64) -> Status {
+    ffi_boundary!("so_session_set_step_count", { unsafe { session_ref(session)? }.set_step_count(subgroup, count) })
+}
+
+/// @brief Moves a sub-group's master weights and moments between host and GPU memory
+/// (`so_placement`), between steps, bit for bit. On the GPU it is stepped by the library's
+/// kernel after each decision (never speculatively); back on the host its borrowed master
+/// buffer holds the current weights again.
+/// @return `SO_STATUS_OK`; `SO_STATUS_UNSUPPORTED` in a host session or for non-f32 master
+///         weights; `SO_STATUS_INVALID_STATE` during a step; `SO_STATUS_NOT_FOUND`;
+///         `SO_STATUS_CUDA_ERROR` (then nothing changed).
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_set_placement(session: *mut so_session, subgroup: u32, placement: u32) -> Status {
+    ffi_boundary!("so_session_set_placement", {
+        let placement = placement_from_raw(placement, "placement")?;
+        unsafe { session_ref(session)? }.set_placement(subgroup, placement)
+    })
+}
+
+/// @brief GPU bytes the session allocated (device-placed state, staging buffers, sums of
+/// squares, ticket words); 0 for a host session.
+/// @note Thread-safety: see `so_session`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_device_bytes(session: *const so_session, out_bytes: *mut usize) -> Status {
+    ffi_boundary!("so_session_device_bytes", {
+        let n = unsafe { session_ref(session)? }.device_bytes();
+        unsafe { write_out(out_bytes, "out_bytes", n) }
     })
 }

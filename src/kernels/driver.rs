@@ -129,31 +129,64 @@ pub(crate) fn sumsq_chunk<S: Simd, G: Elem>(s: S, scale: f32, g: &[G], partials:
     }
 }
 
-/// `dst = src` or `dst += src`, through f32 lanes.
+/// Where a copy also writes the sum of squares of what it stored: one partial per
+/// [`BLOCK`] of the destination, of `scale · x`.
+pub(crate) struct SumsqOut<'a> {
+    pub scale: f32,
+    pub partials: &'a mut [f64],
+}
+
+/// `dst = src` or `dst += src`, through f32 lanes; with `sumsq`, the block partials of the
+/// stored values (re-read from `dst`, so that they are the values as rounded there).
 #[inline(always)]
-pub(crate) fn copy_chunk<S: Simd, D: Elem, G: Elem>(s: S, dst: &mut [D], src: &[G], accumulate: bool) {
+pub(crate) fn copy_chunk<S: Simd, D: Elem, G: Elem>(
+    s: S,
+    dst: &mut [D],
+    src: &[G],
+    accumulate: bool,
+    mut sumsq: Option<SumsqOut<'_>>,
+) {
     let n = dst.len();
     let lanes = S::LANES;
-    let mut i = 0;
-    while i + lanes <= n {
-        let mut x = s.load(&src[i..i + lanes]);
-        if accumulate {
-            x = s.add(s.load(&dst[i..i + lanes]), x);
+    let scale = s.splat(sumsq.as_ref().map_or(1.0, |o| o.scale));
+    let mut start = 0;
+    let mut block = 0;
+    while start < n {
+        let end = (start + BLOCK).min(n);
+        let mut acc = s.acc_zero();
+        let mut i = start;
+        while i + lanes <= end {
+            let mut x = s.load(&src[i..i + lanes]);
+            if accumulate {
+                x = s.add(s.load(&dst[i..i + lanes]), x);
+            }
+            s.store(&mut dst[i..i + lanes], x);
+            if sumsq.is_some() {
+                acc = s.acc_add_squares(acc, s.mul(s.load(&dst[i..i + lanes]), scale));
+            }
+            i += lanes;
         }
-        s.store(&mut dst[i..i + lanes], x);
-        i += lanes;
-    }
-    if i < n {
-        let len = n - i;
-        let mut ts = [G::ZERO; MAX_LANES];
-        let mut td = [D::ZERO; MAX_LANES];
-        ts[..len].copy_from_slice(&src[i..n]);
-        td[..len].copy_from_slice(&dst[i..n]);
-        let mut x = s.load(&ts[..lanes]);
-        if accumulate {
-            x = s.add(s.load(&td[..lanes]), x);
+        if i < end {
+            let len = end - i;
+            let mut ts = [G::ZERO; MAX_LANES];
+            let mut td = [D::ZERO; MAX_LANES];
+            ts[..len].copy_from_slice(&src[i..end]);
+            td[..len].copy_from_slice(&dst[i..end]);
+            let mut x = s.load(&ts[..lanes]);
+            if accumulate {
+                x = s.add(s.load(&td[..lanes]), x);
+            }
+            s.store(&mut td[..lanes], x);
+            dst[i..end].copy_from_slice(&td[..len]);
+            if sumsq.is_some() {
+                // Padding lanes hold zeros in both buffers, which add exactly nothing.
+                acc = s.acc_add_squares(acc, s.mul(s.load(&td[..lanes]), scale));
+            }
         }
-        s.store(&mut td[..lanes], x);
-        dst[i..n].copy_from_slice(&td[..len]);
+        if let Some(out) = sumsq.as_mut() {
+            out.partials[block] = s.acc_total(acc);
+        }
+        start = end;
+        block += 1;
     }
 }

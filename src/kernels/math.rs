@@ -57,6 +57,27 @@ impl StepConstants {
         }
     }
 
+    /// The constants in the order the device kernel takes them (`cuda/ptx.rs`):
+    /// `beta1, 1-beta1, beta2, 1-beta2, eps, sqrt(bc2), lr/bc1, decay, wd (L2, else 0)`,
+    /// and whether the L2 term applies.
+    pub(crate) fn for_device(&self) -> ([f32; 9], bool) {
+        let k = self;
+        (
+            [
+                k.beta1,
+                k.one_minus_beta1,
+                k.beta2,
+                k.one_minus_beta2,
+                k.eps,
+                k.sqrt_bc2,
+                k.step_size,
+                k.decay,
+                k.l2_decay.unwrap_or(0.0),
+            ],
+            k.l2_decay.is_some(),
+        )
+    }
+
     /// `sqrt(v) / sqrt(bc2) + eps`. Dividing by exactly 1 (no bias correction, or a late
     /// step where `1 - beta2^t` rounds to 1) is skipped: same bits, one division less.
     #[inline(always)]

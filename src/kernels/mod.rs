@@ -17,7 +17,7 @@ pub use half::{bf16, f16};
 pub use pool::{Isa, Pool, PoolOptions};
 
 use crate::error::{Error, Result, Status};
-use driver::{BLOCK, StepChunk};
+use driver::{BLOCK, StepChunk, SumsqOut};
 use math::{LaneOp, MemoryFloor, Rescale, Rollback, StepConstants, Update};
 use simd::Simd;
 
@@ -116,6 +116,12 @@ impl AdamHyper {
         }
         let t = self.step as f64;
         ((1.0 - self.beta1.powf(t)) as f32, (1.0 - self.beta2.powf(t)) as f32)
+    }
+
+    /// The f32 constants of one step as the device kernel takes them (see
+    /// `StepConstants::for_device`): the same derivation as the CPU kernels'.
+    pub fn device_constants(&self) -> ([f32; 9], bool) {
+        StepConstants::new(self).for_device()
     }
 
     /// AdamW's decay factor `1 - lr * wd`, rounded once to f32 (1 for Adam-L2).
@@ -383,36 +389,72 @@ pub fn memory_floor(pool: &Pool, bufs: AdamBuffers<'_>, grad_scale: f32) -> Resu
     run_step_pass(pool, &MemoryFloor { grad_scale }, bufs, false).map(drop)
 }
 
+/// Calls `$body` with `$s` bound to the token of the widest instruction set the CPU has
+/// (for work on the calling thread, which must not queue behind optimizer work on a pool).
+macro_rules! with_best_isa {
+    ($s:ident => $body:expr) => {
+        match Isa::best() {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                let $s = simd::avx512::Avx512::detect().ok_or_else(isa_vanished)?;
+                $body
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                let $s = simd::avx2::Avx2::detect().ok_or_else(isa_vanished)?;
+                $body
+            }
+            _ => {
+                let $s = simd::portable::Portable;
+                $body
+            }
+        }
+    };
+}
+
 /// Copies `src` into `dst` (or adds it, with `accumulate`), converting between dtypes:
-/// promotion to f32, the f32 sum, one rounding to nearest even into `dst`'s dtype. Runs on
-/// the calling thread with the widest instruction set the CPU has (gradient hand-offs must
-/// not queue behind optimizer work on a pool).
-pub fn copy_into(dst: FloatsMut<'_>, src: Floats<'_>, accumulate: bool) -> Result<()> {
+/// promotion to f32, the f32 sum, one rounding to nearest even into `dst`'s dtype. With
+/// `sumsq_scale`, also returns the f64 sum of squares of `scale · dst` as stored, equal to
+/// [`grad_sumsq`] of `dst` afterwards. Runs on the calling thread.
+pub fn copy_into(
+    dst: FloatsMut<'_>,
+    src: Floats<'_>,
+    accumulate: bool,
+    sumsq_scale: Option<f32>,
+) -> Result<Option<f64>> {
     if dst.len() != src.len() {
         return Err(Error::invalid(format!("copy of {} elements into {}", src.len(), dst.len())));
     }
-    fn with_src<S: Simd, D: Elem>(s: S, dst: &mut [D], src: Floats<'_>, accumulate: bool) {
+    if let Some(scale) = sumsq_scale {
+        check_scale("scale", scale)?;
+    }
+    let mut partials = sumsq_scale.map(|_| vec![0.0f64; dst.len().div_ceil(BLOCK)]);
+    fn with_src<S: Simd, D: Elem>(s: S, dst: &mut [D], src: Floats<'_>, accumulate: bool, out: Option<SumsqOut<'_>>) {
         match src {
-            Floats::F32(g) => s.copy_chunk(dst, g, accumulate),
-            Floats::Bf16(g) => s.copy_chunk(dst, g, accumulate),
-            Floats::F16(g) => s.copy_chunk(dst, g, accumulate),
+            Floats::F32(g) => s.copy_chunk(dst, g, accumulate, out),
+            Floats::Bf16(g) => s.copy_chunk(dst, g, accumulate, out),
+            Floats::F16(g) => s.copy_chunk(dst, g, accumulate, out),
         }
     }
-    fn run<S: Simd>(s: S, dst: FloatsMut<'_>, src: Floats<'_>, accumulate: bool) {
-        match dst {
-            FloatsMut::F32(d) => with_src(s, d, src, accumulate),
-            FloatsMut::Bf16(d) => with_src(s, d, src, accumulate),
-            FloatsMut::F16(d) => with_src(s, d, src, accumulate),
-        }
-    }
-    match Isa::best() {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => run(simd::avx512::Avx512::detect().ok_or_else(isa_vanished)?, dst, src, accumulate),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => run(simd::avx2::Avx2::detect().ok_or_else(isa_vanished)?, dst, src, accumulate),
-        _ => run(simd::portable::Portable, dst, src, accumulate),
-    }
-    Ok(())
+    let out = sumsq_scale.zip(partials.as_deref_mut()).map(|(scale, partials)| SumsqOut { scale, partials });
+    with_best_isa!(s => match dst {
+        FloatsMut::F32(d) => with_src(s, d, src, accumulate, out),
+        FloatsMut::Bf16(d) => with_src(s, d, src, accumulate, out),
+        FloatsMut::F16(d) => with_src(s, d, src, accumulate, out),
+    });
+    Ok(partials.map(|p| p.iter().sum()))
+}
+
+/// [`grad_sumsq`] on the calling thread (same result bit for bit).
+pub fn grad_sumsq_here(grad: GradRef<'_>, scale: f32) -> Result<f64> {
+    check_scale("scale", scale)?;
+    let mut partials = vec![0.0f64; grad.len().div_ceil(BLOCK)];
+    with_best_isa!(s => match grad {
+        GradRef::F32(g) => s.sumsq_chunk(scale, g, &mut partials),
+        GradRef::Bf16(g) => s.sumsq_chunk(scale, g, &mut partials),
+        GradRef::F16(g) => s.sumsq_chunk(scale, g, &mut partials),
+    });
+    Ok(partials.iter().sum())
 }
 
 fn require_master_weights(what: &str, bufs: &AdamBuffers<'_>) -> Result<()> {

@@ -13,8 +13,9 @@ use std::path::Path;
 
 use safetensors::tensor::{Dtype, SafeTensors, View};
 
+use super::protocol::Phase;
 use super::scaler::{LossScaler, LossScalerOptions};
-use super::{GroupHparams, Phase, Session, SgData};
+use super::{GroupHparams, Placement, Session, SgData, SgWork};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{AdamMode, DType};
 
@@ -107,8 +108,12 @@ impl Session {
             return Err(super::state_error("checkpoints are taken between steps (after step(), before begin_step)"));
         }
         self.shared.tickets.drain();
-        let tracks: Vec<_> = t.subgroups.iter().flatten().collect();
-        let data: Vec<std::sync::MutexGuard<'_, SgData>> = tracks.iter().map(|tr| tr.sg.data.lock().unwrap()).collect();
+        let tracks: Vec<_> = t.reg.live().collect();
+        let mut data: Vec<std::sync::MutexGuard<'_, SgData>> =
+            tracks.iter().map(|tr| tr.sg.data.lock().unwrap()).collect();
+        for (track, d) in tracks.iter().zip(data.iter_mut()) {
+            self.sync_device_state(track.sg.id, d)?;
+        }
 
         let mut meta = HashMap::new();
         put(&mut meta, "format", FORMAT);
@@ -117,8 +122,8 @@ impl Session {
         put(&mut meta, "mode", mode_name(self.options.mode));
         put(&mut meta, "bias_correction", self.options.bias_correction);
         put(&mut meta, "moment_dtype", self.options.moment_dtype.name());
-        put(&mut meta, "groups", t.groups.len());
-        for (i, g) in t.groups.iter().enumerate() {
+        put(&mut meta, "groups", t.reg.groups.len());
+        for (i, g) in t.reg.groups.iter().enumerate() {
             for (field, value) in
                 [("lr", g.lr), ("beta1", g.beta1), ("beta2", g.beta2), ("eps", g.eps), ("weight_decay", g.weight_decay)]
             {
@@ -149,7 +154,7 @@ impl Session {
         let mut tensors: Vec<(String, TensorBytes<'_>)> = Vec::new();
         for (track, d) in tracks.iter().zip(&data) {
             for i in track.slices.clone() {
-                let slice = &t.slices[i];
+                let slice = &t.reg.slices[i];
                 put(&mut meta, format!("slice.{}.group", slice.name), track.sg.group);
                 put(&mut meta, format!("slice.{}.step", slice.name), d.work.step_count);
                 for (prefix, buf) in [("master", &d.master), ("exp_avg", &d.exp_avg), ("exp_avg_sq", &d.exp_avg_sq)] {
@@ -203,10 +208,11 @@ impl Session {
             return Err(super::state_error("checkpoints are loaded between steps"));
         }
         self.shared.tickets.drain();
-        let bytes = std::fs::read(path).map_err(|e| io(path, "cannot read", e))?;
-        let (_, header) = SafeTensors::read_metadata(&bytes)
+        let mapped = Mapped::open(path)?;
+        let bytes = mapped.bytes();
+        let (_, header) = SafeTensors::read_metadata(bytes)
             .map_err(|e| bad(format!("{}: not a readable safetensors file: {e}", path.display())))?;
-        let file = SafeTensors::deserialize(&bytes)
+        let file = SafeTensors::deserialize(bytes)
             .map_err(|e| bad(format!("{}: truncated or corrupt safetensors data: {e}", path.display())))?;
         let meta = header.metadata().clone().unwrap_or_default();
         let get = |key: &str| {
@@ -241,8 +247,11 @@ impl Session {
         }
 
         let groups: usize = get("groups")?.parse().map_err(|_| bad("bad group count"))?;
-        if groups != t.groups.len() {
-            return Err(bad(format!("the checkpoint has {groups} param groups; this session has {}", t.groups.len())));
+        if groups != t.reg.groups.len() {
+            return Err(bad(format!(
+                "the checkpoint has {groups} param groups; this session has {}",
+                t.reg.groups.len()
+            )));
         }
         let mut new_groups = Vec::with_capacity(groups);
         for i in 0..groups {
@@ -286,14 +295,14 @@ impl Session {
         };
 
         // Match every slice and every sub-group's step count before touching anything.
-        let tracks: Vec<_> = t.subgroups.iter().flatten().collect();
+        let tracks: Vec<_> = t.reg.live().collect();
         let mut plan = Vec::new();
         let mut expected_tensors = 0;
         for track in &tracks {
             let data = track.sg.data.lock().unwrap();
             let mut step = None;
             for i in track.slices.clone() {
-                let slice = &t.slices[i];
+                let slice = &t.reg.slices[i];
                 if !meta.contains_key(&format!("slice.{}.group", slice.name)) {
                     return Err(bad(format!(
                         "the checkpoint lacks slice {:?}, which this session registers",
@@ -344,10 +353,11 @@ impl Session {
         }
 
         // Apply.
+        let transport = self.shared.transport();
         for (track, (sg, step)) in tracks.iter().zip(&plan) {
             let mut data = sg.data.lock().unwrap();
             for i in track.slices.clone() {
-                let slice = &t.slices[i];
+                let slice = &t.reg.slices[i];
                 let range = slice.range.clone();
                 for (prefix, which) in [("master", 0), ("exp_avg", 1), ("exp_avg_sq", 2)] {
                     let view = file.tensor(&format!("{prefix}/{}", slice.name)).expect("checked");
@@ -359,20 +369,66 @@ impl Session {
                     buf.write_bytes(range.clone(), view.data());
                 }
             }
-            data.work = super::worker::SgWork { step_count: *step, ..Default::default() };
+            data.work = SgWork { step_count: *step, ..Default::default() };
             let d = &mut *data;
             if let Some(copy) = d.copy.as_mut() {
-                crate::kernels::copy_into(copy.floats_mut(), d.master.floats(), false)?;
+                crate::kernels::copy_into(copy.floats_mut(), d.master.floats(), false, None)?;
             }
             // The model's device copy of the weights follows the loaded master weights.
-            if let Some(transport) = &self.transport {
-                transport.master_write(sg.id)?;
-                transport.weights_updated(sg.id, data.master.floats(), data.copy.as_ref().map(|c| c.floats()))?;
-                transport.publish(sg.id)?;
+            match (transport, d.placement) {
+                (Some(transport), Placement::Device) => transport.load_state(sg.id, d.host_state())?,
+                (Some(transport), Placement::Host) => {
+                    transport.master_write(sg.id)?;
+                    transport.weights_updated(sg.id, d.master.floats(), d.copy.as_ref().map(|c| c.floats()))?;
+                    transport.publish(sg.id)?;
+                }
+                (None, _) => {}
             }
         }
-        t.groups = new_groups;
+        if let Some(transport) = transport {
+            transport.after_load()?;
+        }
+        t.reg.groups = new_groups;
         *self.shared.scaler.lock().unwrap() = scaler;
         Ok(())
+    }
+}
+
+/// A checkpoint file mapped read-only: loading needs no more memory than the state it
+/// restores (pages are read as they are copied, and can be dropped again by the kernel).
+struct Mapped {
+    ptr: *mut libc::c_void,
+    len: usize,
+}
+
+impl Mapped {
+    fn open(path: &Path) -> Result<Mapped> {
+        let file = std::fs::File::open(path).map_err(|e| io(path, "cannot open", e))?;
+        let len = file.metadata().map_err(|e| io(path, "cannot stat", e))?.len() as usize;
+        if len == 0 {
+            return Err(bad(format!("{}: the file is empty", path.display())));
+        }
+        use std::os::fd::AsRawFd;
+        // SAFETY: a read-only private mapping of a file we opened; checked for failure.
+        let ptr =
+            unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, file.as_raw_fd(), 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(io(path, "cannot map", std::io::Error::last_os_error()));
+        }
+        Ok(Mapped { ptr, len })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the mapping is `len` readable bytes for as long as `self` lives. A file
+        // truncated by someone else while loaded would fault; checkpoints are replaced by
+        // rename, never truncated in place.
+        unsafe { std::slice::from_raw_parts(self.ptr.cast::<u8>(), self.len) }
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: the mapping `open` made.
+        unsafe { libc::munmap(self.ptr, self.len) };
     }
 }

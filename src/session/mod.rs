@@ -1,43 +1,57 @@
-//! The offload session: parameter sub-groups whose Adam state lives in host memory, stepped
-//! speculatively on a dedicated CPU-Adam thread as soon as their gradients are complete,
-//! and made exact at `step()` (rescale for clipping, rollback for a skipped step, rollback
-//! and redo for late gradients or changed hyperparameters).
+//! The offload session: parameter sub-groups whose Adam state lives in host memory (or, for
+//! the first sub-groups in forward order, in device memory), stepped on a dedicated CPU-Adam
+//! thread in the order the next forward needs them, and made exact at `step()`.
 //!
-//! Transport-agnostic: gradients arrive as host slices ("host mode").
+//! Transport-agnostic: gradients arrive as host slices ("host mode") or through a
+//! [`Transport`] (the CUDA one lives in `crate::cuda`).
 //!
 //! Protocol of one optimizer step, from the caller's side:
 //! 1. `begin_step(loss_scale, micro_steps)`;
-//! 2. gradients of named param slices (`grad_copy` / `grad_written`), `next_micro_step`
-//!    between micro-steps; when the last micro-step completes a sub-group, its speculative
-//!    step (scale `1/S`) is queued and a ticket returned;
+//! 2. gradients of named param slices (`grad_copy` / `grad_written` / a transport's hand-off),
+//!    `next_micro_step` between micro-steps. The sum of squares of each slice's gradient is
+//!    taken as it is handed over, so the global norm is known as soon as the last gradient
+//!    exists. When the last micro-step completes a sub-group, a speculative step (scale
+//!    `1/S`) may be queued for it (see [`Speculation`]) and its ticket returned;
 //! 3. optionally `local_grad_sumsq` (for an all-reduce across ranks);
-//! 4. `step(max_norm, norm, overflow)`: returns at once with a ticket; the CPU-Adam thread
-//!    decides and finalizes each sub-group in forward (registration) order, completing its
-//!    final ticket, then the step ticket.
+//! 4. `step(max_norm, norm, overflow)`: returns at once with a ticket. The CPU-Adam thread
+//!    decides (norm, skip, clip factor) before anything else, cancels the speculative steps
+//!    that had not started, then finalizes the sub-groups in forward order, each with one
+//!    exact pass where possible, publishing each as soon as its own pass ends.
+//!
+//! The layout: [`registry`] (groups, slices, sub-groups, memory), [`protocol`] (the caller's
+//! side of a step), [`scheduler`] (the CPU-Adam thread, job priorities and each sub-group's
+//! lifecycle), [`passes`] (the optimizer passes a job runs), [`policy`] (automatic
+//! speculation and GPU split), [`tickets`], [`checkpoint`].
 
 mod buffers;
 mod checkpoint;
+mod passes;
+mod policy;
+mod protocol;
+mod registry;
 mod scaler;
+mod scheduler;
 mod tickets;
 mod trace;
-mod worker;
 
-use std::collections::HashMap;
+use std::any::Any;
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 pub use buffers::Borrowed;
 pub use scaler::{LossScaler, LossScalerOptions};
-pub use tickets::{Ticket, TicketState};
+pub use tickets::{STEP_LANE, Ticket, TicketState, subgroup_lane};
 
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, AdamHyper, AdamMode, DType, Floats, Pool, PoolOptions};
 use buffers::HostBuf;
+use protocol::Tracking;
+use scheduler::Scheduler;
 use tickets::Tickets;
 use trace::Lane;
-use worker::{FinalizePlan, Job, JobQueue, PrepareEntry, PreparePlan, SgWork, WorkerShared};
 
 /// Hyperparameters of a param group; changeable at any time.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -57,6 +71,30 @@ impl Default for GroupHparams {
     }
 }
 
+/// Whether sub-groups are stepped during backward, before `step()` knows the clip factor.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Speculation {
+    /// Every sub-group is stepped once, after `step()` decides.
+    Off,
+    /// Every sub-group that can speculate does, as soon as its gradient is complete.
+    On,
+    /// Decided per step and sub-group from what earlier steps measured (see `policy.rs`):
+    /// speculate while the clip factor mostly stayed unchanged and the sub-group's gradient
+    /// arrived early enough to make progress before `step()`.
+    #[default]
+    Auto,
+}
+
+/// Where a sub-group's master weights and moments live and are stepped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Placement {
+    /// Host memory, stepped by the CPU kernels.
+    #[default]
+    Host,
+    /// Device memory, stepped by the transport's device kernel (CUDA sessions).
+    Device,
+}
+
 /// How a session is set up.
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
@@ -72,9 +110,9 @@ pub struct SessionOptions {
     pub grad_dtype: DType,
     /// dtype of the sub-group gradient buffers, where micro-steps accumulate.
     pub accum_dtype: DType,
-    /// Step sub-groups during backward.
-    pub speculation: bool,
-    /// Host bytes the session may allocate (moments, gradient buffers); `None` for no limit.
+    pub speculation: Speculation,
+    /// Host bytes the session may allocate (moments, gradient buffers, the low-precision
+    /// copy, late-gradient buffers); `None` for no limit.
     pub host_memory_limit: Option<usize>,
     /// Rejected: AMSGrad keeps a running maximum that no rollback can undo.
     pub amsgrad: bool,
@@ -83,6 +121,9 @@ pub struct SessionOptions {
     /// Keep a bf16 or f16 copy of each sub-group's master weights, written in the same pass
     /// as every update (what a transport can send to the device at half the bytes).
     pub copy_dtype: Option<DType>,
+    /// Automatic split: device bytes the session may use to keep the first sub-groups in
+    /// forward order on the device, chosen after a few measured steps (`policy.rs`); 0: off.
+    pub gpu_budget_bytes: usize,
 }
 
 impl Default for SessionOptions {
@@ -95,11 +136,12 @@ impl Default for SessionOptions {
             moment_dtype: DType::F32,
             grad_dtype: DType::F32,
             accum_dtype: DType::F32,
-            speculation: true,
+            speculation: Speculation::Auto,
             host_memory_limit: None,
             amsgrad: false,
             loss_scaler: None,
             copy_dtype: None,
+            gpu_budget_bytes: 0,
         }
     }
 }
@@ -112,6 +154,14 @@ pub struct SliceDesc {
     pub numel: usize,
 }
 
+/// The model's parameter on the device that a sub-group's updated weights are published to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceParam {
+    /// Device address of `numel` elements of `dtype`.
+    pub ptr: u64,
+    pub dtype: DType,
+}
+
 /// A sub-group to register.
 #[derive(Clone, Debug)]
 pub struct SubGroupDesc {
@@ -120,13 +170,35 @@ pub struct SubGroupDesc {
     pub master: Borrowed,
     /// A caller-provided gradient buffer in `accum_dtype` (else the session allocates one).
     pub grad: Option<Borrowed>,
+    /// Caller-provided moment buffers in `moment_dtype` (else the session allocates them).
+    pub exp_avg: Option<Borrowed>,
+    pub exp_avg_sq: Option<Borrowed>,
     pub slices: Vec<SliceDesc>,
+    /// With a transport: the model's parameter the weights are published to.
+    pub device: Option<DeviceParam>,
+    pub placement: Placement,
+}
+
+impl SubGroupDesc {
+    /// A host sub-group of `master` with session-allocated buffers.
+    pub fn new(group: u32, master: Borrowed, slices: Vec<SliceDesc>) -> SubGroupDesc {
+        SubGroupDesc {
+            group,
+            master,
+            grad: None,
+            exp_avg: None,
+            exp_avg_sq: None,
+            slices,
+            device: None,
+            placement: Placement::Host,
+        }
+    }
 }
 
 /// Where `step()` takes the global gradient norm from.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum NormSource {
-    /// The square root of the sums of squares gathered in this session's passes.
+    /// The square root of the sums of squares taken as gradients were handed over.
     Local,
     /// A norm the caller computed (e.g. all-reduced across ranks); inf/NaN skips the step.
     Given(f64),
@@ -148,7 +220,7 @@ pub struct StepResult {
     /// 1 for the first step of the session, then one more per `begin_step`.
     pub serial: u64,
     pub skipped: bool,
-    /// Of the unscaled gradient.
+    /// Of the unscaled gradient (inf or NaN when a gradient element was).
     pub global_norm: f64,
     pub clip_coef: f64,
     /// The factor every gradient was finally stepped with: `clip_coef / loss_scale`.
@@ -157,20 +229,35 @@ pub struct StepResult {
     pub loss_scale: f32,
     /// The loss scale for the next step (the built-in scaler's verdict, else unchanged).
     pub next_loss_scale: f32,
-    /// Speculative steps submitted during backward.
+    /// Speculative steps queued during backward.
     pub speculative: u32,
-    /// Gradients that arrived for a sub-group after its speculative step.
+    /// Gradients that arrived for a sub-group after it was complete.
     pub late_gradients: u32,
-    /// Speculative steps kept as they were (same factor).
+    /// Speculative steps kept as they were (same factor), possibly completed by a pass over
+    /// the part that a preempted speculative pass had not reached.
     pub kept: u32,
     pub rescaled: u32,
     pub rolled_back: u32,
     /// Speculative steps undone and taken again (late gradient, changed hyperparameters).
     pub redone: u32,
-    /// Sub-groups stepped at `step()` without speculation.
+    /// Sub-groups stepped once, at finalization, with no speculative step applied.
     pub stepped: u32,
     /// Why the step was skipped ([`SkipReason::None`] when it was not).
     pub skip_reason: SkipReason,
+    /// Speculative steps that had not started at `step()`: cancelled, and their sub-groups
+    /// stepped once with the exact factor (counted in `stepped` too).
+    pub cancelled: u32,
+    /// Sub-groups stepped on the device (device placement).
+    pub device_stepped: u32,
+    /// Elements the optimizer passes touched after `step()` was called (each pass over a
+    /// sub-group counts its elements): the work left after backward.
+    pub final_pass_elements: u64,
+    /// Seconds the compute stream (CUDA) or the calling threads (host mode) waited on this
+    /// session's tickets between the previous `step()` and this one: the optimizer time the
+    /// previous step left exposed.
+    pub forward_wait_s: f64,
+    /// Sub-groups placed on the device during this step.
+    pub device_subgroups: u32,
 }
 
 /// Why a step was skipped: nothing was stepped, every speculative step was rolled back and
@@ -195,22 +282,69 @@ pub enum SkipReason {
 /// (or, after the sub-group completed, of its late-gradient buffer).
 pub struct HandOff<'a> {
     pub sg: u32,
+    /// The slice's index within its sub-group.
+    pub slice: usize,
+    /// The slice's elements within the sub-group.
+    pub range: Range<usize>,
     pub dst: kernels::FloatsMut<'a>,
     /// Add to what is there (a later micro-step, or a repeated gradient), else overwrite.
     pub accumulate: bool,
     pub late: bool,
+    /// At the last micro-step: the sum of squares of `scale · gradient` (as accumulated) is
+    /// wanted, returned by the delivery or, when it is computed elsewhere (on the device),
+    /// later by [`Transport::gradient_sumsq`].
+    pub sumsq_scale: Option<f32>,
+}
+
+/// A sum of squares of a slice's gradient, as the hand-off left it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum HandedSumsq {
+    /// Computed during the hand-off.
+    Known(f64),
+    /// Being computed by the transport: ask [`Transport::gradient_sumsq`].
+    Deferred,
+}
+
+/// Host views of a sub-group's state, for a transport that keeps it on the device.
+pub struct HostState<'a> {
+    pub master: kernels::FloatsMut<'a>,
+    pub exp_avg: kernels::FloatsMut<'a>,
+    pub exp_avg_sq: kernels::FloatsMut<'a>,
 }
 
 /// How gradients and weights move between the session's host buffers and the device the
-/// model lives on. Host mode has none; the CUDA transport implements it. Every hook but
-/// `pin`/`unpin` runs on the CPU-Adam thread, in ticket order.
-pub trait Transport: Send + Sync {
+/// model lives on. Host mode has none; the CUDA transport implements it.
+///
+/// Threads: `pin`, `unpin`, `attach`, `detach`, `before_step`, `after_load`,
+/// `set_placement`, `load_state`, `download_state` run on the calling thread (under the
+/// session's registry lock); the hand-off closure runs on the calling thread; every other
+/// hook runs on the CPU-Adam thread. See ARCHITECTURE.md for the lock order.
+pub trait Transport: Send + Sync + Any {
+    fn as_any(&self) -> &dyn Any;
     /// Page-locks a host buffer the session will copy to or from (in place).
     fn pin(&self, ptr: *mut u8, bytes: usize) -> Result<()>;
     /// Undoes `pin`, when the buffer is freed or no longer borrowed.
     fn unpin(&self, ptr: *mut u8);
+    /// A sub-group is being registered (its slices' ranges given): connect it to `device`
+    /// and, with [`Placement::Device`], take its state onto the device from `state`.
+    fn attach(
+        &self,
+        _sg: u32,
+        _device: Option<DeviceParam>,
+        _slices: &[Range<usize>],
+        placement: Placement,
+        _state: HostState<'_>,
+    ) -> Result<()> {
+        no_device(placement == Placement::Host)
+    }
+    /// `sg` is being removed: finish everything that touches its buffers.
+    fn detach(&self, _sg: u32) {}
     /// Before sub-group `sg`'s gradient (or late gradients) are read: wait for their copies.
     fn gradient_ready(&self, sg: u32) -> Result<()>;
+    /// The sum of squares of a slice's gradient whose hand-off left it [`HandedSumsq::Deferred`].
+    fn gradient_sumsq(&self, _sg: u32, _slice: usize) -> Result<f64> {
+        Err(Error::new(Status::Panic, "this transport defers no sums of squares"))
+    }
     /// Before the master weights (or their copy) of `sg` are modified: wait until nothing
     /// still reads them.
     fn master_write(&self, sg: u32) -> Result<()>;
@@ -219,10 +353,74 @@ pub trait Transport: Send + Sync {
     fn weights_updated(&self, sg: u32, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()>;
     /// `sg` is final for this step: make the staged weights the model's.
     fn publish(&self, sg: u32) -> Result<()>;
-    /// `ticket` completes (after its work and any `publish` of it).
-    fn ticket_done(&self, ticket: Ticket);
-    /// `sg` is being removed: finish everything that touches its buffers.
-    fn subgroup_removed(&self, sg: u32);
+    /// `ticket` of `lane` completes (after its work and any `publish` of it).
+    fn ticket_done(&self, _lane: u32, _ticket: Ticket) {}
+    /// `step()` was called: what is published from now on must follow the caller's work.
+    fn before_step(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Seconds the device waited on tickets since the previous call (exposed optimizer time).
+    fn exposed_wait_s(&self) -> f64 {
+        0.0
+    }
+    /// A checkpoint was loaded and republished: return once the device sees it.
+    fn after_load(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Steps a device-placed sub-group (its gradient is on the device) and publishes it.
+    fn device_step(&self, _sg: u32, _hp: &AdamHyper, _factor: f32) -> Result<()> {
+        no_device(false)
+    }
+    /// Zeroes part of a device-placed sub-group's gradient (a slice that got none).
+    fn device_zero_gradient(&self, _sg: u32, _range: Range<usize>) -> Result<()> {
+        no_device(false)
+    }
+    /// Moves a sub-group's state between host (`state`) and device, bit for bit.
+    fn set_placement(&self, _sg: u32, placement: Placement, _state: HostState<'_>) -> Result<()> {
+        no_device(placement == Placement::Host)
+    }
+    /// Copies a device-placed sub-group's state into `state` (for a checkpoint).
+    fn download_state(&self, _sg: u32, _state: HostState<'_>) -> Result<()> {
+        no_device(false)
+    }
+    /// Overwrites a device-placed sub-group's state from `state` (a checkpoint load).
+    fn load_state(&self, _sg: u32, _state: HostState<'_>) -> Result<()> {
+        no_device(false)
+    }
+    /// Device bytes this transport allocated.
+    fn device_bytes(&self) -> usize {
+        0
+    }
+}
+
+/// The answer of a transport without device-side state.
+fn no_device(ok: bool) -> Result<()> {
+    if ok { Ok(()) } else { Err(Error::unsupported("this transport cannot keep sub-groups on a device")) }
+}
+
+/// Gradients that arrived after the sub-group completed.
+pub(crate) struct LateGrads {
+    pub buffer: HostBuf,
+    pub ranges: Vec<Range<usize>>,
+}
+
+/// A speculative step as applied to elements `[0, done)` of a sub-group: what a rescale or
+/// rollback must use, and where a preempted pass stopped.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SpecRecord {
+    pub hp: AdamHyper,
+    pub scale: f32,
+    pub done: usize,
+}
+
+/// The optimizer-side state of a sub-group (under its data lock).
+#[derive(Default)]
+pub(crate) struct SgWork {
+    pub step_count: u64,
+    /// The speculative step currently applied to the master weights and moments.
+    pub spec: Option<SpecRecord>,
+    /// The speculative step was undone for a late gradient and must be taken again.
+    pub redo: bool,
 }
 
 /// The buffers of a sub-group, owned by whoever holds the lock: the CPU-Adam thread while
@@ -235,18 +433,28 @@ pub(crate) struct SgData {
     /// Low-precision copy of the master weights, written by every pass that changes them.
     pub copy: Option<HostBuf>,
     pub work: SgWork,
+    /// Per slice (in sub-group order): the sum of squares of this step's gradient, once
+    /// handed over at the last micro-step.
+    pub sumsq: Vec<Option<HandedSumsq>>,
+    pub placement: Placement,
 }
 
-/// Gradients that arrived after the sub-group's speculative step.
-pub(crate) struct LateGrads {
-    pub buffer: HostBuf,
-    pub ranges: Vec<Range<usize>>,
+impl SgData {
+    pub(crate) fn host_state(&mut self) -> HostState<'_> {
+        HostState {
+            master: self.master.floats_mut(),
+            exp_avg: self.exp_avg.floats_mut(),
+            exp_avg_sq: self.exp_avg_sq.floats_mut(),
+        }
+    }
 }
 
 pub(crate) struct SubGroup {
     pub id: u32,
     pub group: u32,
     pub numel: usize,
+    /// The ranges of its slices within it, in slice order.
+    pub slices: Vec<Range<usize>>,
     mode: AdamMode,
     bias_correction: bool,
     speculative_dtypes: bool,
@@ -274,51 +482,42 @@ impl SubGroup {
     }
 }
 
-struct SliceInfo {
-    name: String,
-    sg: u32,
-    range: Range<usize>,
+/// What the CPU-Adam thread shares with the session's callers.
+pub(crate) struct Shared {
+    pub pool: Arc<Pool>,
+    pub tickets: Tickets,
+    pub scaler: Mutex<Option<LossScaler>>,
+    pub last_result: Mutex<Option<(Ticket, StepResult)>>,
+    /// The latest preparation's (serial, local sum of squares), for `local_grad_sumsq`.
+    pub prepared: Mutex<Option<(u64, f64)>>,
+    pub transport: Option<Arc<dyn Transport>>,
+    pub tracer: trace::Tracer,
+    pub sched: Scheduler,
+    pub policy: Mutex<policy::Policy>,
+    /// Nanoseconds callers spent waiting on tickets (the host-mode exposed time).
+    pub caller_wait_ns: AtomicU64,
 }
 
-struct SgTrack {
-    sg: Arc<SubGroup>,
-    slices: Range<usize>,
-    /// Slices with a gradient in the last micro-step.
-    slices_done: usize,
-    submitted: bool,
-    final_ticket: Ticket,
-    /// Borrowed address ranges (master, gradient), for overlap checks.
-    borrowed: Vec<Range<usize>>,
-    host_bytes: usize,
-    /// Host buffers the transport pinned for this sub-group (addresses).
-    pinned: Vec<usize>,
-}
+impl Shared {
+    pub(crate) fn transport(&self) -> Option<&dyn Transport> {
+        self.transport.as_deref()
+    }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Phase {
-    /// Between steps.
-    Idle,
-    /// Gradients arriving.
-    Backward { micro: u32, micro_steps: u32 },
-    /// `local_grad_sumsq` ran the preparation; only `step()` may follow.
-    Prepared { ticket: Ticket },
-}
+    /// Completes a ticket: the transport's device word first, then the host side.
+    pub(crate) fn complete(&self, ticket: Ticket, outcome: Result<()>) {
+        if let (Some(t), Some(lane)) = (self.transport(), self.tickets.pending_lane(ticket)) {
+            t.ticket_done(lane, ticket);
+        }
+        self.tickets.complete(ticket, outcome);
+    }
 
-struct Tracking {
-    phase: Phase,
-    serial: u64,
-    loss_scale: f32,
-    groups: Vec<GroupHparams>,
-    slices: Vec<SliceInfo>,
-    names: HashMap<String, u32>,
-    /// Per slice: micro-step index + 1 of its latest gradient this step, 0 for none.
-    slice_seen: Vec<u32>,
-    subgroups: Vec<Option<SgTrack>>,
-    host_bytes: usize,
-    speculative: u32,
-    late_gradients: u32,
-    decide_ticket: Ticket,
-    step_ticket: Ticket,
+    /// Waits for a ticket on behalf of a caller, counting the time as exposed.
+    pub(crate) fn caller_wait(&self, ticket: Ticket, timeout: Option<Duration>, all: bool) -> Result<()> {
+        let start = std::time::Instant::now();
+        let outcome = self.tickets.wait(ticket, timeout, all);
+        self.caller_wait_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        outcome
+    }
 }
 
 /// An offload session.
@@ -328,9 +527,7 @@ struct Tracking {
 /// while it copies).
 pub struct Session {
     options: SessionOptions,
-    shared: Arc<WorkerShared>,
-    transport: Option<Arc<dyn Transport>>,
-    jobs: Arc<JobQueue>,
+    shared: Arc<Shared>,
     tracking: Mutex<Tracking>,
     worker: Option<JoinHandle<()>>,
 }
@@ -349,6 +546,10 @@ fn validate_group(g: &GroupHparams) -> Result<()> {
         ..Default::default()
     }
     .validate()
+}
+
+fn unknown(what: &str, id: u32) -> Error {
+    Error::new(Status::NotFound, format!("no {what} has id {id}"))
 }
 
 impl Session {
@@ -374,6 +575,9 @@ impl Session {
         if options.copy_dtype == Some(DType::F32) {
             return Err(Error::unsupported("the master-weight copy must be bf16 or f16"));
         }
+        if options.gpu_budget_bytes > 0 && transport.is_none() {
+            return Err(Error::unsupported("gpu_budget_bytes needs a CUDA session (host sessions have no device)"));
+        }
         let pool = match (&options.pool, &options.cores) {
             (Some(_), Some(_)) => return Err(Error::invalid("give a pool or a core list, not both")),
             (Some(pool), None) => pool.clone(),
@@ -382,17 +586,19 @@ impl Session {
             }
             (None, None) => Pool::default_pool()?,
         };
-        let shared = Arc::new(WorkerShared {
+        let shared = Arc::new(Shared {
             pool,
             tickets: Tickets::default(),
             scaler: Mutex::new(options.loss_scaler.map(LossScaler::new)),
             last_result: Mutex::new(None),
-            transport: transport.clone(),
+            prepared: Mutex::new(None),
+            transport,
             tracer: trace::Tracer::new(),
+            sched: Scheduler::default(),
+            policy: Mutex::new(policy::Policy::new(options.speculation)),
+            caller_wait_ns: AtomicU64::new(0),
         });
-        let jobs = Arc::new(JobQueue::default());
-        jobs.reserve(16);
-        let (worker_shared, worker_jobs) = (shared.clone(), jobs.clone());
+        let worker_shared = shared.clone();
         let worker = std::thread::Builder::new()
             .name("superoffload-adam".into())
             .spawn(move || {
@@ -401,32 +607,11 @@ impl Session {
                 if let Some(cores) = worker_shared.pool.cores() {
                     let _ = crate::kernels::pool::pin_current_thread_to(cores);
                 }
-                worker::run(worker_shared, worker_jobs)
+                scheduler::run(worker_shared)
             })
             .map_err(|e| Error::new(Status::OutOfResources, format!("cannot start the CPU-Adam thread: {e}")))?;
         let loss_scale = options.loss_scaler.map_or(1.0, |s| s.init_scale);
-        Ok(Session {
-            options,
-            shared,
-            transport,
-            jobs,
-            tracking: Mutex::new(Tracking {
-                phase: Phase::Idle,
-                serial: 0,
-                loss_scale,
-                groups: Vec::new(),
-                slices: Vec::new(),
-                names: HashMap::new(),
-                slice_seen: Vec::new(),
-                subgroups: Vec::new(),
-                host_bytes: 0,
-                speculative: 0,
-                late_gradients: 0,
-                decide_ticket: 0,
-                step_ticket: 0,
-            }),
-            worker: Some(worker),
-        })
+        Ok(Session { options, shared, tracking: Mutex::new(Tracking::new(loss_scale)), worker: Some(worker) })
     }
 
     pub fn options(&self) -> &SessionOptions {
@@ -437,536 +622,20 @@ impl Session {
         &self.shared.pool
     }
 
+    /// The transport, as its concrete type (e.g. `crate::cuda::CudaTransport`).
+    pub fn transport_as<T: Transport>(&self) -> Option<&T> {
+        self.shared.transport().and_then(|t| t.as_any().downcast_ref::<T>())
+    }
+
     fn lock(&self) -> MutexGuard<'_, Tracking> {
         self.tracking.lock().unwrap()
-    }
-
-    fn send(&self, job: Job) {
-        self.jobs.push(job);
-    }
-
-    // ----- groups and sub-groups -----------------------------------------------------
-
-    pub fn add_group(&self, hparams: GroupHparams) -> Result<u32> {
-        validate_group(&hparams)?;
-        let mut t = self.lock();
-        t.groups.push(hparams);
-        Ok(t.groups.len() as u32 - 1)
-    }
-
-    /// New hyperparameters for a group: speculative steps submitted from now on, and every
-    /// sub-group's final step at the next `step()`, use them.
-    pub fn set_group_hparams(&self, group: u32, hparams: GroupHparams) -> Result<()> {
-        validate_group(&hparams)?;
-        let mut t = self.lock();
-        let slot = t.groups.get_mut(group as usize).ok_or_else(|| unknown("group", group))?;
-        *slot = hparams;
-        Ok(())
-    }
-
-    pub fn group_hparams(&self, group: u32) -> Result<GroupHparams> {
-        self.lock().groups.get(group as usize).copied().ok_or_else(|| unknown("group", group))
-    }
-
-    /// Registers a sub-group (between steps). Sub-groups are finalized at `step()` in the
-    /// order they were registered: register them in forward order.
-    pub fn add_subgroup(&self, desc: SubGroupDesc) -> Result<u32> {
-        let mut t = self.lock();
-        if t.phase != Phase::Idle {
-            return Err(state_error("sub-groups can only be added between steps (before begin_step or after step)"));
-        }
-        if desc.group as usize >= t.groups.len() {
-            return Err(unknown("group", desc.group));
-        }
-        let master = HostBuf::borrowed(desc.master);
-        let numel = master.len();
-        if numel == 0 {
-            return Err(Error::invalid("the master buffer has 0 elements"));
-        }
-        let grad = match desc.grad {
-            Some(g) => {
-                let g = HostBuf::borrowed(g);
-                if g.dtype() != self.options.accum_dtype || g.len() != numel {
-                    return Err(Error::invalid(format!(
-                        "the gradient buffer must hold {numel} elements of {} (the accumulation dtype); it has {} of {}",
-                        self.options.accum_dtype.name(),
-                        g.len(),
-                        g.dtype().name()
-                    )));
-                }
-                Some(g)
-            }
-            None => None,
-        };
-        check_slices(&desc.slices, numel, &t.names)?;
-        let mut borrowed = vec![master.addr_range()];
-        borrowed.extend(grad.as_ref().map(HostBuf::addr_range));
-        check_no_overlap(&borrowed, &t.subgroups)?;
-
-        let moment_bytes = 2 * numel * self.options.moment_dtype.size();
-        let grad_bytes = if grad.is_none() { numel * self.options.accum_dtype.size() } else { 0 };
-        let copy_bytes = self.options.copy_dtype.map_or(0, |d| numel * d.size());
-        let host_bytes = moment_bytes + grad_bytes + copy_bytes;
-        self.check_memory(t.host_bytes, host_bytes)?;
-        let what = "sub-group state";
-        let mut data = SgData {
-            exp_avg: HostBuf::zeros(self.options.moment_dtype, numel, what)?,
-            exp_avg_sq: HostBuf::zeros(self.options.moment_dtype, numel, what)?,
-            grad: match grad {
-                Some(g) => g,
-                None => HostBuf::zeros(self.options.accum_dtype, numel, "a gradient buffer")?,
-            },
-            copy: self.options.copy_dtype.map(|d| HostBuf::zeros(d, numel, "a master-weight copy")).transpose()?,
-            master,
-            work: SgWork::default(),
-        };
-        let pinned = self.pin_all(&mut data)?;
-        let id = t.subgroups.len() as u32;
-        let speculative_dtypes = data.master.dtype() == DType::F32 && self.options.moment_dtype == DType::F32;
-        let sg = Arc::new(SubGroup {
-            id,
-            group: desc.group,
-            numel,
-            mode: self.options.mode,
-            bias_correction: self.options.bias_correction,
-            speculative_dtypes,
-            data: Mutex::new(data),
-            late: Mutex::new(None),
-        });
-        let first = t.slices.len();
-        for s in &desc.slices {
-            let index = t.slices.len() as u32;
-            t.names.insert(s.name.clone(), index);
-            t.slices.push(SliceInfo { name: s.name.clone(), sg: id, range: s.offset..s.offset + s.numel });
-            t.slice_seen.push(0);
-        }
-        t.host_bytes += host_bytes;
-        let slices = first..t.slices.len();
-        // A step queues at most one job per sub-group before its finalization.
-        self.jobs.reserve(2 * (t.subgroups.len() + 1) + 8);
-        t.subgroups.push(Some(SgTrack {
-            sg,
-            slices,
-            slices_done: 0,
-            submitted: false,
-            final_ticket: 0,
-            borrowed,
-            host_bytes,
-            pinned,
-        }));
-        Ok(id)
-    }
-
-    /// Unregisters a sub-group (between steps), after its outstanding work; its borrowed
-    /// buffers are no longer used when this returns.
-    pub fn remove_subgroup(&self, sg: u32) -> Result<()> {
-        let mut t = self.lock();
-        if t.phase != Phase::Idle {
-            return Err(state_error("sub-groups can only be removed between steps"));
-        }
-        let track = t.subgroups.get(sg as usize).and_then(Option::as_ref).ok_or_else(|| unknown("sub-group", sg))?;
-        let (slices, mut bytes, pinned) = (track.slices.clone(), track.host_bytes, track.pinned.clone());
-        let late = track.sg.late.lock().unwrap().take();
-        self.shared.tickets.drain();
-        if let Some(transport) = &self.transport {
-            transport.subgroup_removed(sg);
-            for ptr in pinned {
-                transport.unpin(ptr as *mut u8);
-            }
-        }
-        if let Some(mut late) = late {
-            bytes += late.buffer.bytes();
-            if let Some(transport) = &self.transport {
-                transport.unpin(late.buffer.as_mut_ptr());
-            }
-        }
-        for i in slices {
-            let name = std::mem::take(&mut t.slices[i].name);
-            t.names.remove(&name);
-        }
-        t.host_bytes -= bytes;
-        t.subgroups[sg as usize] = None;
-        Ok(())
-    }
-
-    /// Pins, through the transport, every buffer of a new sub-group that crosses to the
-    /// device: the master weights, the gradient buffer and the copy. Undone on failure.
-    fn pin_all(&self, data: &mut SgData) -> Result<Vec<usize>> {
-        let Some(transport) = &self.transport else { return Ok(Vec::new()) };
-        let mut buffers = vec![&mut data.master, &mut data.grad];
-        buffers.extend(data.copy.as_mut());
-        let mut pinned = Vec::new();
-        for buf in buffers {
-            let (ptr, bytes) = (buf.as_mut_ptr(), buf.bytes());
-            if let Err(e) = transport.pin(ptr, bytes) {
-                for p in pinned {
-                    transport.unpin(p as *mut u8);
-                }
-                return Err(e);
-            }
-            pinned.push(ptr as usize);
-        }
-        Ok(pinned)
-    }
-
-    /// Pins a buffer the session allocates on the fly (late gradients).
-    fn pinned(&self, mut buf: HostBuf) -> Result<HostBuf> {
-        if let Some(transport) = &self.transport {
-            transport.pin(buf.as_mut_ptr(), buf.bytes())?;
-        }
-        Ok(buf)
-    }
-
-    fn check_memory(&self, in_use: usize, more: usize) -> Result<()> {
-        match self.options.host_memory_limit {
-            Some(limit) if in_use + more > limit => Err(Error::new(
-                Status::OutOfResources,
-                format!(
-                    "the host-memory limit of {limit} bytes would be exceeded: {more} more bytes needed, {in_use} in use"
-                ),
-            )),
-            _ => Ok(()),
-        }
-    }
-
-    /// The slice id of a name.
-    pub fn slice_id(&self, name: &str) -> Result<u32> {
-        self.lock()
-            .names
-            .get(name)
-            .copied()
-            .ok_or_else(|| Error::new(Status::NotFound, format!("no slice is named {name:?}")))
-    }
-
-    /// Host bytes the session allocated (moments, gradient buffers, late gradients).
-    pub fn host_bytes(&self) -> usize {
-        self.lock().host_bytes
-    }
-
-    // ----- one step ------------------------------------------------------------------
-
-    /// Starts an optimizer step whose backward uses `loss_scale` (`None`: the built-in
-    /// scaler's current scale, or 1 without one) and `micro_steps` micro-steps.
-    ///
-    /// With the built-in scaler this waits for the previous step's decision, which sets
-    /// the scale.
-    pub fn begin_step(&self, loss_scale: Option<f32>, micro_steps: u32) -> Result<()> {
-        let mut t = self.lock();
-        match t.phase {
-            Phase::Idle => {}
-            Phase::Backward { .. } | Phase::Prepared { .. } => {
-                return Err(state_error("the previous step has not been given to step()"));
-            }
-        }
-        if micro_steps == 0 {
-            return Err(Error::invalid("micro_steps must be >= 1"));
-        }
-        let scale = match loss_scale {
-            Some(s) if s.is_finite() && s > 0.0 => s,
-            Some(s) => return Err(Error::invalid(format!("loss_scale = {s} must be finite and > 0"))),
-            None => {
-                if t.decide_ticket != 0 {
-                    self.shared.tickets.wait(t.decide_ticket, None, false).ok();
-                }
-                self.shared.scaler.lock().unwrap().map_or(1.0, |s| s.scale)
-            }
-        };
-        t.loss_scale = scale;
-        t.serial += 1;
-        t.slice_seen.fill(0);
-        for track in t.subgroups.iter_mut().flatten() {
-            track.slices_done = 0;
-            track.submitted = false;
-        }
-        t.speculative = 0;
-        t.late_gradients = 0;
-        t.phase = Phase::Backward { micro: 0, micro_steps };
-        Ok(())
-    }
-
-    /// The built-in loss scaler's current scale (after the latest step's verdict, which this
-    /// waits for), or 1 without a scaler: what `begin_step(None, ..)` will use.
-    pub fn loss_scale(&self) -> f32 {
-        let decide = self.lock().decide_ticket;
-        if decide != 0 {
-            self.shared.tickets.wait(decide, None, false).ok();
-        }
-        self.shared.scaler.lock().unwrap().map_or(1.0, |s| s.scale)
-    }
-
-    pub fn next_micro_step(&self) -> Result<()> {
-        let mut t = self.lock();
-        match t.phase {
-            Phase::Backward { micro, micro_steps } if micro + 1 < micro_steps => {
-                t.phase = Phase::Backward { micro: micro + 1, micro_steps };
-                Ok(())
-            }
-            Phase::Backward { micro_steps, .. } => {
-                Err(state_error(format!("all {micro_steps} micro-steps of this step have begun")))
-            }
-            Phase::Prepared { .. } => {
-                Err(state_error("the backward of this step ended with local_grad_sumsq; call step() next"))
-            }
-            Phase::Idle => Err(state_error("no step has begun (call begin_step first)")),
-        }
-    }
-
-    /// Copies (micro-step 1) or adds (later micro-steps, repeated hooks) a slice's gradient
-    /// into its sub-group's gradient buffer, in the accumulation dtype. Returns the ticket of
-    /// the work submitted if this completed the sub-group. A gradient for a sub-group that
-    /// already completed is kept aside; the sub-group is redone at `step()`.
-    pub fn grad_copy(&self, slice: u32, src: Floats<'_>) -> Result<Option<Ticket>> {
-        if src.dtype() != self.options.grad_dtype {
-            return Err(Error::invalid(format!(
-                "the gradient is {} but the session's gradient dtype is {}",
-                src.dtype().name(),
-                self.options.grad_dtype.name()
-            )));
-        }
-        self.hand_off(slice, src.len(), "grad_copy", |h| kernels::copy_into(h.dst, src, h.accumulate))
-    }
-
-    /// A gradient arrives that `deliver` writes (or starts writing: a transport may copy
-    /// asynchronously, as long as its `gradient_ready` waits for the copy) into the place
-    /// the session gives it. Completion and tickets as [`Session::grad_copy`].
-    pub fn hand_off(
-        &self,
-        slice: u32,
-        numel: usize,
-        what: &str,
-        deliver: impl FnOnce(HandOff<'_>) -> Result<()>,
-    ) -> Result<Option<Ticket>> {
-        let mut t = self.lock();
-        let span = self.shared.tracer.span(Lane::Caller, || {
-            let name = t.slices.get(slice as usize).map_or("?", |s| s.name.as_str());
-            format!("gradient {name}")
-        });
-        let (micro, micro_steps) = backward_phase(&t, what)?;
-        let (sg_index, range) = self.slice_target(&t, slice, numel)?;
-        let track = t.subgroups[sg_index].as_ref().expect("checked by slice_target");
-        let sg = track.sg.clone();
-        if track.submitted {
-            self.add_late(&mut t, &sg, range, deliver)?;
-            drop(span.arg("late", true));
-            return Ok(None);
-        }
-        self.wait_final(track.final_ticket);
-        let seen = t.slice_seen[slice as usize];
-        {
-            let mut data = sg.data.lock().unwrap();
-            deliver(HandOff { sg: sg.id, dst: data.grad.range_mut(range), accumulate: seen > 0, late: false })?;
-        }
-        let ticket = self.mark_gradient(&mut t, slice, sg_index, micro, micro_steps);
-        drop(span.arg("sub-group", sg.id).arg("completes", ticket.is_some()));
-        Ok(ticket)
-    }
-
-    /// Records that the caller wrote a slice's gradient (accumulated, for later
-    /// micro-steps) directly into its sub-group's caller-provided gradient buffer.
-    pub fn grad_written(&self, slice: u32) -> Result<Option<Ticket>> {
-        let mut t = self.lock();
-        let (micro, micro_steps) = backward_phase(&t, "grad_written")?;
-        let (sg_index, _) = self.slice_target(&t, slice, usize::MAX)?;
-        let track = t.subgroups[sg_index].as_ref().expect("checked by slice_target");
-        if track.sg.data.lock().unwrap().grad.is_owned() {
-            return Err(Error::invalid(format!(
-                "sub-group {sg_index} has a session-owned gradient buffer; hand gradients over with grad_copy"
-            )));
-        }
-        if track.submitted {
-            return Err(state_error(format!(
-                "slice {:?}: its sub-group was already stepped this step, so its buffer is in use; \
-                 hand a late gradient over with grad_copy",
-                t.slices[slice as usize].name
-            )));
-        }
-        self.wait_final(track.final_ticket);
-        Ok(self.mark_gradient(&mut t, slice, sg_index, micro, micro_steps))
-    }
-
-    /// A session-owned gradient buffer of a previous step may still be read by that step's
-    /// finalization; the caller normally waited for the final ticket already.
-    fn wait_final(&self, ticket: Ticket) {
-        if ticket != 0 {
-            self.shared.tickets.wait(ticket, None, false).ok();
-        }
-    }
-
-    fn slice_target(&self, t: &Tracking, slice: u32, numel: usize) -> Result<(usize, Range<usize>)> {
-        let info =
-            t.slices.get(slice as usize).filter(|s| !s.name.is_empty()).ok_or_else(|| unknown("slice", slice))?;
-        if numel != usize::MAX && numel != info.range.len() {
-            return Err(Error::invalid(format!(
-                "slice {:?} has {} elements; the gradient has {numel}",
-                info.name,
-                info.range.len()
-            )));
-        }
-        Ok((info.sg as usize, info.range.clone()))
-    }
-
-    fn mark_gradient(
-        &self,
-        t: &mut Tracking,
-        slice: u32,
-        sg_index: usize,
-        micro: u32,
-        micro_steps: u32,
-    ) -> Option<Ticket> {
-        let seen = std::mem::replace(&mut t.slice_seen[slice as usize], micro + 1);
-        if micro + 1 != micro_steps || seen == micro + 1 {
-            return None;
-        }
-        let track = t.subgroups[sg_index].as_mut().expect("live sub-group");
-        track.slices_done += 1;
-        if track.slices_done < track.slices.len() {
-            return None;
-        }
-        Some(self.submit_complete(t, sg_index))
-    }
-
-    /// A sub-group's gradient is complete: step it speculatively, or (when it cannot
-    /// speculate) measure its sum of squares so the norm is known early.
-    fn submit_complete(&self, t: &mut Tracking, sg_index: usize) -> Ticket {
-        let scale = (1.0 / t.loss_scale as f64) as f32;
-        let ticket = self.shared.tickets.issue();
-        let track = t.subgroups[sg_index].as_mut().expect("live sub-group");
-        track.submitted = true;
-        let sg = track.sg.clone();
-        let group = t.groups[sg.group as usize];
-        if self.options.speculation && sg.can_speculate(group) {
-            t.speculative += 1;
-            self.send(Job::Speculate { hp: sg.hyper(group, 0), sg, scale, ticket });
-        } else {
-            self.send(Job::SumOfSquares { sg, scale, ticket });
-        }
-        ticket
-    }
-
-    fn add_late(
-        &self,
-        t: &mut Tracking,
-        sg: &SubGroup,
-        range: Range<usize>,
-        deliver: impl FnOnce(HandOff<'_>) -> Result<()>,
-    ) -> Result<()> {
-        let mut late = sg.late.lock().unwrap();
-        if late.is_none() {
-            let bytes = sg.numel * self.options.accum_dtype.size();
-            self.check_memory(t.host_bytes, bytes)?;
-            let buffer = self.pinned(HostBuf::zeros(self.options.accum_dtype, sg.numel, "late gradients")?)?;
-            t.host_bytes += bytes;
-            *late = Some(LateGrads { buffer, ranges: Vec::new() });
-        }
-        let late = late.as_mut().expect("just created");
-        let seen = late.ranges.contains(&range);
-        deliver(HandOff { sg: sg.id, dst: late.buffer.range_mut(range.clone()), accumulate: seen, late: true })?;
-        if !seen {
-            late.ranges.push(range);
-        }
-        t.late_gradients += 1;
-        Ok(())
-    }
-
-    fn prepare_plan(&self, t: &Tracking) -> PreparePlan {
-        let entries = t
-            .subgroups
-            .iter()
-            .flatten()
-            .map(|track| PrepareEntry {
-                sg: track.sg.clone(),
-                unseen: track
-                    .slices
-                    .clone()
-                    .filter(|&i| t.slice_seen[i] == 0)
-                    .map(|i| t.slices[i].range.clone())
-                    .collect(),
-            })
-            .collect();
-        PreparePlan { scale: (1.0 / t.loss_scale as f64) as f32, entries }
-    }
-
-    /// The sum of squares of this step's unscaled gradient over every sub-group (zeros for
-    /// slices without a gradient, late gradients merged), for an all-reduce across ranks.
-    /// Waits for the speculative passes; ends the backward (gradients after this are
-    /// refused). Not finite iff a gradient element is inf or NaN.
-    pub fn local_grad_sumsq(&self, timeout: Option<Duration>) -> Result<f64> {
-        let (ticket, subgroups) = {
-            let mut t = self.lock();
-            let ticket = match t.phase {
-                Phase::Backward { .. } => {
-                    let plan = self.prepare_plan(&t);
-                    let ticket = self.shared.tickets.issue();
-                    self.send(Job::Prepare { plan, ticket });
-                    t.phase = Phase::Prepared { ticket };
-                    ticket
-                }
-                Phase::Prepared { ticket } => ticket,
-                Phase::Idle => return Err(state_error("no step has begun (call begin_step first)")),
-            };
-            (ticket, t.subgroups.iter().flatten().map(|s| s.sg.clone()).collect::<Vec<_>>())
-        };
-        let span = self.shared.tracer.span(Lane::Caller, || "wait for the local sum of squares".into());
-        self.shared.tickets.wait(ticket, timeout, false)?;
-        drop(span);
-        Ok(subgroups.iter().map(|sg| sg.data.lock().unwrap().work.sumsq.unwrap_or(f64::NAN)).sum())
-    }
-
-    /// Ends the step: the CPU-Adam thread computes the norm (or takes the given one),
-    /// decides whether to skip, clips, and makes every sub-group exact in forward order.
-    /// Returns at once with the ticket that completes when every sub-group is final.
-    pub fn step(&self, args: StepArgs) -> Result<Ticket> {
-        if !(args.max_norm.is_finite() && args.max_norm >= 0.0) {
-            return Err(Error::invalid(format!("max_norm = {} must be finite and >= 0", args.max_norm)));
-        }
-        if let NormSource::Given(norm) = args.norm {
-            // inf or NaN is a verdict (the step is skipped); a negative norm is a caller bug.
-            if norm < 0.0 {
-                return Err(Error::invalid(format!("the given global norm {norm} is negative")));
-            }
-        }
-        let mut t = self.lock();
-        let prepare = match t.phase {
-            Phase::Backward { .. } => Some(self.prepare_plan(&t)),
-            Phase::Prepared { .. } => None,
-            Phase::Idle => return Err(state_error("no step has begun (call begin_step first)")),
-        };
-        let decide_ticket = self.shared.tickets.issue();
-        let mut subgroups = Vec::new();
-        for i in 0..t.subgroups.len() {
-            if let Some(track) = t.subgroups[i].as_mut() {
-                let ticket = self.shared.tickets.issue();
-                track.final_ticket = ticket;
-                subgroups.push((track.sg.clone(), ticket));
-            }
-        }
-        let step_ticket = self.shared.tickets.issue();
-        let plan = FinalizePlan {
-            serial: t.serial,
-            loss_scale: t.loss_scale,
-            max_norm: args.max_norm,
-            norm: args.norm,
-            overflow: args.overflow,
-            groups: t.groups.clone(),
-            subgroups,
-            decide_ticket,
-            step_ticket,
-            prepare,
-            speculative: t.speculative,
-            late_gradients: t.late_gradients,
-        };
-        self.send(Job::Finalize(Box::new(plan)));
-        t.decide_ticket = decide_ticket;
-        t.step_ticket = step_ticket;
-        t.phase = Phase::Idle;
-        Ok(step_ticket)
     }
 
     /// The result of the step whose ticket `step()` returned (the latest step's only),
     /// waiting up to `timeout` for it.
     pub fn step_result(&self, ticket: Ticket, timeout: Option<Duration>) -> Result<StepResult> {
         let span = self.shared.tracer.span(Lane::Caller, || format!("wait for step ticket {ticket}"));
-        self.shared.tickets.wait(ticket, timeout, false)?;
+        self.shared.caller_wait(ticket, timeout, false)?;
         drop(span);
         match *self.shared.last_result.lock().unwrap() {
             Some((t, result)) if t == ticket => Ok(result),
@@ -979,40 +648,6 @@ impl Session {
         }
     }
 
-    /// The ticket that completes when the sub-group's latest step is final (0 before its
-    /// first `step()`).
-    pub fn final_ticket(&self, sg: u32) -> Result<Ticket> {
-        let t = self.lock();
-        t.subgroups
-            .get(sg as usize)
-            .and_then(Option::as_ref)
-            .map(|s| s.final_ticket)
-            .ok_or_else(|| unknown("sub-group", sg))
-    }
-
-    /// Steps the sub-group has taken (skipped steps do not count). Read it after the
-    /// sub-group's final ticket for the count after a step.
-    pub fn step_count(&self, sg: u32) -> Result<u64> {
-        let t = self.lock();
-        let track = t.subgroups.get(sg as usize).and_then(Option::as_ref).ok_or_else(|| unknown("sub-group", sg))?;
-        Ok(track.sg.data.lock().unwrap().work.step_count)
-    }
-
-    /// Copies of a sub-group's moments, as f32 (waits for its outstanding work first).
-    pub fn moments(&self, sg: u32) -> Result<(Vec<f32>, Vec<f32>)> {
-        let track_sg = {
-            let t = self.lock();
-            t.subgroups
-                .get(sg as usize)
-                .and_then(Option::as_ref)
-                .map(|s| s.sg.clone())
-                .ok_or_else(|| unknown("sub-group", sg))?
-        };
-        self.shared.tickets.drain();
-        let data = track_sg.data.lock().unwrap();
-        Ok((to_f32(data.exp_avg.floats()), to_f32(data.exp_avg_sq.floats())))
-    }
-
     // ----- tickets ------------------------------------------------------------------
 
     pub fn ticket_state(&self, ticket: Ticket) -> Result<TicketState> {
@@ -1022,13 +657,30 @@ impl Session {
         self.shared.tickets.state(ticket)
     }
 
-    /// Waits for `ticket` (0 is always done); its own error, if it failed.
+    /// The lane of a ticket still pending (`None` once complete).
+    pub fn pending_lane(&self, ticket: Ticket) -> Option<u32> {
+        self.shared.tickets.pending_lane(ticket)
+    }
+
+    /// Waits for `ticket` alone (0 is always done); its own error, if it failed.
     pub fn wait(&self, ticket: Ticket, timeout: Option<Duration>) -> Result<()> {
         if ticket == 0 {
             return Ok(());
         }
         let _span = self.shared.tracer.span(Lane::Caller, || format!("wait for ticket {ticket}"));
-        self.shared.tickets.wait(ticket, timeout, false)
+        self.shared.caller_wait(ticket, timeout, false)
+    }
+
+    /// Waits for every ticket issued up to `ticket`; the first error among them, if any failed.
+    pub fn wait_all(&self, ticket: Ticket, timeout: Option<Duration>) -> Result<()> {
+        if ticket == 0 {
+            return Ok(());
+        }
+        self.shared.caller_wait(ticket, timeout, true)
+    }
+
+    pub fn last_ticket(&self) -> Ticket {
+        self.shared.tickets.last_issued()
     }
 
     /// Starts recording a timeline (clearing an earlier one), or stops.
@@ -1040,18 +692,6 @@ impl Session {
     pub fn save_trace(&self, path: &std::path::Path) -> Result<()> {
         self.shared.tracer.write(path)
     }
-
-    /// Waits for every ticket up to `ticket`; the first error among them, if any failed.
-    pub fn wait_all(&self, ticket: Ticket, timeout: Option<Duration>) -> Result<()> {
-        if ticket == 0 {
-            return Ok(());
-        }
-        self.shared.tickets.wait(ticket, timeout, true)
-    }
-
-    pub fn last_ticket(&self) -> Ticket {
-        self.shared.tickets.last_issued()
-    }
 }
 
 /// torch's `clip_grad_norm_` coefficient: `min(1, max_norm / (norm + 1e-6))`, 1 when
@@ -1061,26 +701,22 @@ pub fn clip_coefficient(max_norm: f64, norm: f64) -> f64 {
 }
 
 /// The factor every gradient of a step is finally multiplied by: `clip / loss_scale`,
-/// computed in f64 and rounded once (so with `clip == 1` it equals the `1 / loss_scale`
-/// of the speculative steps exactly).
+/// computed in f64 and rounded once. With `clip == 1` it is the unscale factor `1 / S` of the
+/// speculative steps exactly, which is what lets a speculative step be kept.
 pub fn grad_factor(clip: f64, loss_scale: f32) -> f32 {
     (clip / loss_scale as f64) as f32
+}
+
+/// The factor of a speculative step, and of every sum of squares taken at hand-over: the
+/// unscaled gradient, `grad_factor(1, loss_scale)`.
+pub fn unscale_factor(loss_scale: f32) -> f32 {
+    grad_factor(1.0, loss_scale)
 }
 
 /// Whether a gradient factor can be stepped with: finite and > 0 in f32 (the kernels refuse
 /// anything else).
 pub fn usable_factor(factor: f32) -> bool {
     factor.is_finite() && factor > 0.0
-}
-
-fn backward_phase(t: &Tracking, what: &str) -> Result<(u32, u32)> {
-    match t.phase {
-        Phase::Backward { micro, micro_steps } => Ok((micro, micro_steps)),
-        Phase::Prepared { .. } => {
-            Err(state_error(format!("{what} after the backward ended with local_grad_sumsq; call step() next")))
-        }
-        Phase::Idle => Err(state_error(format!("{what} before any step has begun (call begin_step first)"))),
-    }
 }
 
 fn to_f32(values: Floats<'_>) -> Vec<f32> {
@@ -1091,74 +727,15 @@ fn to_f32(values: Floats<'_>) -> Vec<f32> {
     }
 }
 
-fn unknown(what: &str, id: u32) -> Error {
-    Error::new(Status::NotFound, format!("no {what} has id {id}"))
-}
-
-/// Slices must be named uniquely (across the session), non-empty, inside the sub-group
-/// and pairwise disjoint.
-fn check_slices(slices: &[SliceDesc], numel: usize, names: &HashMap<String, u32>) -> Result<()> {
-    if slices.is_empty() {
-        return Err(Error::invalid("a sub-group needs at least one slice"));
-    }
-    let mut order: Vec<&SliceDesc> = slices.iter().collect();
-    order.sort_by_key(|s| s.offset);
-    for (i, s) in order.iter().enumerate() {
-        if s.name.is_empty() {
-            return Err(Error::invalid("slice names must not be empty"));
-        }
-        if s.numel == 0 || s.offset.checked_add(s.numel).is_none_or(|end| end > numel) {
-            return Err(Error::invalid(format!(
-                "slice {:?} (offset {}, numel {}) is empty or outside the sub-group's {numel} elements",
-                s.name, s.offset, s.numel
-            )));
-        }
-        if names.contains_key(&s.name) || slices.iter().filter(|o| o.name == s.name).count() > 1 {
-            return Err(Error::invalid(format!("slice name {:?} is used twice", s.name)));
-        }
-        if let Some(next) = order.get(i + 1) {
-            if s.offset + s.numel > next.offset {
-                return Err(Error::new(Status::Aliasing, format!("slices {:?} and {:?} overlap", s.name, next.name)));
-            }
-        }
-    }
-    Ok(())
-}
-
-fn check_no_overlap(new: &[Range<usize>], subgroups: &[Option<SgTrack>]) -> Result<()> {
-    let overlaps = |a: &Range<usize>, b: &Range<usize>| a.start < b.end && b.start < a.end;
-    if new.len() == 2 && overlaps(&new[0], &new[1]) {
-        return Err(Error::new(Status::Aliasing, "the master buffer and the gradient buffer overlap"));
-    }
-    for (id, track) in subgroups.iter().enumerate() {
-        let Some(track) = track else { continue };
-        if track.borrowed.iter().any(|r| new.iter().any(|n| overlaps(n, r))) {
-            return Err(Error::new(Status::Aliasing, format!("the buffers overlap those of sub-group {id}")));
-        }
-    }
-    Ok(())
-}
-
 impl Drop for Session {
-    /// Waits for every queued step, then stops the CPU-Adam thread and unpins what the
-    /// transport pinned.
+    /// Waits for every queued step, then stops the CPU-Adam thread and releases what the
+    /// transport holds.
     fn drop(&mut self) {
         let mut t = self.tracking.lock().unwrap_or_else(|e| e.into_inner());
-        self.jobs.close();
+        self.shared.sched.close();
         if let Some(worker) = self.worker.take() {
             let _ = worker.join();
         }
-        if let Some(transport) = &self.transport {
-            for (id, track) in t.subgroups.iter_mut().enumerate() {
-                let Some(track) = track else { continue };
-                transport.subgroup_removed(id as u32);
-                for &ptr in &track.pinned {
-                    transport.unpin(ptr as *mut u8);
-                }
-                if let Some(late) = track.sg.late.lock().unwrap().as_mut() {
-                    transport.unpin(late.buffer.as_mut_ptr());
-                }
-            }
-        }
+        self.release_all(&mut t);
     }
 }

@@ -66,8 +66,21 @@ impl Drop for Span<'_> {
     }
 }
 
+/// A JSON string body: quotes, backslashes and every control character escaped.
 fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\").replace('"', "\\\"")
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 impl Tracer {
@@ -87,6 +100,15 @@ impl Tracer {
     pub(crate) fn span(&self, lane: Lane, name: impl FnOnce() -> String) -> Span<'_> {
         let on = self.enabled.load(Ordering::Acquire);
         Span { tracer: self, name: on.then(name), lane, start: Instant::now(), args: String::new() }
+    }
+
+    /// Records a point event (a decision worth seeing on the timeline).
+    pub(crate) fn instant(&self, lane: Lane, name: impl FnOnce() -> String) {
+        if self.enabled.load(Ordering::Acquire) {
+            let start_us = self.origin.elapsed().as_secs_f64() * 1e6;
+            let event = Event { name: name(), lane, start_us, dur_us: 0.0, args: String::new() };
+            self.events.lock().unwrap().push(event);
+        }
     }
 
     pub(crate) fn write(&self, path: &std::path::Path) -> Result<()> {

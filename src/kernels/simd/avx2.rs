@@ -4,7 +4,7 @@
 use core::arch::x86_64::*;
 
 use super::Simd;
-use crate::kernels::driver::{self, StepChunk};
+use crate::kernels::driver::{self, StepChunk, SumsqOut};
 use crate::kernels::dtype::{BF16_NAN, DType, Elem};
 use crate::kernels::math::LaneOp;
 
@@ -149,9 +149,9 @@ impl Simd for Avx2 {
         unsafe { sumsq_entry(self, scale, grad, partials) }
     }
 
-    fn copy_chunk<D: Elem, G: Elem>(self, dst: &mut [D], src: &[G], accumulate: bool) {
+    fn copy_chunk<D: Elem, G: Elem>(self, dst: &mut [D], src: &[G], accumulate: bool, sumsq: Option<SumsqOut<'_>>) {
         // SAFETY: the token proves AVX2, FMA and F16C are available.
-        unsafe { copy_entry(self, dst, src, accumulate) }
+        unsafe { copy_entry(self, dst, src, accumulate, sumsq) }
     }
 }
 
@@ -166,6 +166,12 @@ unsafe fn sumsq_entry<G: Elem>(s: Avx2, scale: f32, grad: &[G], partials: &mut [
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn copy_entry<D: Elem, G: Elem>(s: Avx2, dst: &mut [D], src: &[G], accumulate: bool) {
-    driver::copy_chunk(s, dst, src, accumulate)
+unsafe fn copy_entry<D: Elem, G: Elem>(
+    s: Avx2,
+    dst: &mut [D],
+    src: &[G],
+    accumulate: bool,
+    sumsq: Option<SumsqOut<'_>>,
+) {
+    driver::copy_chunk(s, dst, src, accumulate, sumsq)
 }

@@ -4,7 +4,7 @@
 use core::arch::x86_64::*;
 
 use super::Simd;
-use crate::kernels::driver::{self, StepChunk};
+use crate::kernels::driver::{self, StepChunk, SumsqOut};
 use crate::kernels::dtype::{BF16_NAN, DType, Elem};
 use crate::kernels::math::LaneOp;
 
@@ -132,9 +132,9 @@ impl Simd for Avx512 {
         unsafe { sumsq_entry(self, scale, grad, partials) }
     }
 
-    fn copy_chunk<D: Elem, G: Elem>(self, dst: &mut [D], src: &[G], accumulate: bool) {
+    fn copy_chunk<D: Elem, G: Elem>(self, dst: &mut [D], src: &[G], accumulate: bool, sumsq: Option<SumsqOut<'_>>) {
         // SAFETY: the token proves AVX-512F is available.
-        unsafe { copy_entry(self, dst, src, accumulate) }
+        unsafe { copy_entry(self, dst, src, accumulate, sumsq) }
     }
 }
 
@@ -153,6 +153,12 @@ unsafe fn sumsq_entry<G: Elem>(s: Avx512, scale: f32, grad: &[G], partials: &mut
 }
 
 #[target_feature(enable = "avx512f")]
-unsafe fn copy_entry<D: Elem, G: Elem>(s: Avx512, dst: &mut [D], src: &[G], accumulate: bool) {
-    driver::copy_chunk(s, dst, src, accumulate)
+unsafe fn copy_entry<D: Elem, G: Elem>(
+    s: Avx512,
+    dst: &mut [D],
+    src: &[G],
+    accumulate: bool,
+    sumsq: Option<SumsqOut<'_>>,
+) {
+    driver::copy_chunk(s, dst, src, accumulate, sumsq)
 }

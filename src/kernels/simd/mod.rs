@@ -7,7 +7,7 @@
 //! uses eight logical lanes (element `i` goes to lane `i % 8`, lanes reduced by the
 //! fixed tree in [`reduce_lanes`]).
 
-use super::driver::StepChunk;
+use super::driver::{StepChunk, SumsqOut};
 use super::dtype::Elem;
 use super::math::LaneOp;
 
@@ -54,8 +54,9 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     /// Runs one chunk of the read-only sum-of-squares pass.
     fn sumsq_chunk<G: Elem>(self, scale: f32, grad: &[G], partials: &mut [f64]);
 
-    /// Copies (or adds) `src` into `dst`, converting dtypes.
-    fn copy_chunk<D: Elem, G: Elem>(self, dst: &mut [D], src: &[G], accumulate: bool);
+    /// Copies (or adds) `src` into `dst`, converting dtypes; with `sumsq`, also the sum of
+    /// squares of what was stored (the same partials as `sumsq_chunk` over `dst` afterwards).
+    fn copy_chunk<D: Elem, G: Elem>(self, dst: &mut [D], src: &[G], accumulate: bool, sumsq: Option<SumsqOut<'_>>);
 }
 
 /// The reduction tree of the eight logical f64 lanes: `(a0+a4, a1+a5, a2+a6, a3+a7)`, then

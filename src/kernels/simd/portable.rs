@@ -3,7 +3,7 @@
 //! keeps this path bit-identical to the vector ones.
 
 use super::{Simd, reduce_lanes};
-use crate::kernels::driver::{self, StepChunk};
+use crate::kernels::driver::{self, StepChunk, SumsqOut};
 use crate::kernels::dtype::Elem;
 use crate::kernels::math::LaneOp;
 
@@ -87,7 +87,7 @@ impl Simd for Portable {
         driver::sumsq_chunk(self, scale, grad, partials)
     }
 
-    fn copy_chunk<D: Elem, G: Elem>(self, dst: &mut [D], src: &[G], accumulate: bool) {
-        driver::copy_chunk(self, dst, src, accumulate)
+    fn copy_chunk<D: Elem, G: Elem>(self, dst: &mut [D], src: &[G], accumulate: bool, sumsq: Option<SumsqOut<'_>>) {
+        driver::copy_chunk(self, dst, src, accumulate, sumsq)
     }
 }

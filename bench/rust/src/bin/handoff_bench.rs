@@ -21,9 +21,7 @@
 //! CPU-Adam thread and the pool running speculative steps). One final step hands one slice
 //! over twice (a late gradient) to show the allocation the library documents for that case.
 
-#[path = "common/mod.rs"]
-mod common;
-use common::*;
+use superoffload_bench::*;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -37,7 +35,7 @@ use superoffload::error::Status;
 use superoffload::ffi::session as c;
 use superoffload::kernels::{DType, Floats, Pool, PoolOptions};
 use superoffload::session::{
-    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, StepArgs, SubGroupDesc,
+    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, Speculation, StepArgs, SubGroupDesc,
 };
 
 // ---- counting allocator ------------------------------------------------------------------
@@ -131,7 +129,7 @@ struct Args {
     json: Option<String>,
 }
 
-fn parse_args() -> Result<Option<Args>, String> {
+fn parse_args(cli: &mut Cli) -> Result<Args, String> {
     let mut a = Args {
         slices: 10_000,
         subgroups: 300,
@@ -144,28 +142,19 @@ fn parse_args() -> Result<Option<Args>, String> {
         train_core: None,
         json: None,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-            _ => (arg.clone(), None),
-        };
-        if flag == "-h" || flag == "--help" {
-            return Ok(None);
-        }
-        let mut value = || inline.clone().or_else(|| it.next()).ok_or_else(|| format!("{flag} needs a value"));
+    while let Some(flag) = cli.next_flag() {
         match flag.as_str() {
-            "--slices" => a.slices = parse_count(&flag, &value()?)?,
-            "--subgroups" => a.subgroups = parse_count(&flag, &value()?)?,
-            "--min-elems" => a.min = parse_count(&flag, &value()?)?,
-            "--max-elems" => a.max = parse_count(&flag, &value()?)?,
-            "--steps" => a.steps = parse_count(&flag, &value()?)?,
-            "--warmup" => a.warmup = parse_count(&flag, &value()?)?,
-            "--no-speculation" => a.speculation = false,
-            "--pool-cores" => a.pool_cores = Some(parse_cores(&flag, &value()?)?),
-            "--train-core" => a.train_core = Some(parse_count(&flag, &value()?)?),
-            "--json" => a.json = Some(value()?),
-            _ => return Err(format!("unknown argument {arg:?} (try --help)")),
+            "--slices" => a.slices = cli.count()?,
+            "--subgroups" => a.subgroups = cli.count()?,
+            "--min-elems" => a.min = cli.count()?,
+            "--max-elems" => a.max = cli.count()?,
+            "--steps" => a.steps = cli.count()?,
+            "--warmup" => a.warmup = cli.count()?,
+            "--no-speculation" => a.speculation = !cli.switch()?,
+            "--pool-cores" => a.pool_cores = Some(cli.cores()?),
+            "--train-core" => a.train_core = Some(cli.count()?),
+            "--json" => a.json = Some(cli.value()?),
+            _ => return Err(cli.unknown()),
         }
     }
     if a.subgroups == 0 || a.slices < a.subgroups {
@@ -177,7 +166,7 @@ fn parse_args() -> Result<Option<Args>, String> {
     if a.steps == 0 {
         return Err("--steps must be at least 1".into());
     }
-    Ok(Some(a))
+    Ok(a)
 }
 
 // ---- helpers -----------------------------------------------------------------------------
@@ -269,9 +258,12 @@ struct Api {
 
 impl Api {
     fn new_rust(m: &Model, pool: &Arc<Pool>, speculation: bool) -> Result<Api, String> {
-        let session =
-            Session::new(SessionOptions { pool: Some(pool.clone()), speculation, ..SessionOptions::default() })
-                .map_err(|e| e.to_string())?;
+        let session = Session::new(SessionOptions {
+            pool: Some(pool.clone()),
+            speculation: if speculation { Speculation::On } else { Speculation::Off },
+            ..SessionOptions::default()
+        })
+        .map_err(|e| e.to_string())?;
         let group =
             session.add_group(GroupHparams { lr: 1e-5, ..GroupHparams::default() }).map_err(|e| e.to_string())?;
         let mut masters: Vec<Vec<f32>> = m.sg_numel.iter().map(|&n| vec![0.01; n]).collect();
@@ -286,7 +278,7 @@ impl Api {
             // SAFETY: the masters outlive the session (field order) and are not touched.
             let b = unsafe { Borrowed::new("master", master.as_mut_ptr().cast(), master.len(), DType::F32) }
                 .map_err(|e| e.to_string())?;
-            session.add_subgroup(SubGroupDesc { group, master: b, grad: None, slices }).map_err(|e| e.to_string())?;
+            session.add_subgroup(SubGroupDesc::new(group, b, slices)).map_err(|e| e.to_string())?;
         }
         let ids = (0..m.slices.len())
             .map(|i| session.slice_id(&format!("p{i}")).map_err(|e| e.to_string()))
@@ -299,7 +291,7 @@ impl Api {
         let mut opts = c::so_session_options_default();
         opts.cores = cores32.as_ptr();
         opts.num_cores = cores32.len();
-        opts.speculation = speculation;
+        opts.speculation = speculation as u32;
         let mut session: *mut c::so_session = std::ptr::null_mut();
         // SAFETY: valid options and out-pointer.
         c_check("so_session_create", unsafe { c::so_session_create(&opts, &mut session) })?;
@@ -527,11 +519,7 @@ fn timer_ns() -> f64 {
     percentile(&sorted(v), 0.5)
 }
 
-fn run() -> Result<bool, String> {
-    let Some(a) = parse_args()? else {
-        println!("{USAGE}");
-        return Ok(true);
-    };
+fn run(a: Args) -> Result<(), String> {
     let cpus = allowed_cpus();
     let train_core = a.train_core.or_else(|| cpus.first().copied()).ok_or("no CPU in the affinity mask")?;
     let pool_cores: Vec<usize> = match &a.pool_cores {
@@ -768,15 +756,9 @@ fn run() -> Result<bool, String> {
             std::fs::write(path, json + "\n").map_err(|e| format!("--json {path}: {e}"))?;
         }
     }
-    Ok(true)
+    Ok(())
 }
 
 fn main() -> ExitCode {
-    match run() {
-        Ok(_) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("handoff_bench: {e}");
-            ExitCode::from(2)
-        }
-    }
+    main_with("handoff_bench", USAGE, parse_args, run)
 }

@@ -24,9 +24,7 @@
 //! The target: a clipped step at most 1.15 x an unclipped one when the CPU Adam time of a
 //! step is at most the forward time.
 
-#[path = "common/mod.rs"]
-mod common;
-use common::*;
+use superoffload_bench::*;
 
 use std::fmt::Write as _;
 use std::process::ExitCode;
@@ -37,7 +35,7 @@ use superoffload::kernels::{
     self, AdamBuffers, AdamHyper, DType, Floats, FloatsMut, MomentsMut, Pool, PoolOptions, UpdateOptions,
 };
 use superoffload::session::{
-    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, StepArgs, SubGroupDesc, Ticket,
+    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, Speculation, StepArgs, SubGroupDesc, Ticket,
 };
 
 const USAGE: &str = "\
@@ -94,15 +92,7 @@ enum AdamThread {
     Training,
 }
 
-fn parse_ms(flag: &str, s: &str) -> Result<Duration, String> {
-    let x: f64 = s.parse().map_err(|_| format!("{flag}: {s:?} is not a number"))?;
-    if !x.is_finite() || x < 0.0 {
-        return Err(format!("{flag}: {s:?} must be finite and >= 0"));
-    }
-    Ok(Duration::from_secs_f64(x / 1e3))
-}
-
-fn parse_args() -> Result<Option<Args>, String> {
+fn parse_args(cli: &mut Cli) -> Result<Args, String> {
     let mut a = Args {
         layers: 8,
         elems: 1024 * 1024,
@@ -116,36 +106,26 @@ fn parse_args() -> Result<Option<Args>, String> {
         adam_thread: AdamThread::Pool,
         json: None,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-            _ => (arg.clone(), None),
-        };
-        if flag == "-h" || flag == "--help" {
-            return Ok(None);
-        }
-        let mut value = || inline.clone().or_else(|| it.next()).ok_or_else(|| format!("{flag} needs a value"));
+    while let Some(flag) = cli.next_flag() {
         match flag.as_str() {
-            "--layers" => a.layers = parse_count(&flag, &value()?)?,
-            "--elems" => a.elems = parse_count(&flag, &value()?)?,
-            "--fwd-ms" => a.fwd = parse_ms(&flag, &value()?)?,
-            "--bwd-ms" => a.bwd = parse_ms(&flag, &value()?)?,
-            "--steps" => a.steps = parse_count(&flag, &value()?)?,
-            "--block" => a.block = parse_count(&flag, &value()?)?,
-            "--refill" => a.refill = parse_count(&flag, &value()?)?,
-            "--pool-cores" => a.pool_cores = Some(parse_cores(&flag, &value()?)?),
-            "--train-core" => a.train_core = Some(parse_count(&flag, &value()?)?),
+            "--layers" => a.layers = cli.count()?,
+            "--elems" => a.elems = cli.count()?,
+            "--fwd-ms" => a.fwd = cli.millis()?,
+            "--bwd-ms" => a.bwd = cli.millis()?,
+            "--steps" => a.steps = cli.count()?,
+            "--block" => a.block = cli.count()?,
+            "--refill" => a.refill = cli.count()?,
+            "--pool-cores" => a.pool_cores = Some(cli.cores()?),
+            "--train-core" => a.train_core = Some(cli.count()?),
             "--adam-thread" => {
-                a.adam_thread = match value()?.as_str() {
-                    "pool" => AdamThread::Pool,
-                    "unpinned" => AdamThread::Unpinned,
-                    "training" => AdamThread::Training,
-                    other => return Err(format!("--adam-thread: {other:?} is not pool, unpinned or training")),
-                }
+                a.adam_thread = cli.choice(&[
+                    ("pool", AdamThread::Pool),
+                    ("unpinned", AdamThread::Unpinned),
+                    ("training", AdamThread::Training),
+                ])?
             }
-            "--json" => a.json = Some(value()?),
-            _ => return Err(format!("unknown argument {arg:?} (try --help)")),
+            "--json" => a.json = Some(cli.value()?),
+            _ => return Err(cli.unknown()),
         }
     }
     if a.layers == 0 || a.elems == 0 || a.steps == 0 {
@@ -154,7 +134,7 @@ fn parse_args() -> Result<Option<Args>, String> {
     if a.block <= a.refill {
         return Err(format!("--block ({}) must be larger than --refill ({})", a.block, a.refill));
     }
-    Ok(Some(a))
+    Ok(a)
 }
 
 // ---- threads and cores -------------------------------------------------------------------
@@ -248,7 +228,7 @@ impl Mode {
     fn new(kind: Kind, pool: &Arc<Pool>, layers: usize, elems: usize) -> Result<Mode, String> {
         let session = Session::new(SessionOptions {
             pool: Some(pool.clone()),
-            speculation: kind.speculation(),
+            speculation: if kind.speculation() { Speculation::On } else { Speculation::Off },
             ..SessionOptions::default()
         })
         .map_err(|e| format!("session: {e}"))?;
@@ -265,12 +245,11 @@ impl Mode {
                 .map_err(|e| e.to_string())?;
             let name = format!("layer{k}");
             session
-                .add_subgroup(SubGroupDesc {
+                .add_subgroup(SubGroupDesc::new(
                     group,
-                    master: borrowed,
-                    grad: None,
-                    slices: vec![SliceDesc { name: name.clone(), offset: 0, numel: elems }],
-                })
+                    borrowed,
+                    vec![SliceDesc { name: name.clone(), offset: 0, numel: elems }],
+                ))
                 .map_err(|e| format!("add_subgroup: {e}"))?;
             slices.push(session.slice_id(&name).map_err(|e| e.to_string())?);
         }
@@ -446,11 +425,7 @@ fn percentile(xs: &[f64], q: f64) -> f64 {
     v[lo] + (v[hi] - v[lo]) * (pos - lo as f64)
 }
 
-fn run() -> Result<bool, String> {
-    let Some(a) = parse_args()? else {
-        println!("{USAGE}");
-        return Ok(true);
-    };
+fn run(a: Args) -> Result<(), String> {
     let cpus = allowed_cpus();
     let train_core = a.train_core.or_else(|| cpus.first().copied()).ok_or("no CPU in the affinity mask")?;
     let pool_cores: Vec<usize> = match &a.pool_cores {
@@ -721,15 +696,9 @@ fn run() -> Result<bool, String> {
             std::fs::write(path, json + "\n").map_err(|e| format!("--json {path}: {e}"))?;
         }
     }
-    Ok(true)
+    Ok(())
 }
 
 fn main() -> ExitCode {
-    match run() {
-        Ok(_) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("overlap_bench: {e}");
-            ExitCode::from(2)
-        }
-    }
+    main_with("overlap_bench", USAGE, parse_args, run)
 }

@@ -27,9 +27,7 @@
 //! Reported per operation: median and minimum over `--iters` repetitions after `--warmup`,
 //! Gparam/s, and the effective bandwidth at the bytes per element the operation must move.
 
-#[path = "common/mod.rs"]
-mod common;
-use common::*;
+use superoffload_bench::*;
 
 use std::fmt::Write as _;
 use std::process::ExitCode;
@@ -72,35 +70,25 @@ struct Args {
     json: Option<String>,
 }
 
-fn parse_args() -> Result<Option<Args>, String> {
+fn parse_args(cli: &mut Cli) -> Result<Args, String> {
     let mut args = Args { n: 100_000_000, threads: None, cores: None, isa: None, iters: 10, warmup: 3, json: None };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-            _ => (arg.clone(), None),
-        };
-        if flag == "-h" || flag == "--help" {
-            return Ok(None);
-        }
-        let mut value = || inline.clone().or_else(|| it.next()).ok_or_else(|| format!("{flag} needs a value"));
+    while let Some(flag) = cli.next_flag() {
         match flag.as_str() {
-            "--n" => args.n = parse_count("--n", &value()?)?,
-            "--threads" => args.threads = Some(parse_count("--threads", &value()?)?),
-            "--cores" => args.cores = Some(parse_cores("--cores", &value()?)?),
+            "--n" => args.n = cli.count()?,
+            "--threads" => args.threads = Some(cli.count()?),
+            "--cores" => args.cores = Some(cli.cores()?),
             "--isa" => {
-                args.isa = match value()?.as_str() {
-                    "auto" => None,
-                    "portable" => Some(Isa::Portable),
-                    "avx2" => Some(Isa::Avx2),
-                    "avx512" => Some(Isa::Avx512),
-                    other => return Err(format!("--isa: {other:?} is not auto, portable, avx2 or avx512")),
-                }
+                args.isa = cli.choice(&[
+                    ("auto", None),
+                    ("portable", Some(Isa::Portable)),
+                    ("avx2", Some(Isa::Avx2)),
+                    ("avx512", Some(Isa::Avx512)),
+                ])?
             }
-            "--iters" => args.iters = parse_count("--iters", &value()?)?,
-            "--warmup" => args.warmup = parse_count("--warmup", &value()?)?,
-            "--json" => args.json = Some(value()?),
-            _ => return Err(format!("unknown argument {arg:?} (try --help)")),
+            "--iters" => args.iters = cli.count()?,
+            "--warmup" => args.warmup = cli.count()?,
+            "--json" => args.json = Some(cli.value()?),
+            _ => return Err(cli.unknown()),
         }
     }
     if args.n == 0 {
@@ -112,7 +100,7 @@ fn parse_args() -> Result<Option<Args>, String> {
     if args.threads == Some(0) {
         return Err("--threads must be at least 1".into());
     }
-    Ok(Some(args))
+    Ok(args)
 }
 
 // ---- data -------------------------------------------------------------------------------
@@ -423,20 +411,10 @@ struct Row {
 }
 
 fn main() -> ExitCode {
-    match real_main() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("superoffload-bench: error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    main_with("superoffload-bench", USAGE, parse_args, real_main)
 }
 
-fn real_main() -> Result<(), String> {
-    let Some(args) = parse_args()? else {
-        println!("{USAGE}");
-        return Ok(());
-    };
+fn real_main(args: Args) -> Result<(), String> {
     let options = PoolOptions { num_threads: args.threads.unwrap_or(0), cores: args.cores.clone(), isa: args.isa };
     let pool = Pool::new(&options).map_err(|e| format!("cannot create the pool: {e}"))?;
     let n = args.n;

@@ -1,0 +1,446 @@
+//! The caller's side of one optimizer step: `begin_step`, gradient hand-offs (with the sum of
+//! squares of each slice taken as it arrives), `local_grad_sumsq` and `step`.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::buffers::HostBuf;
+use super::passes::{PrepareEntry, PreparePlan, StepPlan};
+use super::registry::Registry;
+use super::trace::Lane;
+use super::{
+    HandOff, HandedSumsq, LateGrads, NormSource, Placement, STEP_LANE, Session, StepArgs, SubGroup, Ticket,
+    state_error, subgroup_lane, unscale_factor,
+};
+use crate::error::{Error, Result};
+use crate::kernels::{self, Floats};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Phase {
+    /// Between steps.
+    Idle,
+    /// Gradients arriving.
+    Backward { micro: u32, micro_steps: u32 },
+    /// `local_grad_sumsq` ran the preparation; only `step()` may follow.
+    Prepared,
+}
+
+/// Everything under the session's caller lock: the registry and the step in progress.
+pub(crate) struct Tracking {
+    pub reg: Registry,
+    pub phase: Phase,
+    serial: u64,
+    loss_scale: f32,
+    /// Per slice: micro-step index + 1 of its latest gradient this step, 0 for none.
+    slice_seen: Vec<u32>,
+    /// Per sub-group: slices with a gradient in the last micro-step.
+    slices_done: Vec<usize>,
+    speculative: u32,
+    late_gradients: u32,
+    decide_ticket: Ticket,
+    /// The callers' ticket-wait total at the previous `step()`.
+    wait_mark_ns: u64,
+    split_decided: bool,
+}
+
+impl Tracking {
+    pub(crate) fn new(loss_scale: f32) -> Tracking {
+        Tracking {
+            reg: Registry::default(),
+            phase: Phase::Idle,
+            serial: 0,
+            loss_scale,
+            slice_seen: Vec::new(),
+            slices_done: Vec::new(),
+            speculative: 0,
+            late_gradients: 0,
+            decide_ticket: 0,
+            wait_mark_ns: 0,
+            split_decided: false,
+        }
+    }
+
+    /// A sub-group with `slices` slices was registered.
+    pub(crate) fn subgroup_added(&mut self, slices: usize) {
+        self.slice_seen.resize(self.slice_seen.len() + slices, 0);
+        self.slices_done.push(0);
+    }
+}
+
+fn backward_phase(t: &Tracking, what: &str) -> Result<(u32, u32)> {
+    match t.phase {
+        Phase::Backward { micro, micro_steps } => Ok((micro, micro_steps)),
+        Phase::Prepared => {
+            Err(state_error(format!("{what} after the backward ended with local_grad_sumsq; call step() next")))
+        }
+        Phase::Idle => Err(state_error(format!("{what}: no step has begun (call begin_step first)"))),
+    }
+}
+
+impl Session {
+    /// Starts an optimizer step whose backward uses `loss_scale` (`None`: the built-in
+    /// scaler's current scale, or 1 without one) and `micro_steps` micro-steps.
+    ///
+    /// With the built-in scaler this waits for the previous step's decision, which sets
+    /// the scale. With `gpu_budget_bytes`, the automatic split is applied here once enough
+    /// steps were measured.
+    pub fn begin_step(&self, loss_scale: Option<f32>, micro_steps: u32) -> Result<()> {
+        let mut t = self.lock();
+        if t.phase != Phase::Idle {
+            return Err(state_error("the previous step has not been given to step()"));
+        }
+        if micro_steps == 0 {
+            return Err(Error::invalid("micro_steps must be >= 1"));
+        }
+        let scale = match loss_scale {
+            Some(s) if s.is_finite() && s > 0.0 => s,
+            Some(s) => return Err(Error::invalid(format!("loss_scale = {s} must be finite and > 0"))),
+            None => {
+                if t.decide_ticket != 0 {
+                    self.shared.tickets.wait(t.decide_ticket, None, false).ok();
+                }
+                self.shared.scaler.lock().unwrap().map_or(1.0, |s| s.scale)
+            }
+        };
+        if self.options.gpu_budget_bytes > 0 && !t.split_decided {
+            self.maybe_split(&mut t)?;
+        }
+        t.loss_scale = scale;
+        t.serial += 1;
+        t.slice_seen.fill(0);
+        t.slices_done.fill(0);
+        t.speculative = 0;
+        t.late_gradients = 0;
+        t.phase = Phase::Backward { micro: 0, micro_steps };
+        Ok(())
+    }
+
+    /// The automatic split: once the policy has measured enough steps, places the first
+    /// sub-groups in forward order on the device (see `policy.rs` for the rule).
+    fn maybe_split(&self, t: &mut Tracking) -> Result<()> {
+        let numels: Vec<usize> = t.reg.live().map(|tr| tr.sg.numel).collect();
+        let per_element = self.device_bytes_per_element();
+        let Some(count) = self.shared.policy.lock().unwrap().split(&numels, per_element, self.options.gpu_budget_bytes)
+        else {
+            return Ok(());
+        };
+        t.split_decided = true;
+        let ids: Vec<u32> = t.reg.live().take(count).map(|tr| tr.sg.id).collect();
+        for &id in &ids {
+            self.place(t, id, Placement::Device)?;
+        }
+        self.shared.tracer.instant(Lane::Caller, || {
+            format!("automatic split: the first {count} of {} sub-groups on the GPU", numels.len())
+        });
+        Ok(())
+    }
+
+    /// Device bytes per element of a device-placed sub-group: f32 master, both moments and
+    /// the gradient buffer.
+    fn device_bytes_per_element(&self) -> usize {
+        4 + 2 * self.options.moment_dtype.size() + self.options.accum_dtype.size()
+    }
+
+    /// The built-in loss scaler's current scale (after the latest step's verdict, which this
+    /// waits for), or 1 without a scaler: what `begin_step(None, ..)` will use.
+    pub fn loss_scale(&self) -> f32 {
+        let decide = self.lock().decide_ticket;
+        if decide != 0 {
+            self.shared.tickets.wait(decide, None, false).ok();
+        }
+        self.shared.scaler.lock().unwrap().map_or(1.0, |s| s.scale)
+    }
+
+    pub fn next_micro_step(&self) -> Result<()> {
+        let mut t = self.lock();
+        let (micro, micro_steps) = backward_phase(&t, "next_micro_step")?;
+        if micro + 1 >= micro_steps {
+            return Err(state_error(format!("all {micro_steps} micro-steps of this step have begun")));
+        }
+        t.phase = Phase::Backward { micro: micro + 1, micro_steps };
+        Ok(())
+    }
+
+    /// Copies (micro-step 1) or adds (later micro-steps, repeated hooks) a slice's gradient
+    /// into its sub-group's gradient buffer, in the accumulation dtype, taking its sum of
+    /// squares in the same pass at the last micro-step. Returns the ticket of the speculative
+    /// step queued if this completed the sub-group. A gradient for a sub-group that already
+    /// completed is kept aside; the sub-group is redone at `step()`.
+    pub fn grad_copy(&self, slice: u32, src: Floats<'_>) -> Result<Option<Ticket>> {
+        if src.dtype() != self.options.grad_dtype {
+            return Err(Error::invalid(format!(
+                "the gradient is {} but the session's gradient dtype is {}",
+                src.dtype().name(),
+                self.options.grad_dtype.name()
+            )));
+        }
+        self.hand_off(slice, src.len(), "grad_copy", |h| {
+            Ok(kernels::copy_into(h.dst, src, h.accumulate, h.sumsq_scale)?.map(HandedSumsq::Known))
+        })
+    }
+
+    /// A gradient arrives that `deliver` writes (or starts writing: a transport may copy
+    /// asynchronously, as long as its `gradient_ready` waits for the copy) into the place
+    /// the session gives it, returning its sum of squares when asked for one (or
+    /// [`HandedSumsq::Deferred`]). Completion and tickets as [`Session::grad_copy`].
+    pub fn hand_off(
+        &self,
+        slice: u32,
+        numel: usize,
+        what: &str,
+        deliver: impl FnOnce(HandOff<'_>) -> Result<Option<HandedSumsq>>,
+    ) -> Result<Option<Ticket>> {
+        let mut t = self.lock();
+        let span = self.shared.tracer.span(Lane::Caller, || {
+            let name = t.reg.slices.get(slice as usize).map_or("?", |s| s.name.as_str());
+            format!("gradient {name}")
+        });
+        let (micro, micro_steps) = backward_phase(&t, what)?;
+        let info = t.reg.slice(slice, Some(numel))?;
+        let (index, range) = (info.index, info.range.clone());
+        let track = t.reg.track(info.sg)?;
+        let (sg, final_ticket) = (track.sg.clone(), track.final_ticket);
+        if self.shared.sched.is_complete(sg.id) {
+            self.add_late(&mut t, &sg, index, range, deliver)?;
+            drop(span.arg("late", true));
+            return Ok(None);
+        }
+        self.wait_final(final_ticket);
+        let seen = t.slice_seen[slice as usize];
+        let last = micro + 1 == micro_steps;
+        {
+            let mut data = sg.data.lock().unwrap();
+            let handed = deliver(HandOff {
+                sg: sg.id,
+                slice: index,
+                dst: data.grad.range_mut(range.clone()),
+                range,
+                accumulate: seen > 0,
+                late: false,
+                sumsq_scale: last.then(|| unscale_factor(t.loss_scale)),
+            })?;
+            if last {
+                data.sumsq[index] = handed;
+            }
+        }
+        let ticket = self.mark_gradient(&mut t, slice, &sg, micro, micro_steps);
+        drop(span.arg("sub-group", sg.id).arg("completes", ticket.is_some()));
+        Ok(ticket)
+    }
+
+    /// Records that the caller wrote a slice's gradient (accumulated, for later
+    /// micro-steps) directly into its sub-group's caller-provided gradient buffer; at the
+    /// last micro-step its sum of squares is taken here, on the calling thread.
+    pub fn grad_written(&self, slice: u32) -> Result<Option<Ticket>> {
+        let mut t = self.lock();
+        let (micro, micro_steps) = backward_phase(&t, "grad_written")?;
+        let info = t.reg.slice(slice, None)?;
+        let (index, range, sg_id) = (info.index, info.range.clone(), info.sg);
+        let track = t.reg.track(sg_id)?;
+        let (sg, final_ticket) = (track.sg.clone(), track.final_ticket);
+        if sg.data.lock().unwrap().grad.is_owned() {
+            return Err(Error::invalid(format!(
+                "sub-group {sg_id} has a session-owned gradient buffer; hand gradients over with grad_copy"
+            )));
+        }
+        if self.shared.sched.is_complete(sg.id) {
+            return Err(state_error(format!(
+                "slice {:?}: its sub-group was already complete this step, so its buffer is in use; \
+                 hand a late gradient over with grad_copy",
+                t.reg.slices[slice as usize].name
+            )));
+        }
+        self.wait_final(final_ticket);
+        if micro + 1 == micro_steps {
+            let mut data = sg.data.lock().unwrap();
+            let sumsq = kernels::grad_sumsq_here(data.grad.range(range), unscale_factor(t.loss_scale))?;
+            data.sumsq[index] = Some(HandedSumsq::Known(sumsq));
+        }
+        Ok(self.mark_gradient(&mut t, slice, &sg, micro, micro_steps))
+    }
+
+    /// The sub-group's previous step must be final before its buffers are written again
+    /// (the caller normally waited for the final ticket already).
+    fn wait_final(&self, ticket: Ticket) {
+        if ticket != 0 {
+            self.shared.caller_wait(ticket, None, false).ok();
+        }
+    }
+
+    fn mark_gradient(
+        &self,
+        t: &mut Tracking,
+        slice: u32,
+        sg: &Arc<SubGroup>,
+        micro: u32,
+        steps: u32,
+    ) -> Option<Ticket> {
+        let seen = std::mem::replace(&mut t.slice_seen[slice as usize], micro + 1);
+        if micro + 1 != steps || seen == micro + 1 {
+            return None;
+        }
+        t.slices_done[sg.id as usize] += 1;
+        if t.slices_done[sg.id as usize] < sg.slices.len() {
+            return None;
+        }
+        self.submit_complete(t, sg)
+    }
+
+    /// A sub-group's gradient is complete: queue its speculative step if the policy says it
+    /// pays (the ticket of it), else just record that it is complete.
+    fn submit_complete(&self, t: &mut Tracking, sg: &Arc<SubGroup>) -> Option<Ticket> {
+        let group = t.reg.groups[sg.group as usize];
+        let now = Instant::now();
+        let device = sg.data.lock().unwrap().placement == Placement::Device;
+        let speculate = {
+            let mut policy = self.shared.policy.lock().unwrap();
+            policy.completed(sg.id, now);
+            !device && sg.can_speculate(group) && policy.should_speculate(sg.id, sg.numel)
+        };
+        if !speculate {
+            self.shared.sched.mark_complete(sg.id);
+            return None;
+        }
+        let ticket = self.shared.tickets.issue(subgroup_lane(sg.id));
+        t.speculative += 1;
+        let hp = sg.hyper(group, 0);
+        self.shared.sched.submit_speculation(t.serial, sg.clone(), hp, unscale_factor(t.loss_scale), ticket);
+        Some(ticket)
+    }
+
+    fn add_late(
+        &self,
+        t: &mut Tracking,
+        sg: &SubGroup,
+        index: usize,
+        range: Range<usize>,
+        deliver: impl FnOnce(HandOff<'_>) -> Result<Option<HandedSumsq>>,
+    ) -> Result<()> {
+        let mut late = sg.late.lock().unwrap();
+        if late.is_none() {
+            let mut buffer = self.pinned(HostBuf::zeros(self.options.accum_dtype, sg.numel, "late gradients")?)?;
+            if let Err(e) = self.take_memory(t, buffer.bytes()) {
+                if let Some(transport) = self.shared.transport() {
+                    transport.unpin(buffer.as_mut_ptr());
+                }
+                return Err(e);
+            }
+            *late = Some(LateGrads { buffer, ranges: Vec::new() });
+        }
+        let late = late.as_mut().expect("just created");
+        let seen = late.ranges.contains(&range);
+        deliver(HandOff {
+            sg: sg.id,
+            slice: index,
+            dst: late.buffer.range_mut(range.clone()),
+            range: range.clone(),
+            accumulate: seen,
+            late: true,
+            sumsq_scale: None,
+        })?;
+        if !seen {
+            late.ranges.push(range);
+        }
+        t.late_gradients += 1;
+        Ok(())
+    }
+
+    fn prepare_plan(&self, t: &Tracking) -> PreparePlan {
+        let entries = t
+            .reg
+            .live()
+            .map(|track| PrepareEntry {
+                sg: track.sg.clone(),
+                unseen: track.slices.clone().filter(|&i| t.slice_seen[i] == 0).map(|i| t.reg.slices[i].index).collect(),
+            })
+            .collect();
+        PreparePlan { serial: t.serial, scale: unscale_factor(t.loss_scale), entries }
+    }
+
+    /// The sum of squares of this step's unscaled gradient over every sub-group (zeros for
+    /// slices without a gradient, late gradients merged), for an all-reduce across ranks.
+    /// Ends the backward (gradients after this are refused). Not finite iff a gradient
+    /// element is inf or NaN. Waits only for the sums of squares (and late-gradient merges),
+    /// never for a speculative pass.
+    pub fn local_grad_sumsq(&self, timeout: Option<Duration>) -> Result<f64> {
+        let (serial, ticket) = {
+            let mut t = self.lock();
+            let ticket = match t.phase {
+                Phase::Backward { .. } => {
+                    let plan = self.prepare_plan(&t);
+                    let ticket = self.shared.tickets.issue(STEP_LANE);
+                    self.shared.sched.submit_prepare(t.serial, plan, ticket);
+                    t.phase = Phase::Prepared;
+                    t.decide_ticket = ticket;
+                    ticket
+                }
+                Phase::Prepared => t.decide_ticket,
+                Phase::Idle => return Err(state_error("no step has begun (call begin_step first)")),
+            };
+            (t.serial, ticket)
+        };
+        let span = self.shared.tracer.span(Lane::Caller, || "wait for the local sum of squares".into());
+        self.shared.caller_wait(ticket, timeout, false)?;
+        drop(span);
+        match *self.shared.prepared.lock().unwrap() {
+            Some((s, sumsq)) if s == serial => Ok(sumsq),
+            _ => Err(Error::new(crate::error::Status::Panic, "the preparation left no sum of squares")),
+        }
+    }
+
+    /// Ends the step: the CPU-Adam thread takes the norm (or the given one), decides whether
+    /// to skip, clips, cancels speculative steps that have not started and makes every
+    /// sub-group exact in forward order. Returns at once with the ticket that completes when
+    /// every sub-group is final.
+    pub fn step(&self, args: StepArgs) -> Result<Ticket> {
+        if !(args.max_norm.is_finite() && args.max_norm >= 0.0) {
+            return Err(Error::invalid(format!("max_norm = {} must be finite and >= 0", args.max_norm)));
+        }
+        if let NormSource::Given(norm) = args.norm {
+            // inf or NaN is a verdict (the step is skipped); a negative norm is a caller bug.
+            if norm < 0.0 {
+                return Err(Error::invalid(format!("the given global norm {norm} is negative")));
+            }
+        }
+        let mut t = self.lock();
+        let prepare = match t.phase {
+            Phase::Backward { .. } => Some(self.prepare_plan(&t)),
+            Phase::Prepared => None,
+            Phase::Idle => return Err(state_error("no step has begun (call begin_step first)")),
+        };
+        if let Some(transport) = self.shared.transport() {
+            transport.before_step()?;
+        }
+        let decide_ticket = self.shared.tickets.issue(STEP_LANE);
+        let mut subgroups = Vec::new();
+        for track in t.reg.subgroups.iter_mut().flatten() {
+            let ticket = self.shared.tickets.issue(subgroup_lane(track.sg.id));
+            track.final_ticket = ticket;
+            subgroups.push((track.sg.clone(), ticket));
+        }
+        let step_ticket = self.shared.tickets.issue(STEP_LANE);
+        let waited_ns = self.shared.caller_wait_ns.load(std::sync::atomic::Ordering::Relaxed);
+        let device_wait = self.shared.transport().map_or(0.0, |tr| tr.exposed_wait_s());
+        let forward_wait_s = (waited_ns - t.wait_mark_ns) as f64 * 1e-9 + device_wait;
+        t.wait_mark_ns = waited_ns;
+        self.shared.policy.lock().unwrap().step_called(Instant::now(), forward_wait_s);
+        let plan = StepPlan {
+            serial: t.serial,
+            loss_scale: t.loss_scale,
+            args,
+            groups: t.reg.groups.clone(),
+            subgroups,
+            decide_ticket,
+            step_ticket,
+            prepare,
+            speculative: t.speculative,
+            late_gradients: t.late_gradients,
+            forward_wait_s,
+        };
+        self.shared.sched.submit_decision(plan);
+        t.decide_ticket = decide_ticket;
+        t.phase = Phase::Idle;
+        Ok(step_ticket)
+    }
+}

@@ -1,0 +1,231 @@
+//! The CPU-Adam thread's schedule: which job runs next, and where each sub-group is in its
+//! step.
+//!
+//! Jobs run one at a time, highest priority first. A priority is `(step serial, class,
+//! forward index)`: everything of an earlier step before anything of a later one; within a
+//! step the decision (and the preparation before it) first, then finalizations, then
+//! speculative steps; among finalizations and among speculative steps, the sub-group the
+//! next forward needs first (registration order) first. A speculative pass runs in chunks
+//! and stops between two when a job of a higher class is waiting ("preemption"): what it did
+//! is kept, and the finalization completes the rest.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+
+use super::passes::{PreparePlan, StepPlan, Worker};
+use super::{Shared, SubGroup, Ticket};
+use crate::kernels::AdamHyper;
+
+/// Where a sub-group is in the current step. Speculative tickets that are still pending
+/// travel with the state, to complete with the final pass that absorbed their work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Lifecycle {
+    /// Final for its latest step; this step's gradients may be arriving.
+    Idle,
+    /// Its gradient is complete and nothing is applied to it (a cancelled speculative step's
+    /// ticket may be pending).
+    Complete(Option<Ticket>),
+    SpecQueued(Ticket),
+    Speculating(Ticket),
+    /// A speculative step is applied, to all of it or (ticket pending) to the part a
+    /// preempted pass reached.
+    Speculated(Option<Ticket>),
+    /// Decided: its final pass is queued.
+    FinalQueued(Option<Ticket>),
+    Removed,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Class {
+    /// `local_grad_sumsq`'s preparation: a speculative pass it preempted resumes after it.
+    Prepare,
+    Decide,
+    Finalize,
+    Speculate,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct JobKey {
+    pub serial: u64,
+    pub class: Class,
+    pub forward: u32,
+    seq: u64,
+}
+
+pub(crate) enum Job {
+    Prepare { plan: PreparePlan, ticket: Ticket },
+    Decide(Box<StepPlan>),
+    Finalize(Arc<SubGroup>),
+    Speculate { sg: Arc<SubGroup>, hp: AdamHyper, scale: f32 },
+}
+
+#[derive(Default)]
+struct Queue {
+    ready: BTreeMap<JobKey, Job>,
+    seq: u64,
+    closed: bool,
+    lifecycle: Vec<Lifecycle>,
+}
+
+impl Queue {
+    fn push(&mut self, serial: u64, class: Class, forward: u32, job: Job) {
+        self.seq += 1;
+        self.ready.insert(JobKey { serial, class, forward, seq: self.seq }, job);
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Scheduler {
+    queue: Mutex<Queue>,
+    wake: Condvar,
+    /// A job of a higher class than a speculative step is waiting.
+    preempt: AtomicBool,
+}
+
+impl Scheduler {
+    fn push(&self, serial: u64, class: Class, forward: u32, job: Job) {
+        let mut q = self.queue.lock().unwrap();
+        q.push(serial, class, forward, job);
+        self.update_preempt(&q);
+        self.wake.notify_one();
+    }
+
+    fn update_preempt(&self, q: &Queue) {
+        let urgent = q.ready.keys().next().is_some_and(|k| k.class != Class::Speculate);
+        self.preempt.store(urgent, Ordering::Release);
+    }
+
+    /// Whether a running speculative pass should stop at its next chunk boundary.
+    pub(crate) fn should_yield(&self) -> bool {
+        self.preempt.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn add_subgroup(&self, id: u32) {
+        let mut q = self.queue.lock().unwrap();
+        debug_assert_eq!(q.lifecycle.len(), id as usize);
+        q.lifecycle.push(Lifecycle::Idle);
+    }
+
+    pub(crate) fn remove_subgroup(&self, id: u32) {
+        self.queue.lock().unwrap().lifecycle[id as usize] = Lifecycle::Removed;
+    }
+
+    /// Whether the sub-group's gradient of this step is complete (a further gradient is late).
+    pub(crate) fn is_complete(&self, id: u32) -> bool {
+        !matches!(self.queue.lock().unwrap().lifecycle[id as usize], Lifecycle::Idle)
+    }
+
+    pub(crate) fn lifecycle(&self, id: u32) -> Lifecycle {
+        self.queue.lock().unwrap().lifecycle[id as usize]
+    }
+
+    pub(crate) fn set_lifecycle(&self, id: u32, state: Lifecycle) {
+        self.queue.lock().unwrap().lifecycle[id as usize] = state;
+    }
+
+    pub(crate) fn mark_complete(&self, id: u32) {
+        self.set_lifecycle(id, Lifecycle::Complete(None));
+    }
+
+    pub(crate) fn submit_speculation(&self, serial: u64, sg: Arc<SubGroup>, hp: AdamHyper, scale: f32, ticket: Ticket) {
+        let mut q = self.queue.lock().unwrap();
+        q.lifecycle[sg.id as usize] = Lifecycle::SpecQueued(ticket);
+        let forward = sg.id;
+        q.push(serial, Class::Speculate, forward, Job::Speculate { sg, hp, scale });
+        self.update_preempt(&q);
+        self.wake.notify_one();
+    }
+
+    pub(crate) fn submit_prepare(&self, serial: u64, plan: PreparePlan, ticket: Ticket) {
+        self.push(serial, Class::Prepare, 0, Job::Prepare { plan, ticket });
+    }
+
+    pub(crate) fn submit_decision(&self, plan: StepPlan) {
+        self.push(plan.serial, Class::Decide, 0, Job::Decide(Box::new(plan)));
+    }
+
+    /// Queues again the rest of a speculative step a preparation preempted (no decision yet).
+    pub(crate) fn resume_speculation(&self, serial: u64, sg: Arc<SubGroup>, hp: AdamHyper, scale: f32) {
+        let mut q = self.queue.lock().unwrap();
+        if let Lifecycle::Speculated(Some(ticket)) = q.lifecycle[sg.id as usize] {
+            q.lifecycle[sg.id as usize] = Lifecycle::SpecQueued(ticket);
+            let forward = sg.id;
+            q.push(serial, Class::Speculate, forward, Job::Speculate { sg, hp, scale });
+            self.update_preempt(&q);
+        }
+    }
+
+    /// Cancels the queued speculative step of sub-group `id`, if any: it becomes
+    /// `Complete` with the speculative ticket still to complete.
+    pub(crate) fn cancel_speculation(&self, id: u32) -> bool {
+        let mut q = self.queue.lock().unwrap();
+        let Lifecycle::SpecQueued(ticket) = q.lifecycle[id as usize] else { return false };
+        q.ready.retain(|k, _| !(k.class == Class::Speculate && k.forward == id));
+        q.lifecycle[id as usize] = Lifecycle::Complete(Some(ticket));
+        self.update_preempt(&q);
+        true
+    }
+
+    /// Queues the final pass of every sub-group of a decided step, in forward order; the
+    /// speculative steps of this step that have not started are cancelled first. Returns
+    /// how many were cancelled.
+    pub(crate) fn finalize_all(&self, serial: u64, subgroups: &[Arc<SubGroup>]) -> u32 {
+        let mut q = self.queue.lock().unwrap();
+        let mut cancelled = 0;
+        for sg in subgroups {
+            let id = sg.id as usize;
+            let pending = match q.lifecycle[id] {
+                Lifecycle::SpecQueued(t) => {
+                    q.ready.retain(|k, _| !(k.class == Class::Speculate && k.forward == sg.id));
+                    cancelled += 1;
+                    Some(t)
+                }
+                Lifecycle::Complete(t) | Lifecycle::Speculated(t) => t,
+                Lifecycle::Idle => None,
+                other => unreachable!("sub-group {id} is {other:?} at its step's decision"),
+            };
+            q.lifecycle[id] = Lifecycle::FinalQueued(pending);
+            q.push(serial, Class::Finalize, sg.id, Job::Finalize(sg.clone()));
+        }
+        self.update_preempt(&q);
+        cancelled
+    }
+
+    /// Takes the next job (waiting for one); `None` once closed and drained. A speculative
+    /// step taken moves its sub-group to `Speculating`.
+    fn pop(&self) -> Option<(JobKey, Job)> {
+        let mut q = self.queue.lock().unwrap();
+        loop {
+            if let Some((key, job)) = q.ready.pop_first() {
+                if let Job::Speculate { sg, .. } = &job {
+                    let id = sg.id as usize;
+                    let Lifecycle::SpecQueued(t) = q.lifecycle[id] else {
+                        unreachable!("a queued speculative step's sub-group is {:?}", q.lifecycle[id])
+                    };
+                    q.lifecycle[id] = Lifecycle::Speculating(t);
+                }
+                self.update_preempt(&q);
+                return Some((key, job));
+            }
+            if q.closed {
+                return None;
+            }
+            q = self.wake.wait(q).unwrap();
+        }
+    }
+
+    /// No more jobs: the thread finishes those queued, then stops.
+    pub(crate) fn close(&self) {
+        self.queue.lock().unwrap().closed = true;
+        self.wake.notify_all();
+    }
+}
+
+/// The CPU-Adam thread's loop.
+pub(crate) fn run(shared: Arc<Shared>) {
+    let mut worker = Worker::new(shared);
+    while let Some((key, job)) = worker.shared.sched.pop() {
+        worker.run(key, job);
+    }
+}
