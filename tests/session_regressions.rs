@@ -108,6 +108,26 @@ fn non_finite_gradient_reports_a_non_finite_norm() {
     assert!(!r.skipped && r.global_norm == 5.0);
 }
 
+/// Hands a sub-group's gradient over and, if that queued a speculative step, waits for the
+/// step to run, so that `step()` cannot cancel it (the defects below are in what follows a
+/// speculative step that ran).
+fn hand_over_speculated(s: &Session, sg: u32, grad: &[f32]) {
+    if let Some(t) = s.grad_copy(sg, Floats::F32(grad)).unwrap() {
+        // A speculative step on a non-finite gradient fails; that is part of the scenario.
+        let _ = s.wait(t, None);
+    }
+}
+
+/// `step`, with every speculative step run before `step()`.
+fn step_speculated(s: &Session, grads: &[Vec<f32>], args: StepArgs) -> superoffload::session::StepResult {
+    s.begin_step(Some(1.0), 1).unwrap();
+    for (i, g) in grads.iter().enumerate() {
+        hand_over_speculated(s, i as u32, g);
+    }
+    let t = s.step(args).unwrap();
+    s.step_result(t, None).unwrap()
+}
+
 /// Found by the fuzzer (`tests/session_fuzz.rs`, seed 0): `begin_step` accepts a loss scale
 /// whose reciprocal is not finite in f32 (1e-40: 1 / 1e-40 overflows), so the unscaling
 /// factor of the step is inf. Every speculative step and sum of squares of that step then
@@ -125,7 +145,7 @@ fn loss_scale_without_a_finite_reciprocal_is_refused_or_skipped() {
         match s.begin_step(Some(1e-40), 1) {
             Err(e) => assert_eq!(e.status, Status::InvalidArgument, "{}", e.message),
             Ok(()) => {
-                s.grad_copy(0, Floats::F32(&[1e-41; 16])).unwrap();
+                hand_over_speculated(&s, 0, &[1e-41; 16]);
                 let t = s.step(local(0.0)).unwrap();
                 let r = s.step_result(t, None).expect("the result of a step whose gradients cannot be unscaled");
                 assert!(r.skipped, "speculation {speculation}: {r:?}");
@@ -159,7 +179,11 @@ fn speculative_step_with_an_overflowing_square_is_undone_cleanly() {
     // Skipped (caller overflow): nothing changes (up to the rounding of a rollback).
     let mut masters = vec![vec![0.5f32; 4]];
     let s = session(&mut masters, true);
-    let r = step(&s, std::slice::from_ref(&grad), StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: true });
+    let r = step_speculated(
+        &s,
+        std::slice::from_ref(&grad),
+        StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: true },
+    );
     assert!(r.skipped && r.rolled_back == 1, "{r:?}");
     let (m, v) = s.moments(0).unwrap();
     drop(s);
@@ -171,7 +195,7 @@ fn speculative_step_with_an_overflowing_square_is_undone_cleanly() {
     let state = |speculation: bool| {
         let mut masters = vec![vec![0.5f32; 4]];
         let s = session(&mut masters, speculation);
-        let r = step(&s, std::slice::from_ref(&grad), local(1.0));
+        let r = step_speculated(&s, std::slice::from_ref(&grad), local(1.0));
         assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
         let (m, v) = s.moments(0).unwrap();
         drop(s);
@@ -195,29 +219,33 @@ fn speculative_step_with_an_overflowing_square_is_undone_cleanly() {
 /// scale is refused, or the clipped step matches the step taken
 /// without speculation.
 #[test]
-#[ignore = "library bug: rescale coefficients overflow f32 for loss scales below ~1e-20 (NaN weights)"]
+#[ignore = "library bug: rescale coefficients overflow f32 for loss scales below ~1e-20 (wrong or NaN weights)"]
 fn clipped_step_with_a_tiny_loss_scale_matches_the_step_without_speculation() {
-    let scale = 2f32.powi(-70);
-    let grad: Vec<f32> = [0.1f32, -0.2, 0.3, 0.05].iter().map(|g| g * scale).collect();
-    let state = |speculation: bool| {
-        let mut masters = vec![vec![0.5f32; 4]];
-        let s = session(&mut masters, speculation);
-        if let Err(e) = s.begin_step(Some(scale), 1) {
-            assert_eq!(e.status, Status::InvalidArgument, "{}", e.message);
-            return None;
-        }
-        s.grad_copy(0, Floats::F32(&grad)).unwrap();
-        let t = s.step(local(0.1)).unwrap();
-        let r = s.step_result(t, None).unwrap();
-        assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
-        let (m, v) = s.moments(0).unwrap();
-        drop(s);
-        Some((masters.remove(0), m, v))
-    };
-    let (Some((p0, m0, v0)), Some((p1, m1, v1))) = (state(false), state(true)) else { return };
-    for (what, a, b) in [("p", &p0, &p1), ("m", &m0, &m1), ("v", &v0, &v1)] {
-        for (x, y) in a.iter().zip(b.iter()) {
-            assert!((x - y).abs() <= 1e-5 * x.abs().max(1e-30), "{what}: without speculation {a:?}, with {b:?}");
+    for scale in [2f32.powi(-70), 1e-25, 1e-30] {
+        let grad: Vec<f32> = (0..64).map(|i| ((i % 9) as f32 - 4.0) * 0.025 * scale).collect();
+        let state = |speculation: bool| {
+            let mut masters = vec![vec![0.5f32; 64]];
+            let s = session(&mut masters, speculation);
+            if let Err(e) = s.begin_step(Some(scale), 1) {
+                assert_eq!(e.status, Status::InvalidArgument, "{}", e.message);
+                return None;
+            }
+            hand_over_speculated(&s, 0, &grad);
+            let t = s.step(local(0.1)).unwrap();
+            let r = s.step_result(t, None).unwrap();
+            assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
+            let (m, v) = s.moments(0).unwrap();
+            drop(s);
+            Some((masters.remove(0), m, v))
+        };
+        let (Some((p0, m0, v0)), Some((p1, m1, v1))) = (state(false), state(true)) else { continue };
+        for (what, a, b) in [("p", &p0, &p1), ("m", &m0, &m1), ("v", &v0, &v1)] {
+            for (x, y) in a.iter().zip(b.iter()) {
+                assert!(
+                    (x - y).abs() <= 1e-5 * x.abs().max(1e-30),
+                    "loss scale {scale:e}, {what}: without speculation {a:?}, with {b:?}"
+                );
+            }
         }
     }
 }
@@ -228,7 +256,7 @@ fn clipped_step_with_a_tiny_loss_scale_matches_the_step_without_speculation() {
 /// the rescale writes NaN weights and moments, where the same step without speculation (and
 /// the speculative step itself, which unscales first) is finite.
 #[test]
-#[ignore = "library bug: rescale squares the unscaled-by-loss-scale gradient in f32 and overflows (NaN weights)"]
+#[ignore = "library bug: rescale squares the gradient before unscaling in f32 and overflows (NaN weights)"]
 fn clipped_step_with_a_huge_loss_scale_matches_the_step_without_speculation() {
     let scale = 2f32.powi(100);
     let grad: Vec<f32> = [0.1f32, -0.2, 0.3, 0.05].iter().map(|g| g * scale).collect();
@@ -236,7 +264,7 @@ fn clipped_step_with_a_huge_loss_scale_matches_the_step_without_speculation() {
         let mut masters = vec![vec![0.5f32; 4]];
         let s = session(&mut masters, speculation);
         s.begin_step(Some(scale), 1).unwrap();
-        s.grad_copy(0, Floats::F32(&grad)).unwrap();
+        hand_over_speculated(&s, 0, &grad);
         let t = s.step(local(0.1)).unwrap();
         let r = s.step_result(t, None).unwrap();
         assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
@@ -284,7 +312,7 @@ fn elements_outside_every_slice_resume_bit_for_bit_or_are_refused() {
         let m = unsafe { Borrowed::new("master", master.as_mut_ptr().cast(), master.len(), DType::F32) }.unwrap();
         // Elements 0 and 7 belong to no slice.
         let slices = vec![SliceDesc { name: "w".into(), offset: 1, numel: 6 }];
-        s.add_subgroup(SubGroupDesc { group: 0, master: m, grad: None, slices })
+        s.add_subgroup(SubGroupDesc::new(0, m, slices))
     };
     let new_session = || {
         let s =
@@ -339,7 +367,7 @@ fn clipped_step_with_a_small_loss_scale_keeps_f32_precision() {
         let mut masters = vec![vec![0.5f32; 4]];
         let s = session(&mut masters, speculation);
         s.begin_step(Some(scale), 1).unwrap();
-        s.grad_copy(0, Floats::F32(&grad)).unwrap();
+        hand_over_speculated(&s, 0, &grad);
         let t = s.step(local(2e-9)).unwrap();
         let r = s.step_result(t, None).unwrap();
         assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
@@ -353,5 +381,49 @@ fn clipped_step_with_a_small_loss_scale_keeps_f32_precision() {
         for (x, y) in a.iter().zip(b.iter()) {
             assert!((x - y).abs() <= 1e-6 * x.abs().max(1e-30), "{what}: without speculation {a:?}, with {b:?}");
         }
+    }
+}
+
+/// Found by the fuzzer after the scheduler rewrite (seed 4): a gradient handed over for the
+/// next step while the previous step's final pass of its sub-group is still queued is filed
+/// as a late gradient of the new step (`hand_off` asks the scheduler whether the sub-group is
+/// complete before it waits for the sub-group's final ticket, and a queued final pass counts
+/// as complete). The new step then merges it into the previous step's gradient buffer,
+/// takes no speculative step for it and reports `late_gradients = 1`: the weights end wrong.
+/// A hand-off must wait for its sub-group's previous step (as the header says it does) and
+/// count as the new step's gradient.
+#[test]
+#[ignore = "library bug: a hand-off racing the previous step's queued final pass is taken as a late gradient"]
+fn gradient_of_the_next_step_is_not_late_while_the_previous_final_pass_is_queued() {
+    // Sub-group 0 is large, so that its final pass keeps sub-group 1's queued for a while.
+    const BIG: usize = 1 << 23;
+    let run = |wait: bool, speculation: bool| {
+        let mut masters = vec![vec![0.5f32; BIG], vec![0.25f32; 64]];
+        let s = session(&mut masters, speculation);
+        let big: Vec<f32> = (0..BIG).map(|i| (i % 7) as f32 * 1e-3).collect();
+        let mut lates = Vec::new();
+        for k in 0..4 {
+            s.begin_step(Some(1.0), 1).unwrap();
+            // Sub-group 1 first: right after the previous step() when not waiting.
+            s.grad_copy(1, Floats::F32(&[0.01 * (k + 1) as f32; 64])).unwrap();
+            s.grad_copy(0, Floats::F32(&big)).unwrap();
+            let t = s.step(local(0.0)).unwrap();
+            if wait {
+                let r = s.step_result(t, None).unwrap();
+                lates.push(r.late_gradients);
+                s.wait(s.final_ticket(0).unwrap(), None).unwrap();
+                s.wait(s.final_ticket(1).unwrap(), None).unwrap();
+            }
+        }
+        let t = s.final_ticket(1).unwrap();
+        s.wait(t, None).unwrap();
+        drop(s);
+        (masters.remove(1), lates)
+    };
+    for speculation in [false, true] {
+        let (waited, lates) = run(true, speculation);
+        assert!(lates.iter().all(|&n| n == 0), "{lates:?}");
+        let (raced, _) = run(false, speculation);
+        assert_eq!(raced, waited, "speculation {speculation}: sub-group 1 after four steps");
     }
 }

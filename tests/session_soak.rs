@@ -80,7 +80,7 @@ fn session_soak() {
         moment: api::DT_F32,
         grad: api::DT_BF16,
         accum: api::DT_F32,
-        speculation: true,
+        speculation: api::SPEC_ON,
         limit: 0,
         amsgrad: false,
         scaler: Some(ScalerSpec {
@@ -94,6 +94,7 @@ fn session_soak() {
         }),
         copy: api::DT_BF16,
         pool: PoolSpec::Default,
+        gpu_budget: 0,
     };
     apply(&mut w, Op::Create(create), &mut calls);
     for g in 0..2 {
@@ -123,6 +124,7 @@ fn session_soak() {
             caller_grad: *caller,
             seed: 100 + i as u64,
             bad: SgBad::None,
+            placement: api::PLACE_HOST,
         };
         apply(&mut w, Op::AddSubgroup(spec), &mut calls);
     }

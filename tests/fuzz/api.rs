@@ -60,11 +60,18 @@ pub fn loss_scaler_options_default() -> so_loss_scaler_options {
     c::so_loss_scaler_options_default()
 }
 
-/// Speculation on or off (the field becomes the `so_speculation` enum with ABI 2).
-pub fn set_speculation(o: &mut so_session_options, on: bool) {
-    o.speculation = on;
+/// `so_speculation` values.
+pub const SPEC_OFF: u32 = 0;
+pub const SPEC_ON: u32 = 1;
+pub const SPEC_AUTO: u32 = 2;
+/// `so_placement` values.
+pub const PLACE_HOST: u32 = 0;
+pub const PLACE_DEVICE: u32 = 1;
+
+pub fn set_speculation(o: &mut so_session_options, mode: u32) {
+    o.speculation = mode;
 }
-pub fn speculation(o: &so_session_options) -> bool {
+pub fn speculation(o: &so_session_options) -> u32 {
     o.speculation
 }
 
@@ -86,6 +93,11 @@ pub struct Outcome {
     pub rolled_back: u32,
     pub redone: u32,
     pub stepped: u32,
+    pub cancelled: u32,
+    pub device_stepped: u32,
+    pub device_subgroups: u32,
+    pub final_pass_elements: u64,
+    pub forward_wait_s: f64,
 }
 
 fn outcome(r: &so_step_result) -> Outcome {
@@ -105,6 +117,11 @@ fn outcome(r: &so_step_result) -> Outcome {
         rolled_back: r.rolled_back,
         redone: r.redone,
         stepped: r.stepped,
+        cancelled: r.cancelled,
+        device_stepped: r.device_stepped,
+        device_subgroups: r.device_subgroups,
+        final_pass_elements: r.final_pass_elements,
+        forward_wait_s: r.forward_wait_s,
     }
 }
 
@@ -173,6 +190,9 @@ impl Session {
     }
     pub unsafe fn add_subgroup(self, desc: *const so_subgroup_desc, out: *mut u32) -> Status {
         unsafe { c::so_session_add_subgroup(self.0, desc, out) }
+    }
+    pub fn set_placement(self, sg: u32, placement: u32) -> Status {
+        unsafe { c::so_session_set_placement(self.0, sg, placement) }
     }
     pub unsafe fn remove_subgroup(self, sg: u32) -> Status {
         unsafe { c::so_session_remove_subgroup(self.0, sg) }

@@ -69,7 +69,11 @@ impl Gen {
             moment: if self.chance(0.85) { api::DT_F32 } else { api::DT_BF16 },
             grad: self.pick(&[api::DT_F32, api::DT_F32, api::DT_F32, api::DT_BF16, api::DT_F16]),
             accum: self.pick(&[api::DT_F32, api::DT_F32, api::DT_F32, api::DT_F32, api::DT_BF16, api::DT_F16]),
-            speculation: self.chance(0.85),
+            speculation: match self.rng.below(20) {
+                0..=2 => api::SPEC_OFF,
+                3..=16 => api::SPEC_ON,
+                _ => api::SPEC_AUTO,
+            },
             limit: if self.chance(0.85) { 0 } else { 2000 + self.rng.below(200_000) as u64 },
             amsgrad: false,
             scaler: None,
@@ -79,6 +83,7 @@ impl Gen {
                 6..=8 => PoolSpec::Shared,
                 _ => PoolSpec::Cores(if self.chance(0.5) { vec![0] } else { vec![0, 1] }),
             },
+            gpu_budget: 0,
         };
         if self.chance(0.3) {
             c.scaler = Some(ScalerSpec {
@@ -92,7 +97,9 @@ impl Gen {
             });
         }
         if self.chance(0.15) {
-            match self.rng.below(12) {
+            match self.rng.below(14) {
+                12 => c.speculation = self.pick(&[3, 77]),
+                13 => c.gpu_budget = 1 << 20,
                 0 => c.size_delta = self.pick(&[-8, 8]),
                 1 => c.mode = self.pick(&[0, 7]),
                 2 => c.moment = self.pick(&[api::DT_F16, api::DT_NONE, 9]),
@@ -252,7 +259,12 @@ impl Gen {
         let caller_grad = self.chance(0.2) || matches!(bad, SgBad::GradOverlapsMaster | SgBad::GradMisaligned);
         let groups = s.groups.len() as u32;
         let group = if groups == 0 || self.chance(0.03) { groups } else { self.rng.below(groups as usize) as u32 };
-        SgSpec { group, numel, master_dtype, slices, caller_grad, seed: self.rng.next_u64(), bad }
+        let placement = match self.rng.below(100) {
+            0 => api::PLACE_DEVICE,
+            1 => 5,
+            _ => api::PLACE_HOST,
+        };
+        SgSpec { group, numel, master_dtype, slices, caller_grad, seed: self.rng.next_u64(), bad, placement }
     }
 
     fn fill(&mut self) -> Fill {
@@ -274,10 +286,8 @@ impl Gen {
             85..=89 => self.rng.range(0.01, 1e4) as f32,
             // 1e-45 and 1e-40 have no finite reciprocal in f32:
             // `loss_scale_without_a_finite_reciprocal_is_refused_or_skipped`.
-            // Below ~1e-20 the rescale coefficients overflow:
-            // `clipped_step_with_a_tiny_loss_scale_matches_the_step_without_speculation`.
-            _ if known_bugs() && self.chance(0.3) => self.pick(&[1e-45, 1e-40, f32::MIN_POSITIVE, 1e-25]),
-            _ => self.pick(&[f32::MAX, 3e38, -1.0, f32::NAN, f32::INFINITY, -0.0, 1e-12]),
+            _ if known_bugs() && self.chance(0.3) => self.pick(&[1e-45, 1e-40]),
+            _ => self.pick(&[f32::MAX, 3e38, -1.0, f32::NAN, f32::INFINITY, -0.0, 1e-12, 1e-25, f32::MIN_POSITIVE]),
         }
     }
 
@@ -440,6 +450,7 @@ impl Gen {
             3.0,  // misuse
             0.3,  // null handle
             0.5,  // trace save
+            1.0,  // placement
         ];
         match self.weighted(&weights) {
             0 => {
@@ -503,7 +514,11 @@ impl Gen {
             18 => Op::Destroy,
             19 => self.misuse(s),
             20 => Op::NullHandle,
-            _ => Op::TraceSave { bad_dir: self.chance(0.3) },
+            21 => Op::TraceSave { bad_dir: self.chance(0.3) },
+            _ => Op::SetPlacement {
+                sg: self.rng.below(s.sgs.len() + 1) as u32,
+                placement: self.pick(&[api::PLACE_HOST, api::PLACE_HOST, api::PLACE_DEVICE, 9]),
+            },
         }
     }
 

@@ -53,12 +53,15 @@ pub struct CreateSpec {
     pub moment: u32,
     pub grad: u32,
     pub accum: u32,
-    pub speculation: bool,
+    /// A `so_speculation` value (or not one).
+    pub speculation: u32,
     pub limit: u64,
     pub amsgrad: bool,
     pub scaler: Option<ScalerSpec>,
     pub copy: u32,
     pub pool: PoolSpec,
+    /// `gpu_budget_bytes`: must be 0 in a host session.
+    pub gpu_budget: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -103,6 +106,8 @@ pub struct SgSpec {
     pub caller_grad: bool,
     pub seed: u64,
     pub bad: SgBad,
+    /// A `so_placement` value (or not one); a host session keeps everything on the host.
+    pub placement: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -199,6 +204,10 @@ pub enum Op {
     AddSubgroup(SgSpec),
     RemoveSubgroup {
         sg: u32,
+    },
+    SetPlacement {
+        sg: u32,
+        placement: u32,
     },
     SliceId {
         name: NameSpec,
