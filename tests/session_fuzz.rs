@@ -24,6 +24,7 @@ mod common;
 mod fuzz;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fuzz::api;
@@ -50,8 +51,37 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "panic".into())
 }
 
-/// Generates and runs one sequence.
-fn run_seed(seed: u64, max_ops: usize, dir: &std::path::Path) -> Run {
+/// Seconds a sequence may take before it counts as hung (a ticket that never completes, a
+/// deadlock): `SO_FUZZ_HANG_SECONDS`, default 60 (a sequence takes well under a second).
+fn hang_seconds() -> u64 {
+    env_u64("SO_FUZZ_HANG_SECONDS").unwrap_or(60)
+}
+
+/// Runs `f` on a thread of its own: `None` if it has not finished after `secs` seconds (the
+/// thread is then left behind, stuck).
+fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(secs)).ok()
+}
+
+/// One sequence, with a hang detector: a sequence stuck in a call fails with the operation.
+fn run_seed_guarded(seed: u64, max_ops: usize, dir: &std::path::Path) -> Run {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let (log2, dir2) = (log.clone(), dir.to_path_buf());
+    let secs = hang_seconds();
+    within(secs, move || run_seed(seed, max_ops, &dir2, &log2)).unwrap_or_else(|| {
+        let ops = log.lock().unwrap().clone();
+        let failure =
+            format!("hang: operation {} has not returned after {secs} s: {:?}", ops.len() - 1, ops.last().unwrap());
+        Run { ops, failure: Some(failure), stats: Stats::default(), calls: 0 }
+    })
+}
+
+/// Generates and runs one sequence (each operation also goes to `log` before it runs).
+fn run_seed(seed: u64, max_ops: usize, dir: &std::path::Path, log: &Mutex<Vec<Op>>) -> Run {
     let calls0 = api::calls();
     let mut world = World::new(dir.join(format!("seq{seed}")));
     let mut generator = Gen::new(seed);
@@ -60,6 +90,7 @@ fn run_seed(seed: u64, max_ops: usize, dir: &std::path::Path) -> Run {
     for _ in 0..max_ops {
         let op = generator.next(&world);
         ops.push(op.clone());
+        log.lock().unwrap().push(op.clone());
         match catch_unwind(AssertUnwindSafe(|| world.apply(&op))) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -133,7 +164,10 @@ fn shrink(ops: Vec<Op>, failure: &str, dir: &std::path::Path) -> (Vec<Op>, Strin
             let end = (i + chunk).min(candidate.len());
             candidate.drain(i..end);
             tag += 1;
-            match replay(&candidate, dir, tag) {
+            let (ops, dir2) = (candidate.clone(), dir.to_path_buf());
+            let outcome = within(hang_seconds().min(15), move || replay(&ops, &dir2, tag))
+                .unwrap_or_else(|| Some("hang: a replay did not finish".into()));
+            match outcome {
                 Some(f) if kind(&f) == want => {
                     best = candidate;
                     best_failure = f;
@@ -192,7 +226,7 @@ fn session_api_fuzz() {
         if seconds.is_some() && sequences % 100 == 0 {
             eprintln!("[{:5.0} s] sequence {sequences}, seed {seed}", start.elapsed().as_secs_f64());
         }
-        let run = run_seed(seed, ops, &dir);
+        let run = run_seed_guarded(seed, ops, &dir);
         sequences += 1;
         calls += run.calls;
         op_count += run.ops.len() as u64;

@@ -2343,6 +2343,7 @@ impl Sess {
             };
         }
         let t = self.resolve(which);
+        let timeout_ns = self.bounded_wait(which, timeout_ns);
         let mut r: api::so_step_result = unsafe { std::mem::zeroed() };
         r.struct_size = std::mem::size_of::<api::so_step_result>() + if bad_size { 8 } else { 0 };
         r.serial = 0xDEAD;
@@ -2396,6 +2397,18 @@ impl Sess {
         Ok(())
     }
 
+    /// Before `step()`, a hand-off ticket may wait for `step()` itself (a speculative step
+    /// cancelled by the preparation): such waits poll instead, unless known bugs are wanted.
+    /// `speculative_ticket_cancelled_by_a_late_gradient_completes_before_step`.
+    fn bounded_wait(&self, which: WhichTicket, timeout_ns: i64) -> i64 {
+        let before_step = self.phase != Phase::Idle;
+        if before_step && matches!(which, WhichTicket::HandOff(_)) && !crate::fuzz::known_bugs() {
+            timeout_ns.max(0)
+        } else {
+            timeout_ns
+        }
+    }
+
     fn resolve(&self, which: WhichTicket) -> Ticket {
         match which {
             WhichTicket::LatestStep => self.step_tickets.last().copied().unwrap_or(0),
@@ -2445,6 +2458,7 @@ impl Sess {
 
     fn ticket_op(&mut self, which: WhichTicket, timeout_ns: i64, how: WaitHow) -> Check {
         let t = self.resolve(which);
+        let timeout_ns = self.bounded_wait(which, timeout_ns);
         let st = match how {
             WaitHow::Wait => self.h.ticket_wait(t, timeout_ns),
             WaitHow::Query => self.h.ticket_query(t),
