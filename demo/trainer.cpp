@@ -609,7 +609,7 @@ public:
         : o_(o), shapes_(shapes) {
         so::SessionOptions options;
         options.cores = o.cores; // empty: the default pool
-        options.speculation = o.speculation;
+        options.speculation = o.speculation ? so::Speculation::Auto : so::Speculation::Off;
         session_ = so::Session::create(options);
         group_ = session_.add_group(group_hparams(1));
         for (size_t k = 0; k < shapes.size(); ++k) {
@@ -717,11 +717,14 @@ public:
         const so::PoolRef pool = pool_ ? so::PoolRef(pool_) : so::PoolRef();
         const float loss_scale = 1.0f;
         const float unscale = (float)(1.0 / (double)loss_scale);
-        // The global norm exactly as the session takes it: per-layer sums of squares of the
-        // unscaled gradient, added in layer (registration) order, then the square root.
+        // The global norm exactly as the session takes it: the sums of squares of each slice's
+        // unscaled gradient (a layer's weight, then its bias), added in registration order.
         double sumsq = 0.0;
-        for (size_t k = 0; k < shapes_.size(); ++k)
-            sumsq += so::grad_sumsq(pool, grads_[k].data(), grads_[k].size(), unscale);
+        for (size_t k = 0; k < shapes_.size(); ++k) {
+            const size_t wn = shapes_[k].weight_numel();
+            sumsq += so::grad_sumsq(pool, grads_[k].data(), wn, unscale);
+            sumsq += so::grad_sumsq(pool, grads_[k].data() + wn, grads_[k].size() - wn, unscale);
+        }
         const double norm = std::sqrt(sumsq);
         const double clip = o_.max_norm > 0 ? std::min(1.0, o_.max_norm / (norm + 1e-6)) : 1.0;
         so::UpdateOptions uo;

@@ -9,6 +9,9 @@
 #   3. the CMake build and the ctest suite in c_tests/;
 #   4. the install (stripped) into <build>/install, with its size;
 #   5. the ctest suite once more, every test under valgrind memcheck (errors fatal);
+#   7. the Python package (scripts/python_test.sh): the wheel, its install into a fresh virtual
+#      environment without Rust or a compiler, the torch-free layer tests, then torch,
+#      transformers and accelerate and the host-mode torch, FSDP2 and Trainer tests;
 #   6. the C/C++ tests built with AddressSanitizer and UndefinedBehaviorSanitizer
 #      (-fsanitize=address,undefined -fno-sanitize-recover=all) against the installed library,
 #      and run. The Rust library itself is not instrumented (that needs a nightly rustc):
@@ -26,7 +29,7 @@
 #   SO_JOBS             parallel build and test jobs (default: the number of CPUs)
 #   SO_SKIP_CARGO_TEST=1  skip `cargo test` (only the CMake/ctest parts)
 #   SO_INSTALL_TOOLS=0  install no optional tool (valgrind, clang-format-14)
-#   SO_SKIP=LIST        skip parts, a comma list of: ptx, style, valgrind, sanitize
+#   SO_SKIP=LIST        skip parts, a comma list of: ptx, style, valgrind, sanitize, python
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
@@ -164,6 +167,14 @@ else
         rm -rf "$probe_dir"
         skip "ASan+UBSan: ${CC:-cc} cannot build and run a -fsanitize=address,undefined program (libasan/libubsan missing?)"
     fi
+fi
+
+# ---------------------------------------------------------------- Python package
+if ! wanted python; then
+    skip "Python package (SO_SKIP)"
+else
+    section "Python package: wheel, fresh environment, layer and torch tests (scripts/python_test.sh)"
+    SO_BUILD_DIR="$build_dir" bash scripts/python_test.sh
 fi
 
 section "Summary"

@@ -5,6 +5,8 @@
 # Runs: clipping at 1.0 (speculative), no clipping, speculation off; on JAX's default
 # platform (CUDA session on a GPU, host session on the CPU) and, when that is a GPU, on the
 # CPU platform as well. Exits non-zero if any run fails.
+# train_mlp.py imports the superoffload Python package (its ctypes mirrors and header parser check
+# the example's ctypes structs): install it (`pip install .` at the root, or the wheel).
 # Environment: PYTHON, BUILD_DIR (default: build/ next to this script).
 set -euo pipefail
 if [ $# -lt 1 ]; then
@@ -21,6 +23,8 @@ build="${BUILD_DIR:-$here/build}"
 inc="$("$py" -c 'import jax; print(jax.ffi.include_dir())')" ||
     { echo "run.sh: '$py' cannot import jax; set PYTHON to an interpreter that can" >&2; exit 2; }
 backend="$("$py" -c 'import jax; print(jax.default_backend())')"
+"$py" -c 'import superoffload' ||
+    { echo "run.sh: '$py' cannot import the superoffload package; pip install . (or the wheel) first" >&2; exit 2; }
 echo "run.sh: jax $("$py" -c 'import jax; print(jax.__version__)'), default backend $backend"
 
 cmake -S "$here" -B "$build" -DCMAKE_BUILD_TYPE=Release "-DJAX_FFI_INCLUDE_DIR=$inc" "-DCMAKE_PREFIX_PATH=$prefix"

@@ -37,8 +37,21 @@ class Options(C.Structure):
 class Result(C.Structure):
     _fields_ = [("serial", C.c_uint64), ("skipped", C.c_int32), ("global_norm", C.c_double), ("clip_coef", C.c_double),
                 ("speculative", C.c_uint32), ("kept", C.c_uint32), ("rescaled", C.c_uint32),
-                ("rolled_back", C.c_uint32), ("redone", C.c_uint32), ("stepped", C.c_uint32),
-                ("skip_reason", C.c_uint32)]
+                ("rolled_back", C.c_uint32), ("redone", C.c_uint32), ("stepped", C.c_uint32)]
+
+
+def check_mirrors():
+    """The two ctypes Structures above against so_jax_ffi.cc's typedefs (names, order, types), with
+    the superoffload package's header parser, the one that keeps its own ctypes mirrors of
+    superoffload.h honest; then the library the package loads must have the header's ABI."""
+    import superoffload
+    from superoffload import _header
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "so_jax_ffi.cc"), encoding="utf-8") as f:
+        problems = _header.compare_structs(_header.parse(f.read()), {"sojax_options": Options, "sojax_result": Result})
+    problems += _header.check()  # the package's mirrors of superoffload.h
+    if problems:
+        sys.exit("train_mlp.py: ctypes mirrors differ from the C sources:\n  " + "\n  ".join(problems))
+    return superoffload.__version__
 
 
 class Lib:
@@ -49,7 +62,8 @@ class Lib:
         c.sojax_last_error.restype = C.c_char_p
         c.sojax_options_size.restype = c.sojax_result_size.restype = C.c_size_t
         if c.sojax_options_size() != C.sizeof(Options) or c.sojax_result_size() != C.sizeof(Result):
-            sys.exit("train_mlp.py: the ctypes layouts do not match libso_jax_ffi's structs")
+            sys.exit("train_mlp.py: the ctypes layouts do not match libso_jax_ffi's structs (sizes "
+                     f"{c.sojax_options_size()}/{c.sojax_result_size()} vs {C.sizeof(Options)}/{C.sizeof(Result)})")
         c.sojax_create.argtypes = [C.POINTER(Options), C.POINTER(C.c_int64)]
         c.sojax_add_subgroup.argtypes = [C.c_int64, C.c_size_t, C.POINTER(C.c_char_p), C.POINTER(C.c_size_t),
                                          C.POINTER(C.c_float), C.c_uint64, C.POINTER(C.c_uint32)]
@@ -145,6 +159,7 @@ def main():
         if "rocm" in version.lower():
             sys.exit(f"the GPU backend is ROCm ({version}); superoffload's device transport is CUDA only")
 
+    so_version = check_mirrors()
     lib = Lib(args.lib)
     jax.ffi.register_ffi_target("so_grad", jax.ffi.pycapsule(lib.c.SoJaxGradCpu), platform="cpu")
     jax.ffi.register_ffi_target("so_step", jax.ffi.pycapsule(lib.c.SoJaxStepCpu), platform="cpu")
@@ -174,7 +189,7 @@ def main():
 
     init = [jnp.asarray(a) for wb in layers for a in wb]
     n_params = sum(int(a.size) for a in init)
-    print(f"jax {jax.__version__} on {backend} ({jax.devices()[0].device_kind}); MLP {sizes}, {n_params} parameters in "
+    print(f"superoffload {so_version}; jax {jax.__version__} on {backend} ({jax.devices()[0].device_kind}); MLP {sizes}, {n_params} parameters in "
           f"{len(layers)} sub-groups; batch {args.batch}, {args.steps} steps, lr {args.lr} (warm-up {args.warmup}, "
           f"cosine), clip {args.max_norm}, weight decay {args.wd}; "
           f"{'CUDA' if cuda else 'host'} session{'' if not args.no_speculation else ' without speculation'}", flush=True)

@@ -26,7 +26,7 @@ bench/trace_plot.py (.png).
   python3 bench_e2e.py [--layers 22 --hidden 2048 ...] [--seq 2048 --batch 16] [--modes e,d,a,h,b,c]
   python3 bench_e2e.py --smoke       # tiny model on the CPU: exercises the code paths, no numbers
 
-Outputs go to --out (default $OUT, else bench-out/). Needs SUPEROFFLOAD_PREFIX.
+Outputs go to --out (default $OUT, else bench-out/). Needs the superoffload package.
 """
 import argparse
 import gc
@@ -110,14 +110,16 @@ def summarise(name, times, window, losses, n_params, tokens, extra=None):
     return r
 
 
-def cpu_adam_alone(ext, n_params, chunk, cores, dtype):
+def cpu_adam_alone(n_params, chunk, cores, dtype):
     """CPU Adam time of one full step over n_params, the library's kernel alone (bf16 gradient,
     f32 master and moments, bf16 copy out: what a session's pass does), on a pool of the same
     cores, over one sub-group-sized set of buffers reused n_params / chunk times."""
+    import superoffload
     chunk = min(chunk, n_params)
-    pool = ext.Pool(0, cores) if cores else ext.Pool(0, None)
+    pool = superoffload.Pool(0, cores)
     p = torch.randn(chunk) * 0.02
-    g = (torch.randn(chunk) * 1e-3).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    gdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    g = (torch.randn(chunk) * 1e-3).to(gdt)
     m, v = torch.zeros(chunk), torch.zeros(chunk)
     copy = torch.empty(chunk, dtype=torch.bfloat16) if dtype == torch.bfloat16 else None
     reps = n_params / chunk
@@ -125,16 +127,19 @@ def cpu_adam_alone(ext, n_params, chunk, cores, dtype):
     for i in range(4):
         t0 = time.perf_counter()
         for _ in range(int(reps)):
-            ext.adam_update(p, g, m, v, lr=1e-4, step=i + 1, pool=pool, param_copy=copy)
+            superoffload.adam_update(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), chunk, lr=1e-4,
+                                     step=i + 1, pool=pool, grad_dtype=str(gdt),
+                                     param_copy=copy.data_ptr() if copy is not None else 0,
+                                     param_copy_dtype="bf16" if copy is not None else "none")
         dt = time.perf_counter() - t0
         times.append(dt * reps / max(int(reps), 1))
     info = pool.info()
-    del pool
+    pool.close()
     return statistics.median(times[1:]), info
 
 
 def mode_ours(model, batch, args, timer, speculation, clips, results, n_params, tokens, gpu_fraction=0.0):
-    from superoffload_torch import SuperOffloadAdamW
+    from superoffload.torch import SuperOffloadAdamW
     t0 = time.perf_counter()
     opt = SuperOffloadAdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                             speculation=speculation, sub_group_numel=args.sub_group_numel, cores=args.cores,
@@ -315,8 +320,7 @@ def main():
     args.dtype = torch.bfloat16 if cuda else torch.float32
     args.cores = parse_cores(args.cores)
     timer = Timer(cuda)
-    from superoffload_torch import extension
-    ext = extension()
+    import superoffload
     t_begin = time.perf_counter()
 
     model = build_model(args, device)
@@ -326,14 +330,14 @@ def main():
     batch = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
     clips = [args.clip] if args.no_clip_runs else [0.0, args.clip]
     header = {"device": torch.cuda.get_device_name(device) if cuda else "cpu (smoke)", "torch": torch.__version__,
-              "superoffload": ext.version(), "extension": ext.build_info, "params": n_params,
+              "superoffload": superoffload.__version__, "params": n_params,
               "tokens_per_step": tokens, "seq": args.seq, "batch": args.batch, "layers": args.layers,
               "hidden": args.hidden, "activation_checkpointing": not args.no_ckpt, "session_cores": args.cores,
               "cpus": os.cpu_count(), "clip": args.clip, "steps": args.steps, "warmup": args.warmup}
-    log(json.dumps({k: v for k, v in header.items() if k != "extension"}))
+    log(json.dumps(header))
     results = {"config": header}
 
-    t_adam, pool_info = cpu_adam_alone(ext, n_params, args.sub_group_numel, args.cores, args.dtype)
+    t_adam, pool_info = cpu_adam_alone(n_params, args.sub_group_numel, args.cores, args.dtype)
     results["cpu_adam_alone_s"] = round(t_adam, 4)
     results["cpu_adam_pool"] = pool_info
     log(f"  CPU Adam alone (library kernel, {pool_info['threads']} threads, {pool_info['isa']}): {t_adam:.4f} s/step")

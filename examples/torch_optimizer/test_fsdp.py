@@ -13,7 +13,7 @@ the whole global batch (each rank takes its slice of the batch; FSDP averages th
   python3 test_fsdp.py                               # world size 1 (gloo on the CPU, nccl on a GPU)
   torchrun --nproc_per_node N test_fsdp.py           # N ranks (one GPU each with nccl)
 
-Needs SUPEROFFLOAD_PREFIX. Exits 1 if a check fails on any rank.
+Needs the superoffload package. Exits 1 if a check fails on any rank.
 """
 import argparse
 import io
@@ -48,10 +48,10 @@ def sharded_model(seed, device, dtype, mesh):
     return m
 
 
-def make_opt(model, clip):
-    from superoffload_torch import SuperOffloadAdamW
+def make_opt(model, clip, **kw):
+    from superoffload.torch import SuperOffloadAdamW
     return SuperOffloadAdamW(param_groups(list(model.named_parameters()), WD), lr=LR, betas=BETAS, eps=EPS,
-                             max_grad_norm=clip, model=model)
+                             max_grad_norm=clip, model=model, **kw)
 
 
 def run(model, opt, sched, data, device, rank, world):
@@ -131,7 +131,7 @@ def main():
         # Rank-local resume: half, checkpoint, half vs a fresh sharded model + optimizer.
         half = len(data) // 2
         m1 = sharded_model(0, device, dtype, mesh)
-        o1 = make_opt(m1, args.clip)
+        o1 = make_opt(m1, args.clip, speculation=False)  # clipped + bit for bit: every step exact
         s1 = torch.optim.lr_scheduler.LambdaLR(o1, lr_lambda)
         run(m1, o1, s1, data[:half], device, rank, world)
         buf = io.BytesIO()
@@ -141,7 +141,7 @@ def main():
         buf.seek(0)
         sd = torch.load(buf, weights_only=False)
         m2 = sharded_model(5, device, dtype, mesh)
-        o2 = make_opt(m2, args.clip)
+        o2 = make_opt(m2, args.clip, speculation=False)
         s2 = torch.optim.lr_scheduler.LambdaLR(o2, lr_lambda)
         o2.load_state_dict(sd["opt"])  # restores the master weights, and through them the shards
         s2.load_state_dict(sd["sched"])

@@ -273,9 +273,10 @@ impl CudaTransport {
         driver::refuse_capturing(stream)?;
         let mut state = self.state.lock().unwrap();
         let on_device = state.subgroups.get(&h.sg).ok_or_else(|| not_attached(h.sg))?.device.is_some();
-        if on_device && h.late {
+        if on_device && (h.late || h.sumsq_scale.is_none()) {
             return Err(Error::unsupported(
-                "a device-placed sub-group takes each slice's gradient once per step (no late gradients)",
+                "a device-placed sub-group takes each slice's gradient once per step, at the last micro-step \
+                 (no late gradients)",
             ));
         }
         let ready = Self::event(&mut state)?;

@@ -146,31 +146,15 @@ impl LaneOp for Rollback {
 }
 
 /// Turns a step taken on `old_scale * g` into the step on `new_scale * g` from the same
-/// starting state. AdamW's decay of `p` does not depend on the gradient and cancels; for
-/// Adam-L2 the L2 term's cross product with `g` needs `p_prev`, recovered first.
+/// starting state: the old gradient's contribution to the moments is taken out and the new
+/// one's put in, each formed exactly as [`Update`] forms it (`g * scale`, then the L2 term),
+/// so no square is of the raw, loss-scaled gradient (which could underflow or overflow f32
+/// when the scales are far from 1). AdamW's decay of `p` does not depend on the gradient and
+/// cancels; Adam-L2's term needs `p_prev`, recovered first.
 pub(crate) struct Rescale {
     pub k: StepConstants,
-    /// `(1 - beta1) * (new - old)`.
-    pub dm: f32,
-    /// `(1 - beta2) * (new^2 - old^2)`.
-    pub dv: f32,
-    /// `2 * (1 - beta2) * wd * (new - old)`, the L2 cross term (0 for AdamW).
-    pub dv_cross: f32,
-}
-
-impl Rescale {
-    pub(crate) fn new(hp: &AdamHyper, old_scale: f32, new_scale: f32) -> Self {
-        let k = StepConstants::new(hp);
-        let (old, new) = (old_scale as f64, new_scale as f64);
-        let one_minus_beta2 = k.one_minus_beta2 as f64;
-        let wd = k.l2_decay.unwrap_or(0.0) as f64;
-        Rescale {
-            k,
-            dm: (k.one_minus_beta1 as f64 * (new - old)) as f32,
-            dv: (one_minus_beta2 * (new * new - old * old)) as f32,
-            dv_cross: (2.0 * one_minus_beta2 * wd * (new - old)) as f32,
-        }
-    }
+    pub old_scale: f32,
+    pub new_scale: f32,
 }
 
 impl LaneOp for Rescale {
@@ -178,16 +162,22 @@ impl LaneOp for Rescale {
     fn apply<S: Simd>(&self, s: S, p: S::F, g: S::F, m: S::F, v: S::F) -> Lanes<S::F> {
         let k = &self.k;
         let u_old = s.div(m, k.denom(s, v));
-        let m_new = s.mul_add(s.splat(self.dm), g, m);
-        let mut v_new = s.mul_add(s.splat(self.dv), s.mul(g, g), v);
-        if k.l2_decay.is_some() {
+        let (ge_old, ge_new) = if k.l2_decay.is_some() {
             let p_prev = s.mul_add(s.splat(k.step_size), u_old, p);
-            v_new = s.mul_add(s.splat(self.dv_cross), s.mul(g, p_prev), v_new);
-        }
-        let v_new = s.max0(v_new);
+            (
+                k.effective_grad(s, s.mul(g, s.splat(self.old_scale)), p_prev),
+                k.effective_grad(s, s.mul(g, s.splat(self.new_scale)), p_prev),
+            )
+        } else {
+            (s.mul(g, s.splat(self.old_scale)), s.mul(g, s.splat(self.new_scale)))
+        };
+        let m_prior = s.mul_add(s.splat(-k.one_minus_beta1), ge_old, m);
+        let m_new = s.mul_add(s.splat(k.one_minus_beta1), ge_new, m_prior);
+        let v_prior = s.mul_add(s.splat(-k.one_minus_beta2), s.mul(ge_old, ge_old), v);
+        let v_new = s.max0(s.mul_add(s.splat(k.one_minus_beta2), s.mul(ge_new, ge_new), v_prior));
         let u_new = s.div(m_new, k.denom(s, v_new));
         let p = s.mul_add(s.splat(-k.step_size), s.sub(u_new, u_old), p);
-        Lanes { p, m: m_new, v: v_new, g }
+        Lanes { p, m: m_new, v: v_new, g: ge_new }
     }
 }
 

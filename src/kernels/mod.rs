@@ -363,7 +363,7 @@ pub fn rescale(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, old_scale: f3
     if old_scale == new_scale {
         return Ok(());
     }
-    run_step_pass(pool, &Rescale::new(hp, old_scale, new_scale), bufs, false).map(drop)
+    run_step_pass(pool, &Rescale { k: StepConstants::new(hp), old_scale, new_scale }, bufs, false).map(drop)
 }
 
 /// f64 sum of squares of `scale · g`, the same for every instruction set and thread count

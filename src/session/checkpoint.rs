@@ -352,8 +352,12 @@ impl Session {
             )));
         }
 
-        // Apply.
+        // Apply. What the caller's stream queued may still read the old weights: publication
+        // of the loaded ones follows it.
         let transport = self.shared.transport();
+        if let Some(transport) = transport {
+            transport.before_step()?;
+        }
         for (track, (sg, step)) in tracks.iter().zip(&plan) {
             let mut data = sg.data.lock().unwrap();
             for i in track.slices.clone() {

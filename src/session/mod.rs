@@ -355,7 +355,8 @@ pub trait Transport: Send + Sync + Any {
     fn publish(&self, sg: u32) -> Result<()>;
     /// `ticket` of `lane` completes (after its work and any `publish` of it).
     fn ticket_done(&self, _lane: u32, _ticket: Ticket) {}
-    /// `step()` was called: what is published from now on must follow the caller's work.
+    /// `step()` (or a checkpoint load) was called: what is published from now on must follow
+    /// the work the caller has queued so far.
     fn before_step(&self) -> Result<()> {
         Ok(())
     }

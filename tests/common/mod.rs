@@ -366,22 +366,21 @@ pub fn ref_rollback(k: &Consts, scale: f64, p: T, g: T, m: T, v: T) -> Ref {
     Ref { p, m, v }
 }
 
-/// Reference of `kernels::rescale` on one element (`old`, `new` the scales).
+/// Reference of `kernels::rescale` on one element (`old`, `new` the scales): the old
+/// gradient's contribution taken out of the moments, the new one's put in.
 pub fn ref_rescale(k: &Consts, old: f64, new: f64, p: T, g: T, m: T, v: T) -> Ref {
-    // The kernel rounds these coefficients to f32 once: exact value, one rounding.
-    let coefficient = |x: f64| T { v: x, e: U * x.abs() };
-    let omb2 = k.omb2.v;
-    let dm = coefficient(k.omb1.v * (new - old));
-    let dv = coefficient(omb2 * (new * new - old * old));
     let u_old = div(m, k.denom(v));
-    let m_new = fma(dm, g, m);
-    let mut v_new = fma(dv, mul(g, g), v);
-    if let Some(wd) = k.l2 {
-        let dv_cross = coefficient(2.0 * omb2 * wd.v * (new - old));
-        let p_prev = fma(k.step, u_old, p);
-        v_new = fma(dv_cross, mul(g, p_prev), v_new);
-    }
-    let v_new = max0(v_new);
+    let (ge_old, ge_new) = match k.l2 {
+        Some(wd) => {
+            let p_prev = fma(k.step, u_old, p);
+            (fma(wd, p_prev, mul(g, exact(old))), fma(wd, p_prev, mul(g, exact(new))))
+        }
+        None => (mul(g, exact(old)), mul(g, exact(new))),
+    };
+    let m_prior = fma(neg(k.omb1), ge_old, m);
+    let m_new = fma(k.omb1, ge_new, m_prior);
+    let v_prior = fma(neg(k.omb2), mul(ge_old, ge_old), v);
+    let v_new = max0(fma(k.omb2, mul(ge_new, ge_new), v_prior));
     let u_new = div(m_new, k.denom(v_new));
     let p = fma(neg(k.step), sub(u_new, u_old), p);
     Ref { p, m: m_new, v: v_new }

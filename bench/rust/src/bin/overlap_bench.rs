@@ -179,23 +179,42 @@ enum Kind {
     SpecClip,
     NoSpec,
     NoSpecClip,
+    Auto,
+    AutoClip,
 }
 
 impl Kind {
-    const ALL: [Kind; 4] = [Kind::Spec, Kind::SpecClip, Kind::NoSpec, Kind::NoSpecClip];
+    const ALL: [Kind; 6] = [Kind::Spec, Kind::SpecClip, Kind::NoSpec, Kind::NoSpecClip, Kind::Auto, Kind::AutoClip];
     fn name(self) -> &'static str {
         match self {
             Kind::Spec => "spec",
             Kind::SpecClip => "spec+clip",
             Kind::NoSpec => "nospec",
             Kind::NoSpecClip => "nospec+clip",
+            Kind::Auto => "auto",
+            Kind::AutoClip => "auto+clip",
         }
     }
-    fn speculation(self) -> bool {
-        matches!(self, Kind::Spec | Kind::SpecClip)
+    fn speculation(self) -> Speculation {
+        match self {
+            Kind::Spec | Kind::SpecClip => Speculation::On,
+            Kind::NoSpec | Kind::NoSpecClip => Speculation::Off,
+            Kind::Auto | Kind::AutoClip => Speculation::Auto,
+        }
     }
     fn clip(self) -> bool {
-        matches!(self, Kind::SpecClip | Kind::NoSpecClip)
+        matches!(self, Kind::SpecClip | Kind::NoSpecClip | Kind::AutoClip)
+    }
+    /// Which of the CPU Adam measurements (spec, spec+rescale, nospec, nospec) is this mode's
+    /// work: automatic speculation speculates without clipping and stops with clipping on
+    /// every step.
+    fn cpu_index(self) -> usize {
+        match self {
+            Kind::Spec | Kind::Auto => 0,
+            Kind::SpecClip => 1,
+            Kind::NoSpec => 2,
+            Kind::NoSpecClip | Kind::AutoClip => 3,
+        }
     }
 }
 
@@ -228,7 +247,7 @@ impl Mode {
     fn new(kind: Kind, pool: &Arc<Pool>, layers: usize, elems: usize) -> Result<Mode, String> {
         let session = Session::new(SessionOptions {
             pool: Some(pool.clone()),
-            speculation: if kind.speculation() { Speculation::On } else { Speculation::Off },
+            speculation: kind.speculation(),
             ..SessionOptions::default()
         })
         .map_err(|e| format!("session: {e}"))?;
@@ -359,8 +378,9 @@ fn cpu_adam_alone(pool: &Pool, a: &Args, grads: &[Vec<f32>], reps: usize) -> Res
         // Each kind of pass goes over every layer before the next kind starts, so a layer's
         // buffers are not still in cache from the previous pass (as in a session, where the
         // other layers' work comes in between).
-        // Speculative step: finiteness pre-pass with the sum of squares, then the update.
-        let spec_opts = UpdateOptions { grad_scale: 1.0, check_finite: true, grad_sumsq: true };
+        // Speculative step: the update (the sums of squares are taken at hand-over, on the
+        // training thread).
+        let spec_opts = UpdateOptions { grad_scale: 1.0, ..UpdateOptions::default() };
         let t0 = Instant::now();
         for k in 0..a.layers {
             kernels::update(pool, &hp, bufs(&mut p[k], &mut m[k], &mut v[k], &grads[k]), &spec_opts).map_err(err)?;
@@ -375,19 +395,13 @@ fn cpu_adam_alone(pool: &Pool, a: &Args, grads: &[Vec<f32>], reps: usize) -> Res
         for k in 0..a.layers {
             kernels::rollback(pool, &hp, bufs(&mut p[k], &mut m[k], &mut v[k], &grads[k]), 0.5).map_err(err)?;
         }
-        // No speculation: the sum of squares when the hand-off completes the sub-group (in
-        // backward), the update at step().
-        let t0 = Instant::now();
-        for g in grads {
-            kernels::grad_sumsq(pool, Floats::F32(g), 1.0).map_err(err)?;
-        }
-        let sumsq = t0.elapsed();
+        // No speculation: the update at step().
         let t0 = Instant::now();
         let plain = UpdateOptions { grad_scale: 0.5, ..UpdateOptions::default() };
         for k in 0..a.layers {
             kernels::update(pool, &hp, bufs(&mut p[k], &mut m[k], &mut v[k], &grads[k]), &plain).map_err(err)?;
         }
-        let nospec = sumsq + t0.elapsed();
+        let nospec = t0.elapsed();
         t[0] = spec;
         t[1] = spec + rescale;
         t[2] = nospec;
@@ -555,8 +569,9 @@ fn run(a: Args) -> Result<(), String> {
         );
         let step_adj = median(&m.step_ms.iter().zip(&m.preempt_ms).map(|(s, p)| s - p).collect::<Vec<_>>());
         let busy_adj = median(&m.busy_ms.iter().zip(&m.preempt_ms).map(|(s, p)| s - p).collect::<Vec<_>>());
-        let ratio = step / busy.max(cpu[i]);
-        let ratio_adj = step_adj / busy_adj.max(cpu[i]);
+        let cpu_i = cpu[m.kind.cpu_index()];
+        let ratio = step / busy.max(cpu_i);
+        let ratio_adj = step_adj / busy_adj.max(cpu_i);
         let per = |x: u64| x as f64 / m.steps.max(1) as f64;
         println!(
             "{:<12} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>8.2} {:>8.2} {:>6.3} {:>6.3}  {:.0}/{:.0}/{:.0}{}",
@@ -570,7 +585,7 @@ fn run(a: Args) -> Result<(), String> {
             fwd,
             bwd,
             handoff,
-            cpu[i],
+            cpu_i,
             ratio,
             ratio_adj,
             per(m.kept),
@@ -594,7 +609,7 @@ fn run(a: Args) -> Result<(), String> {
             json_num(fwd),
             json_num(bwd),
             json_num(handoff),
-            json_num(cpu[i]),
+            json_num(cpu_i),
             json_num(ratio),
             json_num(ratio_adj),
             json_num(per(m.kept)),
@@ -627,10 +642,11 @@ fn run(a: Args) -> Result<(), String> {
     for m in &modes {
         let l = (a.layers as u64) * m.steps;
         let ok = match m.kind {
-            Kind::Spec => m.kept == l,
-            Kind::SpecClip => m.rescaled == l && m.clipped == m.steps,
+            // A speculative step that had not started at step() is cancelled and stepped once.
+            Kind::Spec | Kind::Auto => m.kept + m.stepped == l,
+            Kind::SpecClip => m.rescaled + m.stepped == l && m.clipped == m.steps,
             Kind::NoSpec => m.stepped == l,
-            Kind::NoSpecClip => m.stepped == l && m.clipped == m.steps,
+            Kind::NoSpecClip | Kind::AutoClip => m.stepped + m.rescaled == l && m.clipped == m.steps,
         } && m.other == 0;
         if !ok {
             behaved = false;
@@ -677,6 +693,13 @@ fn run(a: Args) -> Result<(), String> {
         medians[3] / medians[1],
         adjusted[2] / adjusted[0],
         adjusted[3] / adjusted[1]
+    );
+    println!(
+        "automatic speculation / off: {:.3} unclipped, {:.3} clipped ({:.3} and {:.3} without preempted time)",
+        medians[4] / medians[2],
+        medians[5] / medians[3],
+        adjusted[4] / adjusted[2],
+        adjusted[5] / adjusted[3]
     );
     write!(
         json,

@@ -1,0 +1,25 @@
+#!/usr/bin/env python3
+"""Prints the overlap results of bench/cuda_bench.py (--json files) as a Markdown table:
+step time, ratio to max(GPU forward+backward, CPU Adam), optimizer passes after backward and the
+exposed wait of the next forward, per mode.
+
+  python3 bench/overlap_table.py out/cuda_balanced.json [more.json ...]
+"""
+import json
+import sys
+
+for path in sys.argv[1:]:
+    d = json.load(open(path))["overlap"]
+    print(f"\n{path}: GPU forward+backward {d['gpu_fwd_bwd_ms']} ms, CPU Adam {d['cpu_adam_ms']} ms\n")
+    print("| mode | step (ms) | x max(GPU, CPU Adam) | elements after step() | forward wait (ms) | "
+          "kept / rescaled / stepped / cancelled / on GPU | GPU bytes |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: |")
+    for name, v in d.items():
+        if not isinstance(v, dict):
+            continue
+        counts = f"{v['kept']} / {v['rescaled']} / {v['stepped']} / {v['cancelled']} / {v['device_stepped']}"
+        print(f"| {name} | {v['step_ms']} | {v['vs_max_gpu_adam']} | {v['final_pass_elements']:,} | "
+              f"{v['forward_wait_ms_mean']} | {counts} | {v['device_bytes']:,} |")
+    for k, v in d.items():
+        if "_over_" in k:
+            print(f"- {k}: {v}")

@@ -1,0 +1,380 @@
+#!/usr/bin/env python3
+"""The package's checks that need a GPU (the GPU machine: torch with CUDA, transformers,
+accelerate; no Rust, no network). Install the wheel built elsewhere, then:
+
+    pip install --no-deps superoffload-*.whl      # or: --target DIR and PYTHONPATH=DIR
+    python3 python/tests/gpu_checks.py [--json out.json] [--only torch,trainer]
+
+CUDA mode, SuperOffloadAdamW on a tiny GPT (python/tests/_models.py), deterministic algorithms:
+  cuda_parity          bf16 parameters vs torch.optim.AdamW on f32 masters, clipping active:
+                       mean relative loss difference <= 1e-3 over 40 steps
+  cuda_speculation     clipping off: speculative and non-speculative sessions bit-identical
+  cuda_resume          state_dict() through torch.save half-way: the rest resumes bit for bit
+  cuda_accumulation    accumulation_steps=2 vs the reference
+  cuda_gpu_fraction    gpu_fraction=0.3: parity with clipping, resume bit for bit
+  cuda_bf16_moments    moment_dtype="bf16": parity within 1e-2, 12 B/param less 4
+  cuda_direct_read     after step() + synchronize() the parameters equal the masters bit for bit
+  cuda_state_dict_read model.state_dict() read right after each step (no other host wait)
+Hugging Face Trainer on a LlamaConfig-built model (f32 parameters, bf16 autocast, full_determinism):
+  trainer_parity       SuperOffloadTrainer vs Trainer's AdamW, max_grad_norm active, >= 30 steps:
+                       mean relative loss difference <= 1e-3
+  trainer_grad_norm    the logged grad_norm equals the session's global norm at every step
+  trainer_resume       checkpoint at step 15 + resume_from_checkpoint == the uninterrupted run
+  trainer_final        weights read right after trainer.train() equal the optimizer's masters
+  trainer_accumulation gradient_accumulation_steps=2 vs Trainer's AdamW
+Prints one PASS/FAIL line per check and a summary; exit status 1 if any fails.
+"""
+import argparse
+import io
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+RESULTS = []
+ONLY = set()
+
+
+def check(name, ok, **detail):
+    RESULTS.append({"check": name, "pass": bool(ok), **detail})
+    print(f"[{'PASS' if ok else 'FAIL'}] {name}: " + ", ".join(f"{k}={v}" for k, v in detail.items()), flush=True)
+    return ok
+
+
+def rel(a, b):
+    return [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)]
+
+
+# ---- torch ------------------------------------------------------------------------------------
+
+def torch_checks(dev):
+    from _models import MasterAdamW, loss_fn, lr_lambda, make_data, make_model, param_groups
+    from superoffload.torch import SuperOffloadAdamW
+
+    LR, BETAS, EPS, WD, CLIP = 3e-3, (0.9, 0.95), 1e-8, 0.1, 1.3
+    data = make_data(40, 16, 32, 64)
+    dt = torch.bfloat16
+
+    def ours(m, **kw):
+        kw.setdefault("max_grad_norm", CLIP)
+        kw.setdefault("sub_group_numel", 20000)
+        return SuperOffloadAdamW(param_groups(list(m.named_parameters()), WD), lr=LR, betas=BETAS, eps=EPS, model=m,
+                                 **kw)
+
+    def train(m, opt, sched, batches, acc=1):
+        losses, res = [], []
+        for x, y in batches:
+            x, y = x.to(dev), y.to(dev)
+            tot = 0.0
+            for xs, ys in zip(x.chunk(acc), y.chunk(acc)):
+                loss = loss_fn(m, xs, ys) / acc
+                loss.backward()
+                tot += loss.item()
+            opt.step()
+            sched.step()
+            losses.append(tot)
+            res.append(opt.last_step_result() if isinstance(opt, SuperOffloadAdamW) else None)
+        return losses, res
+
+    def ref_run(batches, acc=1):
+        m = make_model(0, dev, dt)
+        ref = MasterAdamW(m, LR, BETAS, EPS, WD, CLIP)
+        s = torch.optim.lr_scheduler.LambdaLR(ref.opt, lr_lambda)
+        losses = []
+        for x, y in batches:
+            x, y = x.to(dev), y.to(dev)
+            tot = 0.0
+            for xs, ys in zip(x.chunk(acc), y.chunk(acc)):
+                loss = loss_fn(m, xs, ys) / acc
+                loss.backward()
+                tot += loss.item()
+            ref.step()
+            s.step()
+            losses.append(tot)
+        return losses
+
+    def snap(m):
+        return [p.detach().clone() for p in m.parameters()]
+
+    def guarded(name, fn):
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:
+            traceback.print_exc()
+            check(name, False, exception=repr(e)[:300])
+        print(f"  ({name}: {time.perf_counter() - t0:.1f} s)", flush=True)
+
+    ref_losses = ref_run(data)
+
+    def parity():
+        m = make_model(0, dev, dt)
+        opt = ours(m)
+        la, res = train(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), data)
+        d = rel(la, ref_losses)
+        clipped = sum(r["clip_coef"] < 1 for r in res)
+        spec = res[-1]["speculative"]
+        check("cuda_parity", sum(d) / len(d) <= 1e-3 and clipped > 0 and la[-1] < la[0] and spec > 0,
+              steps=len(d), mean_rel_loss_diff=f"{sum(d) / len(d):.3e}", clipped_steps=clipped,
+              speculative_last=spec, pinned_bytes=opt.memory()["pinned_bytes"], metrics_exposed_s=
+              f"{opt.metrics()['exposed_s']:.4f}")
+        opt.close()
+
+    def speculation():
+        runs = []
+        for spec in (True, False):
+            m = make_model(0, dev, dt)
+            opt = ours(m, speculation=spec, max_grad_norm=1e6)
+            la, res = train(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), data[:16])
+            runs.append((la, snap(m), res, len(opt.subgroups())))
+            opt.close()
+        (la, wa, ra, n), (lb, wb, rb, _) = runs
+        same = la == lb and all(torch.equal(p, q) for p, q in zip(wa, wb))
+        kept = all(r["kept"] + r["stepped"] == n and r["rescaled"] == 0 for r in ra) and sum(r["kept"] for r in ra) > 0
+        check("cuda_speculation", same and kept, losses_and_weights_equal=same, all_kept=kept)
+
+    def resume(**kw):  # clipping active: speculation off for bit-for-bit (see test_torch.py)
+        kw.setdefault("speculation", False)
+        half = 12
+        m = make_model(0, dev, dt)
+        opt = ours(m, **kw)
+        s = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        train(m, opt, s, data[:half])
+        buf = io.BytesIO()
+        torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "sched": s.state_dict()}, buf)
+        la, _ = train(m, opt, s, data[half:24])
+        wa = snap(m)
+        opt.close()
+        buf.seek(0)
+        ck = torch.load(buf, weights_only=True)
+        m2 = make_model(7, dev, dt)
+        opt2 = ours(m2, **kw)
+        s2 = torch.optim.lr_scheduler.LambdaLR(opt2, lr_lambda)
+        m2.load_state_dict(ck["model"])
+        opt2.load_state_dict(ck["opt"])
+        s2.load_state_dict(ck["sched"])
+        lb, _ = train(m2, opt2, s2, data[half:24])
+        same = la == lb and all(torch.equal(p, q) for p, q in zip(wa, snap(m2)))
+        opt2.close()
+        return same
+
+    def resume_check():
+        ok = resume()
+        check("cuda_resume", ok, losses_and_weights_equal=ok)
+
+    def accumulation():
+        m = make_model(0, dev, dt)
+        opt = ours(m, accumulation_steps=2)
+        la, _ = train(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), data[:16], acc=2)
+        lb = ref_run(data[:16], acc=2)
+        d = rel(la, lb)
+        check("cuda_accumulation", sum(d) / len(d) <= 1e-3, mean_rel_loss_diff=f"{sum(d) / len(d):.3e}")
+        opt.close()
+
+    def gpu_fraction():
+        m = make_model(0, dev, dt)
+        opt = ours(m, gpu_fraction=0.3)
+        n_gpu = len(opt.gpu_resident())
+        la, res = train(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), data)
+        d = rel(la, ref_losses)
+        opt.close()
+        ok_resume = resume(gpu_fraction=0.3)
+        check("cuda_gpu_fraction", sum(d) / len(d) <= 1e-3 and n_gpu > 0 and ok_resume,
+              gpu_resident=n_gpu, mean_rel_loss_diff=f"{sum(d) / len(d):.3e}", resume_bit_identical=ok_resume,
+              gpu_stepped=res[-1]["gpu_resident_stepped"])
+
+    def bf16_moments():
+        m = make_model(0, dev, dt)
+        opt = ours(m, moment_dtype="bf16")
+        f32 = ours(make_model(0, dev, dt))
+        saved = f32.memory()["host_bytes_per_param"] - opt.memory()["host_bytes_per_param"]
+        f32.close()
+        la, res = train(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), data[:20])
+        d = rel(la, ref_losses[:20])
+        check("cuda_bf16_moments", sum(d) / len(d) <= 1e-2 and saved >= 3.9 and res[-1]["speculative"] == 0,
+              mean_rel_loss_diff=f"{sum(d) / len(d):.3e}", host_bytes_saved_per_param=f"{saved:.2f}")
+        opt.close()
+
+    def direct_read():
+        m = make_model(0, dev, dt)
+        opt = ours(m, copy_dtype=os.environ.get("SO_GPU_CHECKS_COPY_DTYPE", "auto"))
+        x, y = data[0][0].to(dev), data[0][1].to(dev)
+        loss_fn(m, x, y).backward()
+        opt.step()
+        opt.synchronize()
+        ws = [p.detach().float().cpu() for p in m.parameters()]  # on the current stream, after the wait
+        masters = {i.name: sg.master[i.offset:i.offset + i.numel] for sg in opt._subgroups for i in sg.params}
+        names = [n for n, _ in m.named_parameters()]
+        same = all(torch.equal(w.reshape(-1), masters[n].to(torch.bfloat16).float()) for n, w in zip(names, ws))
+        check("cuda_direct_read", same, params_equal_published_masters=same)
+        opt.close()
+
+    def state_dict_read():
+        # model.state_dict() (its hook synchronizes) and a read right after every step, no other
+        # host wait: the pattern of a checkpoint save or an EMA between steps
+        m = make_model(0, dev, dt)
+        opt = ours(m)
+        sums = []
+        for x, y in data[:8]:
+            loss_fn(m, x.to(dev), y.to(dev)).backward()
+            opt.step()
+            sd = m.state_dict()
+            sums.append(float(sd["head.weight"].float().cpu().sum()))
+        n = opt.last_step_result()["step"]
+        check("cuda_state_dict_read", n == 8 and all(math.isfinite(v) for v in sums), steps=n)
+        opt.close()
+
+    for name, fn in (("cuda_state_dict_read", state_dict_read), ("cuda_parity", parity), ("cuda_speculation", speculation), ("cuda_resume", resume_check),
+                     ("cuda_accumulation", accumulation), ("cuda_gpu_fraction", gpu_fraction),
+                     ("cuda_bf16_moments", bf16_moments), ("cuda_direct_read", direct_read)):
+        if name in ONLY or "torch" in ONLY:
+            guarded(name, fn)
+
+
+# ---- Hugging Face Trainer ---------------------------------------------------------------------
+
+def trainer_checks(dev, steps):
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from superoffload.hf import SuperOffloadTrainer, unwrap_optimizer
+
+    vocab, seq = 256, 64
+
+    def model():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq, use_cache=False,
+                          tie_word_embeddings=False, attn_implementation="eager")
+        return LlamaForCausalLM(cfg)
+
+    g = torch.Generator().manual_seed(1)
+    ds = []
+    for _ in range(512):
+        a, c = torch.randint(1, vocab, (1,), generator=g), torch.randint(0, vocab, (1,), generator=g)
+        x = [int(torch.randint(0, vocab, (1,), generator=g))]
+        for _ in range(seq - 1):
+            x.append(int((x[-1] * a + c) % vocab))
+        ids = torch.tensor(x)
+        ds.append({"input_ids": ids, "labels": ids.clone()})
+
+    def args(out, **kw):
+        base = dict(output_dir=out, per_device_train_batch_size=8, max_steps=steps, learning_rate=2e-3,
+                    max_grad_norm=0.5, weight_decay=0.1, warmup_steps=3, logging_steps=1, save_strategy="no",
+                    report_to=[], seed=0, data_seed=0, bf16=True, full_determinism=True, disable_tqdm=True,
+                    dataloader_num_workers=0)
+        base.update(kw)
+        return TrainingArguments(**base)
+
+    class Norms(TrainerCallback):
+        def __init__(self):
+            self.trainer, self.seen = None, []
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            opt = unwrap_optimizer(self.trainer.optimizer)
+            if logs and "loss" in logs and opt is not None:
+                self.seen.append(opt.last_step_result(wait=False)["global_norm"])
+
+    def logs(t):
+        return [h for h in t.state.log_history if "loss" in h]
+
+    tmp = tempfile.mkdtemp(prefix="so-hf-")
+    try:
+        ref = Trainer(model=model(), args=args(f"{tmp}/ref"), train_dataset=ds)
+        ref.train()
+        norms = Norms()
+        ours = SuperOffloadTrainer(model=model(), args=args(f"{tmp}/ours"), train_dataset=ds, callbacks=[norms],
+                                   superoffload_kwargs=dict(sub_group_numel=1 << 18))
+        norms.trainer = ours
+        ours.train()
+        opt = unwrap_optimizer(ours.optimizer)
+        # weights right after train(): a direct read, as a user would
+        ws = {n: p.detach().cpu().clone() for n, p in ours.model.named_parameters()}
+        opt.session.wait(opt._ticket)
+        masters = {i.name: sg.master[i.offset:i.offset + i.numel].clone() for sg in opt._subgroups for i in sg.params}
+        final = all(torch.equal(ws[n].reshape(-1).to(masters[n].dtype), masters[n]) for n in masters)
+        a, b = logs(ours), logs(ref)
+        d = rel([x["loss"] for x in a], [x["loss"] for x in b])
+        clipped = sum(x["clip_coef"] < 1 for x in a)
+        check("trainer_parity", len(d) >= 30 and sum(d) / len(d) <= 1e-3 and clipped > 0, steps=len(d),
+              mean_rel_loss_diff=f"{sum(d) / len(d):.3e}", clipped_steps=clipped,
+              first_loss=round(a[0]["loss"], 4), last_loss=round(a[-1]["loss"], 4))
+        gn = [x["grad_norm"] for x in a]
+        dn = rel(gn, [x["grad_norm"] for x in b])
+        check("trainer_grad_norm", gn == norms.seen and max(dn) <= 1e-2, equal_to_session=gn == norms.seen,
+              max_rel_diff_vs_trainer_adamw=f"{max(dn):.3e}")
+        check("trainer_final", final, weights_equal_masters_after_train=final)
+
+        k = steps // 2
+        so_kw = dict(sub_group_numel=1 << 18, speculation=False)  # clipped + bit for bit: every step exact
+        full = SuperOffloadTrainer(model=model(), args=args(f"{tmp}/run", save_strategy="steps", save_steps=k),
+                                   train_dataset=ds, superoffload_kwargs=so_kw)
+        full.train()
+        wa = [p.detach().cpu().clone() for p in full.model.parameters()]
+        la = [x["loss"] for x in logs(full)]
+        res = SuperOffloadTrainer(model=model(), args=args(f"{tmp}/run", save_strategy="steps", save_steps=k),
+                                  train_dataset=ds, superoffload_kwargs=so_kw)
+        res.train(resume_from_checkpoint=f"{tmp}/run/checkpoint-{k}")
+        lb = [x["loss"] for x in logs(res)]
+        wb = [p.detach().cpu().clone() for p in res.model.parameters()]
+        same = la[k:] == lb[-(steps - k):] and all(torch.equal(x, y) for x, y in zip(wa, wb))
+        check("trainer_resume", same, checkpoint_step=k, losses_and_weights_equal=same)
+
+        acc_args = dict(gradient_accumulation_steps=2, per_device_train_batch_size=4)
+        ref2 = Trainer(model=model(), args=args(f"{tmp}/ref2", **acc_args), train_dataset=ds)
+        ref2.train()
+        ours2 = SuperOffloadTrainer(model=model(), args=args(f"{tmp}/ours2", **acc_args), train_dataset=ds)
+        ours2.train()
+        d2 = rel([x["loss"] for x in logs(ours2)], [x["loss"] for x in logs(ref2)])
+        check("trainer_accumulation", sum(d2) / len(d2) <= 1e-3, steps=len(d2),
+              mean_rel_loss_diff=f"{sum(d2) / len(d2):.3e}")
+    except Exception as e:
+        traceback.print_exc()
+        check("trainer", False, exception=repr(e)[:300])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json")
+    ap.add_argument("--only", default="torch,trainer")
+    ap.add_argument("--trainer-steps", type=int, default=30)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_checks.py: no GPU (torch.cuda.is_available() is False)")
+        sys.exit(77)
+    import superoffload
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    print(f"superoffload {superoffload.__version__} ({superoffload.library_path()}); torch {torch.__version__}; "
+          f"{torch.cuda.get_device_name(dev)}; library CUDA: {superoffload.cuda_available()}", flush=True)
+    only = args.only.split(",")
+    ONLY.update(only)
+    if "torch" in only or any(o.startswith("cuda_") for o in only):
+        torch_checks(dev)
+    if "trainer" in only:
+        try:
+            import transformers
+            print(f"transformers {transformers.__version__}", flush=True)
+        except ImportError:
+            check("trainer", False, exception="transformers is not installed")
+        else:
+            trainer_checks(dev, args.trainer_steps)
+    n_fail = sum(not r["pass"] for r in RESULTS)
+    print(f"\ngpu_checks: {len(RESULTS) - n_fail} passed, {n_fail} failed")
+    for r in RESULTS:
+        print(f"  {'PASS' if r['pass'] else 'FAIL'}  {r['check']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    sys.exit(1 if n_fail else 0)
+
+
+if __name__ == "__main__":
+    main()

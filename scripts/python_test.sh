@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The Python package's checks on a CPU machine (the GPU ones are python/tests/gpu_checks.py):
+#   1. builds the wheel (`pip wheel .`; the library from the CMake build of scripts/test.sh when
+#      it exists, else cargo builds it) and shows auditwheel's verdict on it;
+#   2. installs it into a fresh virtual environment and, with nothing but that environment on
+#      PATH (no Rust, no compiler), runs the torch-free layer tests (header mirrors, ctypes
+#      session, errors, checkpoints, core shares);
+#   3. unless SO_PY_TORCH=0: installs torch (CPU use of PyPI's wheel), transformers and
+#      accelerate into that environment, runs python/README.md's host-mode quick start there and
+#      the torch tests (host mode: parity, speculation, resume, migration, accumulation, bf16
+#      moments, FSDP2 + DCP with 2 gloo ranks, Hugging Face Trainer).
+#
+# Environment: PYTHON (default python3), SO_PY_WORK (default target/python-test), SO_PY_TORCH
+# (1), SO_BUILD_DIR (build: where scripts/test.sh's CMake build is), SO_PY_REBUILD=1 (let cargo
+# build the library even if the CMake build has one), SO_PY_TORCH_SPEC (default "torch"),
+# PIP_FIND_LINKS etc. as for pip.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+root="$PWD"
+py="${PYTHON:-python3}"
+work="${SO_PY_WORK:-$root/target/python-test}"
+start=$(date +%s)
+section() { printf '\n==== %s (+%ss) ====\n' "$1" "$(( $(date +%s) - start ))"; }
+
+rm -rf "$work"
+mkdir -p "$work/dist"
+
+section "wheel"
+build_dir="${SO_BUILD_DIR:-build}"
+case "$build_dir" in /*) ;; *) build_dir="$root/$build_dir" ;; esac
+prebuilt="$build_dir/cargo/release/libsuperoffload.so"
+if [ "${SO_PY_REBUILD:-0}" != 1 ] && [ -f "$prebuilt" ]; then
+    echo "library from the CMake build: $prebuilt"
+    export SUPEROFFLOAD_PREBUILT_LIBRARY="$prebuilt"
+fi
+"$py" -m pip wheel --no-deps -q -w "$work/dist" .
+unset SUPEROFFLOAD_PREBUILT_LIBRARY
+wheel="$(ls "$work"/dist/superoffload-*.whl)"
+ls -l "$wheel"
+"$py" -m venv "$work/tools"
+"$work/tools/bin/pip" install -q auditwheel
+"$work/tools/bin/auditwheel" show "$wheel"
+
+section "fresh environment: the wheel + pytest"
+"$py" -m venv "$work/venv"
+venv="$work/venv"
+"$venv/bin/pip" install -q "$wheel" pytest
+# Nothing but the environment on PATH: no cargo, no cc, no nvcc.
+isolated() { env -i HOME="$work" PATH="$venv/bin" LANG=C.UTF-8 "$@"; }
+isolated python -c 'import shutil; missing = [t for t in ("cargo", "rustc", "cc", "gcc", "nvcc") if shutil.which(t)]; assert not missing, missing; import superoffload; print("superoffload", superoffload.__version__, "from", superoffload.library_path())'
+
+section "torch-free layer tests"
+isolated python -m pytest -q -p no:cacheprovider "$root/python/tests/test_layer.py"
+
+if [ "${SO_PY_TORCH:-1}" = 1 ]; then
+    section "torch, transformers, accelerate"
+    t0=$(date +%s)
+    "$venv/bin/pip" install -q ${SO_PY_TORCH_SPEC:-torch} transformers accelerate
+    echo "installed in $(( $(date +%s) - t0 )) s; environment size $(du -sh "$venv" | cut -f1)"
+    isolated python -c 'import torch, transformers, accelerate; print("torch", torch.__version__, "transformers", transformers.__version__, "accelerate", accelerate.__version__)'
+
+    section "README quick start (host mode), in the fresh environment"
+    isolated python "$root/python/tests/readme_quickstart.py" "$root/python/README.md"
+
+    section "torch tests"
+    isolated python -m pytest -q -p no:cacheprovider "$root/python/tests"
+fi
+
+section "Python checks passed"
