@@ -3,10 +3,10 @@
 //! so a sequence is a function of its seed.
 
 use crate::common::Rng;
+use crate::fuzz::api;
 use crate::fuzz::model::{Phase, Sess, World};
 use crate::fuzz::ops::*;
 use crate::fuzz::reference;
-use crate::fuzz::{api, known_bugs};
 
 pub struct Gen {
     pub rng: Rng,
@@ -284,10 +284,22 @@ impl Gen {
             35..=69 => 1.0,
             70..=84 => 2f32.powi(self.rng.below(21) as i32 - 4),
             85..=89 => self.rng.range(0.01, 1e4) as f32,
-            // 1e-45 and 1e-40 have no finite reciprocal in f32:
-            // `loss_scale_without_a_finite_reciprocal_is_refused_or_skipped`.
-            _ if known_bugs() && self.chance(0.3) => self.pick(&[1e-45, 1e-40]),
-            _ => self.pick(&[f32::MAX, 3e38, -1.0, f32::NAN, f32::INFINITY, -0.0, 1e-12, 1e-25, f32::MIN_POSITIVE]),
+            // 1e-45, 1e-40 and 2.5e-39 have no finite reciprocal in f32 (refused), 3e-39 has.
+            _ => self.pick(&[
+                f32::MAX,
+                3e38,
+                -1.0,
+                f32::NAN,
+                f32::INFINITY,
+                -0.0,
+                1e-12,
+                1e-25,
+                f32::MIN_POSITIVE,
+                1e-45,
+                1e-40,
+                2.5e-39,
+                3e-39,
+            ]),
         }
     }
 

@@ -21,11 +21,3 @@ pub fn scratch_dir(what: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).expect("scratch directory");
     dir
 }
-
-/// Inputs that trigger library bugs already pinned by ignored tests in
-/// `tests/session_regressions.rs` are not generated (or not checked) unless
-/// `SO_FUZZ_KNOWN_BUGS=1`, so that the fuzzer keeps looking for new ones. Remove each use
-/// once its bug is fixed.
-pub fn known_bugs() -> bool {
-    std::env::var("SO_FUZZ_KNOWN_BUGS").is_ok_and(|v| v == "1")
-}

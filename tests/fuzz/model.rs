@@ -18,7 +18,7 @@ use superoffload::session::GroupHparams;
 use crate::common::{Rng, Store};
 use crate::fuzz::api::{self, Outcome, Session, Status, Ticket};
 use crate::fuzz::ckpt::{self, Snapshot};
-use crate::fuzz::mem::{RawBuf, put, store_bytes, sub, zeros};
+use crate::fuzz::mem::{RawBuf, put, set_bits, store_bytes, sub, zeros};
 use crate::fuzz::ops::*;
 use crate::fuzz::reference::{self, Approx, ApproxCheck};
 
@@ -1289,10 +1289,16 @@ impl Sess {
             slice_ids.push(sid);
             covered[s.offset..s.offset + s.numel].fill(true);
         }
-        let (grad_buf, g) = match grad_buf {
+        let (grad_buf, mut g) = match grad_buf {
             Some((b, junk)) => (Some(b), junk),
             None => (None, zeros(o.accum, spec.numel)),
         };
+        // Elements outside every slice are padding, zeroed at registration.
+        let mut p = init.unwrap();
+        for i in (0..spec.numel).filter(|&i| !covered[i]) {
+            set_bits(&mut p, i, 0);
+            set_bits(&mut g, i, 0);
+        }
         self.host_bytes += bytes;
         self.sgs.push(Some(SgM {
             id,
@@ -1306,7 +1312,7 @@ impl Sess {
             g,
             late: None,
             late_merged: false,
-            p: init.unwrap(),
+            p,
             m: zeros(o.moment, spec.numel),
             v: zeros(o.moment, spec.numel),
             known: vec![true; spec.numel],
@@ -1396,12 +1402,6 @@ impl Sess {
             self.settle(stats, scratch, None, observe)?;
         }
         self.prune();
-        if self.pending.is_some() && self.phase == Phase::Idle && !crate::fuzz::known_bugs() {
-            // Hand-offs racing the previous step's queued final passes are taken as late:
-            // `gradient_of_the_next_step_is_not_late_while_the_previous_final_pass_is_queued`.
-            // The previous step is still not looked at, but its final passes are waited for.
-            self.wait_finals()?;
-        }
         if self.pending.is_some() {
             stats.lazy += 1;
         }
@@ -1415,18 +1415,11 @@ impl Sess {
             e.push(Status::InvalidArgument);
         }
         let explicit = loss_scale != 0.0;
-        if explicit && !(loss_scale.is_finite() && loss_scale > 0.0) {
+        // The reciprocal must be finite in f32 too (the unscale factor).
+        if explicit && !(loss_scale.is_finite() && loss_scale > 0.0 && unscale_of(loss_scale).is_finite()) {
             e.push(Status::InvalidArgument);
         }
         let s = if explicit { loss_scale } else { self.scaler.map_or(1.0, |s| s.scale) };
-        if e.is_empty() && !unscale_of(s).is_finite() {
-            // Gradients cannot be unscaled by 1 / loss_scale in f32: refusing is fine (the
-            // step must otherwise be skipped cleanly).
-            if st != Status::Ok {
-                judge("so_session_begin_step(loss scale without a finite reciprocal)", st, &[Status::InvalidArgument])?;
-                return Ok(());
-            }
-        }
         if !judge(&format!("so_session_begin_step({loss_scale}, {micro_steps})"), st, &e)? {
             stats.refusals += 1;
             return self.refused(stats);
@@ -1501,7 +1494,8 @@ impl Sess {
         let sg = self.sgs[sgid as usize].as_ref().unwrap();
         let certain = self.opts.speculation == api::SPEC_ON;
         let spec = self.can_speculate(sg, &group).then(|| {
-            let applied = slices_sumsq(&self.slices, sg, unscale_of(self.s)).is_finite();
+            // Non-finite: the speculative step fails; squares beyond f32: it is declined.
+            let applied = slices_sumsq(&self.slices, sg, unscale_of(self.s)) <= f32::MAX as f64;
             SpecM { hp: group, g: sg.g.clone(), applied, certain }
         });
         if spec.is_some() {
@@ -1598,18 +1592,15 @@ impl Sess {
             return Ok(());
         }
         let sgid = self.slices[slice as usize].sg;
-        let unscale_ok = unscale_of(self.s).is_finite();
         let sg = self.sgs[sgid as usize].as_mut().unwrap();
         let Some(Some(spec)) = &mut sg.submitted else {
             // No speculative step: nothing queued, no ticket.
             ensure!(!has_out || ticket == 0, "slice {slice}: ticket {ticket} for a sub-group that cannot speculate");
             return Ok(());
         };
-        // A speculative step that is cancelled before it runs completes its ticket with OK.
-        let mut allowed = if spec.applied { vec![Status::Ok] } else { vec![Status::NonFinite, Status::Ok] };
-        if !unscale_ok {
-            allowed.extend([Status::Ok, Status::NonFinite, Status::InvalidArgument]);
-        }
+        // A speculative step that is cancelled before it runs (or declined) completes its
+        // ticket with OK.
+        let allowed = if spec.applied { vec![Status::Ok] } else { vec![Status::NonFinite, Status::Ok] };
         if !has_out {
             if allowed != [Status::Ok] {
                 self.hidden.push((self.last_seen, allowed));
@@ -1750,11 +1741,7 @@ impl Sess {
         }
         judge("so_session_local_grad_sumsq", st, &[])?;
         let own = self.own_sumsq();
-        let unscale_ok = unscale_of(self.s).is_finite();
-        ensure!(
-            !unscale_ok || reference::norm_agrees(out, own, 1e-12),
-            "local sum of squares {out:e}, reference {own:e}"
-        );
+        ensure!(reference::norm_agrees(out, own, 1e-12), "local sum of squares {out:e}, reference {own:e}");
         Ok(())
     }
 
@@ -1905,18 +1892,16 @@ impl Sess {
         let ctx = format!("step {} result {r:?}", p.serial);
         ensure!(r.serial == p.serial, "{ctx}: serial, model {}", p.serial);
         ensure!(r.loss_scale.to_bits() == p.s.to_bits(), "{ctx}: loss scale, model {}", p.s);
-        let unscale_ok = p.unscale.is_finite();
         match p.given {
             Some(n) => ensure!(
                 r.global_norm.to_bits() == n.to_bits() || (n.is_nan() && r.global_norm.is_nan()),
                 "{ctx}: the given norm was {n}"
             ),
-            None if unscale_ok => ensure!(
+            None => ensure!(
                 reference::norm_agrees(r.global_norm, p.own_norm, 1e-12),
                 "{ctx}: global norm, reference {:e}",
                 p.own_norm
             ),
-            None => {}
         }
         let d = decide(p.max_norm, r.global_norm, p.given.is_some(), p.overflow, p.all_finite, p.s);
         let skip = d.skip();
@@ -2343,13 +2328,11 @@ impl Sess {
             };
         }
         let t = self.resolve(which);
-        let timeout_ns = self.bounded_wait(which, timeout_ns);
         let mut r: api::so_step_result = unsafe { std::mem::zeroed() };
         r.struct_size = std::mem::size_of::<api::so_step_result>() + if bad_size { 8 } else { 0 };
         r.serial = 0xDEAD;
         let st = unsafe { self.h.step_result_raw(t, timeout_ns, &mut r) };
         api::count_call();
-        let previous = self.step_tickets.len().checked_sub(2).map(|i| self.step_tickets[i]);
         let mut allowed = Vec::new();
         if bad_size {
             allowed.push(Status::StructSize);
@@ -2358,21 +2341,9 @@ impl Sess {
             if timeout_ns >= 0 {
                 allowed.push(Status::Timeout);
             }
-        } else if t != 0 && Some(t) == previous {
-            // Still the latest result until the next step's decision is made.
-            allowed.extend([Status::Ok, Status::NotFound]);
-            if timeout_ns >= 0 {
-                allowed.push(Status::Timeout);
-            }
         } else {
+            // Any other ticket (an earlier step's included) at once, without waiting.
             allowed.push(Status::NotFound);
-            if timeout_ns >= 0 {
-                allowed.push(Status::Timeout);
-            }
-            if !crate::fuzz::known_bugs() && t != 0 && which != WhichTicket::Never {
-                // `step_result_of_a_failed_speculative_ticket_is_not_found`.
-                allowed.extend(self.final_statuses(t));
-            }
         }
         ensure!(
             allowed.contains(&st),
@@ -2395,18 +2366,6 @@ impl Sess {
             ensure!(r.serial == p.serial, "step_result({t}): serial {}, model {}", r.serial, p.serial);
         }
         Ok(())
-    }
-
-    /// Before `step()`, a hand-off ticket may wait for `step()` itself (a speculative step
-    /// cancelled by the preparation): such waits poll instead, unless known bugs are wanted.
-    /// `speculative_ticket_cancelled_by_a_late_gradient_completes_before_step`.
-    fn bounded_wait(&self, which: WhichTicket, timeout_ns: i64) -> i64 {
-        let before_step = self.phase != Phase::Idle;
-        if before_step && matches!(which, WhichTicket::HandOff(_)) && !crate::fuzz::known_bugs() {
-            timeout_ns.max(0)
-        } else {
-            timeout_ns
-        }
     }
 
     fn resolve(&self, which: WhichTicket) -> Ticket {
@@ -2458,7 +2417,6 @@ impl Sess {
 
     fn ticket_op(&mut self, which: WhichTicket, timeout_ns: i64, how: WaitHow) -> Check {
         let t = self.resolve(which);
-        let timeout_ns = self.bounded_wait(which, timeout_ns);
         let st = match how {
             WaitHow::Wait => self.h.ticket_wait(t, timeout_ns),
             WaitHow::Query => self.h.ticket_query(t),
@@ -2659,9 +2617,6 @@ pub fn decide(max_norm: f64, norm: f64, given: bool, overflow: bool, all_finite:
     }
     if !(factor.is_finite() && factor > 0.0) {
         reasons.push(api::SKIP_UNUSABLE_FACTOR);
-    }
-    if !unscale_of(s).is_finite() {
-        reasons.extend([api::SKIP_UNUSABLE_FACTOR, api::SKIP_NON_FINITE_GRADIENT]);
     }
     Decision { reasons, clip, factor }
 }
