@@ -189,11 +189,11 @@ fn speculative_step_with_an_overflowing_square_is_declined() {
     // Skipped (caller overflow): nothing changes.
     let mut masters = vec![vec![0.5f32; 4]];
     let s = session(&mut masters, true);
-    let r = step_speculated(
-        &s,
-        std::slice::from_ref(&grad),
-        StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: true },
-    );
+    s.begin_step(Some(1.0), 1).unwrap();
+    let spec = s.grad_copy(0, Floats::F32(&grad)).unwrap().expect("a speculative step is queued");
+    assert_eq!(s.wait(spec, None), Ok(()), "a declined speculative step's ticket");
+    let t = s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: true }).unwrap();
+    let r = s.step_result(t, None).unwrap();
     assert!(r.skipped && r.speculative == 1 && r.rolled_back == 0, "{r:?}");
     let (m, v) = s.moments(0).unwrap();
     drop(s);
