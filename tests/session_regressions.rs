@@ -9,8 +9,8 @@ use common::*;
 use superoffload::error::Status;
 use superoffload::kernels::{DType, Floats, Isa};
 use superoffload::session::{
-    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SkipReason, SliceDesc, Speculation, StepArgs,
-    SubGroupDesc,
+    Borrowed, GroupHparams, LossScalerOptions, NormSource, Session, SessionOptions, SkipReason, SliceDesc, Speculation,
+    StepArgs, SubGroupDesc,
 };
 
 /// A session of one sub-group per entry of `sizes` (one slice each, named `s<i>`), over
@@ -108,6 +108,249 @@ fn non_finite_gradient_reports_a_non_finite_norm() {
     assert!(!r.skipped && r.global_norm == 5.0);
 }
 
+/// Hands a sub-group's gradient over and, if that queued a speculative step, waits for the
+/// step to run, so that `step()` cannot cancel it (the defects below are in what follows a
+/// speculative step that ran).
+fn hand_over_speculated(s: &Session, sg: u32, grad: &[f32]) {
+    if let Some(t) = s.grad_copy(sg, Floats::F32(grad)).unwrap() {
+        // A speculative step on a non-finite gradient fails; that is part of the scenario.
+        let _ = s.wait(t, None);
+    }
+}
+
+/// `step`, with every speculative step run before `step()`.
+fn step_speculated(s: &Session, grads: &[Vec<f32>], args: StepArgs) -> superoffload::session::StepResult {
+    s.begin_step(Some(1.0), 1).unwrap();
+    for (i, g) in grads.iter().enumerate() {
+        hand_over_speculated(s, i as u32, g);
+    }
+    let t = s.step(args).unwrap();
+    s.step_result(t, None).unwrap()
+}
+
+/// Found by the fuzzer (`tests/session_fuzz.rs`, seed 0): `begin_step` accepts a loss scale
+/// whose reciprocal is not finite in f32 (1e-40: 1 / 1e-40 overflows), so the unscaling
+/// factor of the step is inf. Every speculative step and sum of squares of that step then
+/// fails inside the CPU-Adam thread ("scale = inf is out of range"), and so does the step's
+/// own ticket: `step_result` returns INVALID_ARGUMENT and the caller cannot learn whether the
+/// step was taken. `begin_step` now refuses such a scale (INVALID_ARGUMENT, as for 0 or NaN,
+/// naming the reciprocal), changing nothing; so does the built-in scaler's `min_scale` or
+/// `init_scale`.
+#[test]
+fn loss_scale_without_a_finite_reciprocal_is_refused() {
+    for speculation in [true, false] {
+        let mut masters = vec![vec![0.25f32; 16]];
+        let before = masters.clone();
+        let s = session(&mut masters, speculation);
+        for scale in [1e-40f32, 1e-45, 2.5e-39] {
+            let e = s.begin_step(Some(scale), 1).unwrap_err();
+            assert_eq!(e.status, Status::InvalidArgument, "{}", e.message);
+            assert!(e.message.contains("1 / loss_scale"), "{}", e.message);
+        }
+        // The smallest loss scales with a finite reciprocal are accepted.
+        s.begin_step(Some(3e-39), 1).unwrap();
+        s.grad_copy(0, Floats::F32(&[0.0; 16])).unwrap();
+        let t = s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: true }).unwrap();
+        assert!(s.step_result(t, None).unwrap().skipped);
+        // The session goes on: a normal step is taken.
+        let r = step(&s, &[vec![1.0; 16]], local(0.0));
+        assert!(!r.skipped && s.step_count(0).unwrap() == 1, "{r:?}");
+        drop(s);
+        let mut fresh = before.clone();
+        let f = session(&mut fresh, speculation);
+        step(&f, &[vec![1.0; 16]], local(0.0));
+        drop(f);
+        assert_eq!(masters, fresh, "speculation {speculation}");
+    }
+    for (init, min) in [(1e-40f32, 1.0f32), (65536.0, 1e-40)] {
+        let e = Session::new(SessionOptions {
+            loss_scaler: Some(LossScalerOptions { init_scale: init, min_scale: min, ..LossScalerOptions::default() }),
+            ..SessionOptions::default()
+        })
+        .err()
+        .expect("a loss scaler whose scale can have no finite reciprocal");
+        assert_eq!(e.status, Status::InvalidArgument, "{}", e.message);
+    }
+}
+
+/// Found by the fuzzer (seed 5): a speculative step on a gradient element whose square
+/// overflows f32 (|g / loss_scale| > 1.8e19) stores `exp_avg_sq = inf`; when the step is then
+/// skipped or clipped, the rollback or rescale computes `inf - inf` and leaves NaN in
+/// `exp_avg_sq` (and from the next step on in the weights), where the same session without
+/// speculation changes nothing (skipped) or steps cleanly (clipped). (Even without the inf,
+/// a rollback recovers `exp_avg` only to a few ulps of `(1 - beta1) g`: here 1e11.) A
+/// sub-group whose sum of squares exceeds `f32::MAX` now declines its speculative step (its
+/// ticket completes, nothing is applied) and is stepped once at `step()`: a skipped step
+/// leaves it exactly as it was, a clipped one matches the step taken without speculation
+/// bit for bit.
+#[test]
+fn speculative_step_with_an_overflowing_square_is_declined() {
+    let grad = vec![1e20f32, 0.1, -0.2, 0.3];
+    // Skipped (caller overflow): nothing changes.
+    let mut masters = vec![vec![0.5f32; 4]];
+    let s = session(&mut masters, true);
+    s.begin_step(Some(1.0), 1).unwrap();
+    let spec = s.grad_copy(0, Floats::F32(&grad)).unwrap().expect("a speculative step is queued");
+    assert_eq!(s.wait(spec, None), Ok(()), "a declined speculative step's ticket");
+    let t = s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: true }).unwrap();
+    let r = s.step_result(t, None).unwrap();
+    assert!(r.skipped && r.speculative == 1 && r.rolled_back == 0, "{r:?}");
+    let (m, v) = s.moments(0).unwrap();
+    drop(s);
+    assert!(m.iter().chain(&v).all(|&x| x == 0.0), "moments after a skipped step: m {m:?} v {v:?}");
+    assert!(masters[0].iter().all(|&p| p == 0.5), "weights after a skipped step: {:?}", masters[0]);
+
+    // Clipped: the same as stepping after backward.
+    let state = |speculation: bool| {
+        let mut masters = vec![vec![0.5f32; 4]];
+        let s = session(&mut masters, speculation);
+        let r = step_speculated(&s, std::slice::from_ref(&grad), local(1.0));
+        assert!(!r.skipped && r.clip_coef < 1.0 && r.rescaled == 0, "{r:?}");
+        let (m, v) = s.moments(0).unwrap();
+        drop(s);
+        (masters.remove(0), m, v)
+    };
+    assert_eq!(state(false), state(true), "(p, m, v) without and with speculation");
+}
+
+/// Found by the fuzzer (seed 5, after the two above were set aside): with a loss scale below
+/// about 1e-20 the rescale of a clipped speculative step needs the coefficient
+/// `(1 - beta2) * (new^2 - old^2)` of the unscaling factors `1 / loss_scale`, which overflows
+/// f32; the rescale then multiplies by inf and writes wrong weights and moments, where the
+/// same step without speculation is finite. (`begin_step` accepts any finite positive loss
+/// scale.) Here the weights end thousands of times off (NaN in other cases). Either such a
+/// scale is refused, or the clipped step matches the step taken
+/// without speculation.
+#[test]
+fn clipped_step_with_a_tiny_loss_scale_matches_the_step_without_speculation() {
+    for scale in [2f32.powi(-70), 1e-25, 1e-30] {
+        let grad: Vec<f32> = (0..64).map(|i| ((i % 9) as f32 - 4.0) * 0.025 * scale).collect();
+        let state = |speculation: bool| {
+            let mut masters = vec![vec![0.5f32; 64]];
+            let s = session(&mut masters, speculation);
+            if let Err(e) = s.begin_step(Some(scale), 1) {
+                assert_eq!(e.status, Status::InvalidArgument, "{}", e.message);
+                return None;
+            }
+            hand_over_speculated(&s, 0, &grad);
+            let t = s.step(local(0.1)).unwrap();
+            let r = s.step_result(t, None).unwrap();
+            assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
+            let (m, v) = s.moments(0).unwrap();
+            drop(s);
+            Some((masters.remove(0), m, v))
+        };
+        let (Some((p0, m0, v0)), Some((p1, m1, v1))) = (state(false), state(true)) else { continue };
+        for (what, a, b) in [("p", &p0, &p1), ("m", &m0, &m1), ("v", &v0, &v1)] {
+            for (x, y) in a.iter().zip(b.iter()) {
+                assert!(
+                    (x - y).abs() <= 1e-5 * x.abs().max(1e-30),
+                    "loss scale {scale:e}, {what}: without speculation {a:?}, with {b:?}"
+                );
+            }
+        }
+    }
+}
+
+/// Found by the fuzzer (seed 32): the rescale of a clipped speculative step squares the
+/// gradient as handed over, before unscaling, in f32: with a large loss scale (here 2^100,
+/// gradients of about 1e29 as handed over, 0.1 after unscaling) the square overflows, and
+/// the rescale writes NaN weights and moments, where the same step without speculation (and
+/// the speculative step itself, which unscales first) is finite.
+#[test]
+fn clipped_step_with_a_huge_loss_scale_matches_the_step_without_speculation() {
+    let scale = 2f32.powi(100);
+    let grad: Vec<f32> = [0.1f32, -0.2, 0.3, 0.05].iter().map(|g| g * scale).collect();
+    let state = |speculation: bool| {
+        let mut masters = vec![vec![0.5f32; 4]];
+        let s = session(&mut masters, speculation);
+        s.begin_step(Some(scale), 1).unwrap();
+        hand_over_speculated(&s, 0, &grad);
+        let t = s.step(local(0.1)).unwrap();
+        let r = s.step_result(t, None).unwrap();
+        assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
+        let (m, v) = s.moments(0).unwrap();
+        drop(s);
+        (masters.remove(0), m, v)
+    };
+    let (p0, m0, v0) = state(false);
+    let (p1, m1, v1) = state(true);
+    for (what, a, b) in [("p", &p0, &p1), ("m", &m0, &m1), ("v", &v0, &v1)] {
+        for (x, y) in a.iter().zip(b.iter()) {
+            assert!((x - y).abs() <= 1e-5 * x.abs().max(1e-30), "{what}: without speculation {a:?}, with {b:?}");
+        }
+    }
+}
+
+/// Found by the fuzzer (seed 69): `so_session_step_result` documents NOT_FOUND "for a ticket
+/// that is not the latest step's", but given the ticket of a failed speculative step (a NaN
+/// gradient) it returns that step's NON_FINITE instead: it waits on the ticket and reports its
+/// failure before looking at whether it is a step's ticket at all. Now any ticket but the
+/// latest step's is NOT_FOUND at once.
+#[test]
+fn step_result_of_a_failed_speculative_ticket_is_not_found() {
+    let mut masters = vec![vec![0.25f32; 4]];
+    let s = session(&mut masters, true);
+    s.begin_step(Some(1.0), 1).unwrap();
+    let spec = s.grad_copy(0, Floats::F32(&[f32::NAN, 0.0, 0.0, 0.0])).unwrap().expect("completes the sub-group");
+    // The speculative step runs (and fails) before step() could cancel it.
+    assert_eq!(s.wait(spec, None).unwrap_err().status, Status::NonFinite);
+    let t = s.step(local(0.0)).unwrap();
+    assert!(s.step_result(t, None).unwrap().skipped);
+    let err = s.step_result(spec, None).unwrap_err();
+    assert_eq!(err.status, Status::NotFound, "{}", err.message);
+}
+
+/// Found while modelling checkpoints for the fuzzer: slices need not cover their sub-group
+/// (`add_subgroup` accepts gaps), and the elements outside every slice are stepped like the
+/// others (decay and momentum, with a zero gradient) but are in no checkpoint, so a session
+/// resumed from a checkpoint in a new process diverges from the uninterrupted one there.
+/// Gaps are allowed (alignment padding between parameters); the elements outside every slice
+/// are now padding: `add_subgroup` zeroes them in the master weights, moments and gradient
+/// buffer, they step to zero, and a resumed session matches the uninterrupted one bit for bit.
+#[test]
+fn elements_outside_every_slice_are_zero_padding_and_resume_bit_for_bit() {
+    let desc = |s: &Session, master: &mut Vec<f32>| {
+        let m = unsafe { Borrowed::new("master", master.as_mut_ptr().cast(), master.len(), DType::F32) }.unwrap();
+        // Elements 0 and 7 belong to no slice.
+        let slices = vec![SliceDesc { name: "w".into(), offset: 1, numel: 6 }];
+        s.add_subgroup(SubGroupDesc::new(0, m, slices))
+    };
+    let new_session = || {
+        let s =
+            Session::new(SessionOptions { pool: Some(Arc::new(pool(Isa::best(), 2))), ..SessionOptions::default() })
+                .unwrap();
+        s.add_group(GroupHparams { weight_decay: 0.1, ..GroupHparams::default() }).unwrap();
+        s
+    };
+    let train = |s: &Session, steps: usize| {
+        for k in 0..steps {
+            s.begin_step(Some(1.0), 1).unwrap();
+            s.grad_copy(0, Floats::F32(&[0.1 * (k + 1) as f32; 6])).unwrap();
+            let t = s.step(local(0.0)).unwrap();
+            s.step_result(t, None).unwrap();
+        }
+    };
+    let path = std::env::temp_dir().join(format!("so-gap-{}.safetensors", std::process::id()));
+    let mut uninterrupted = vec![1.0f32; 8];
+    let s = new_session();
+    desc(&s, &mut uninterrupted).unwrap();
+    assert_eq!(uninterrupted, [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0], "padding zeroed at registration");
+    train(&s, 3);
+    s.save(&path).unwrap();
+    train(&s, 3);
+    drop(s);
+    // A new process: fresh buffers initialised as the first run's were, then the checkpoint.
+    let mut resumed = vec![1.0f32; 8];
+    let s = new_session();
+    desc(&s, &mut resumed).unwrap();
+    s.load(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    train(&s, 3);
+    drop(s);
+    assert_eq!(resumed, uninterrupted, "resumed vs uninterrupted");
+}
+
 /// Found by the fuzzer in a long run (seeds 1796297534789846277 and 1796297534789852553): the
 /// same squaring of the gradient as handed over (before unscaling) that overflows for large
 /// loss scales loses precision for small ones: with a loss scale of 2^-40 and unscaled
@@ -116,7 +359,7 @@ fn non_finite_gradient_reports_a_non_finite_norm() {
 /// step taken without speculation, beyond the rounding bound of the rescale (it worked on the
 /// handed-over, loss-scaled gradient with coefficients of the size of 1 / loss_scale). The
 /// rescale now takes the old contribution out and puts the new one in, each formed as the
-/// update forms it (`g * scale`).
+/// update forms it (`g * scale`); the speculative step is made to run before `step()`.
 #[test]
 fn clipped_step_with_a_small_loss_scale_keeps_f32_precision() {
     let scale = 2f32.powi(-40);
@@ -125,8 +368,10 @@ fn clipped_step_with_a_small_loss_scale_keeps_f32_precision() {
         let mut masters = vec![vec![0.5f32; 4]];
         let s = session(&mut masters, speculation);
         s.begin_step(Some(scale), 1).unwrap();
-        s.grad_copy(0, Floats::F32(&grad)).unwrap();
-        let t = s.step(local(2e-9)).unwrap();
+        hand_over_speculated(&s, 0, &grad);
+        // A clip coefficient near 1/2: the rescale's own rounding (a few ulps of the
+        // speculative step's terms, relative to the rescaled ones) stays below 1e-6.
+        let t = s.step(local(5e-7)).unwrap();
         let r = s.step_result(t, None).unwrap();
         assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
         let (m, v) = s.moments(0).unwrap();
@@ -140,4 +385,85 @@ fn clipped_step_with_a_small_loss_scale_keeps_f32_precision() {
             assert!((x - y).abs() <= 1e-6 * x.abs().max(1e-30), "{what}: without speculation {a:?}, with {b:?}");
         }
     }
+}
+
+/// Found by the fuzzer after the scheduler rewrite (seed 4): a gradient handed over for the
+/// next step while the previous step's final pass of its sub-group is still queued is filed
+/// as a late gradient of the new step (`hand_off` asks the scheduler whether the sub-group is
+/// complete before it waits for the sub-group's final ticket, and a queued final pass counts
+/// as complete). The new step then merges it into the previous step's gradient buffer,
+/// takes no speculative step for it and reports `late_gradients = 1`: the weights end wrong.
+/// A hand-off must wait for its sub-group's previous step (as the header says it does) and
+/// count as the new step's gradient. A hand-off now waits for the sub-group's previous final
+/// ticket before it asks whether the sub-group is complete.
+#[test]
+fn gradient_of_the_next_step_is_not_late_while_the_previous_final_pass_is_queued() {
+    // Sub-group 0 is large, so that its final pass keeps sub-group 1's queued for a while.
+    const BIG: usize = 1 << 23;
+    let run = |wait: bool, speculation: bool| {
+        let mut masters = vec![vec![0.5f32; BIG], vec![0.25f32; 64]];
+        let s = session(&mut masters, speculation);
+        let big: Vec<f32> = (0..BIG).map(|i| (i % 7) as f32 * 1e-3).collect();
+        let mut lates = Vec::new();
+        for k in 0..4 {
+            s.begin_step(Some(1.0), 1).unwrap();
+            // Sub-group 1 first: right after the previous step() when not waiting.
+            s.grad_copy(1, Floats::F32(&[0.01 * (k + 1) as f32; 64])).unwrap();
+            s.grad_copy(0, Floats::F32(&big)).unwrap();
+            let t = s.step(local(0.0)).unwrap();
+            if wait {
+                let r = s.step_result(t, None).unwrap();
+                lates.push(r.late_gradients);
+                s.wait(s.final_ticket(0).unwrap(), None).unwrap();
+                s.wait(s.final_ticket(1).unwrap(), None).unwrap();
+            }
+        }
+        let t = s.final_ticket(1).unwrap();
+        s.wait(t, None).unwrap();
+        drop(s);
+        (masters.remove(1), lates)
+    };
+    for speculation in [false, true] {
+        let (waited, lates) = run(true, speculation);
+        assert!(lates.iter().all(|&n| n == 0), "{lates:?}");
+        let (raced, _) = run(false, speculation);
+        assert_eq!(raced, waited, "speculation {speculation}: sub-group 1 after four steps");
+    }
+}
+
+/// Found by the fuzzer as a hang (seed 1796300470935466662): a late gradient makes
+/// `local_grad_sumsq`'s preparation cancel a speculative step that is still queued, and the
+/// cancelled step's ticket then stays pending until `step()`'s final pass of that sub-group.
+/// A caller (or, through `so_ticket_enqueue_wait`, a GPU stream) waiting on the ticket the
+/// hand-off returned, before calling `step()`, waits forever. A speculative step cancelled
+/// (or, preempted, rolled back) by the preparation now completes its ticket there, with OK,
+/// once the gradient copies it stood for have landed.
+#[test]
+fn speculative_ticket_cancelled_by_a_late_gradient_completes_before_step() {
+    // Sub-group 0 is large: its speculative step runs while sub-group 1's waits in the queue.
+    const BIG: usize = 1 << 23;
+    let mut masters = vec![vec![0.5f32; BIG], vec![0.25f32; 64]];
+    let s = session(&mut masters, true);
+    let big = vec![1e-3f32; BIG];
+    s.begin_step(Some(1.0), 1).unwrap();
+    s.grad_copy(0, Floats::F32(&big)).unwrap();
+    let spec = s.grad_copy(1, Floats::F32(&[0.01; 64])).unwrap().expect("sub-group 1 speculates");
+    // A late gradient of sub-group 1, then the preparation (which cancels its queued step).
+    s.grad_copy(1, Floats::F32(&[0.02; 64])).unwrap();
+    s.local_grad_sumsq(None).unwrap();
+    let waited = s.wait(spec, Some(std::time::Duration::from_secs(5)));
+    let t = s.step(local(0.0)).unwrap();
+    s.step_result(t, None).unwrap();
+    assert_eq!(waited, Ok(()), "the speculative ticket before step()");
+
+    // The same for a speculative pass the preparation finds queued, running (preempted, then
+    // rolled back) or done, whichever the timing gives: its ticket completes before step().
+    s.begin_step(Some(1.0), 1).unwrap();
+    let spec = s.grad_copy(0, Floats::F32(&big)).unwrap().expect("sub-group 0 speculates");
+    s.grad_copy(0, Floats::F32(&big)).unwrap();
+    s.local_grad_sumsq(None).unwrap();
+    let waited = s.wait(spec, Some(std::time::Duration::from_secs(5)));
+    let t = s.step(local(0.0)).unwrap();
+    s.step_result(t, None).unwrap();
+    assert_eq!(waited, Ok(()), "a large sub-group's speculative ticket before step()");
 }

@@ -279,9 +279,11 @@ impl Session {
                     min_scale: f("min_scale")? as f32,
                 };
                 options.validate().map_err(|e| bad(e.message))?;
+                let scale = f("scale")? as f32;
+                super::check_loss_scale("loss scaler scale", scale).map_err(|e| bad(e.message))?;
                 Some(LossScaler {
                     options,
-                    scale: f("scale")? as f32,
+                    scale,
                     growth_tracker: f("growth_tracker")? as u32,
                     hysteresis_left: f("hysteresis_left")? as u32,
                 })

@@ -498,6 +498,8 @@ pub(crate) struct Shared {
     pub policy: Mutex<policy::Policy>,
     /// Nanoseconds callers spent waiting on tickets (the host-mode exposed time).
     pub caller_wait_ns: AtomicU64,
+    /// The ticket the latest `step()` returned (0 before the first).
+    pub step_ticket: AtomicU64,
 }
 
 impl Shared {
@@ -599,6 +601,7 @@ impl Session {
             sched: Scheduler::default(),
             policy: Mutex::new(policy::Policy::new(options.speculation)),
             caller_wait_ns: AtomicU64::new(0),
+            step_ticket: AtomicU64::new(0),
         });
         let worker_shared = shared.clone();
         let worker = std::thread::Builder::new()
@@ -634,19 +637,26 @@ impl Session {
     }
 
     /// The result of the step whose ticket `step()` returned (the latest step's only),
-    /// waiting up to `timeout` for it.
+    /// waiting up to `timeout` for it. Any other ticket (an earlier step's, a speculative
+    /// step's or a final pass's, failed or not) is NOT_FOUND at once, without waiting.
     pub fn step_result(&self, ticket: Ticket, timeout: Option<Duration>) -> Result<StepResult> {
+        let not_found = || {
+            Error::new(
+                Status::NotFound,
+                format!(
+                    "ticket {ticket} is not the ticket of the latest step; results are kept for the latest step only"
+                ),
+            )
+        };
+        if ticket == 0 || ticket != self.shared.step_ticket.load(Ordering::Acquire) {
+            return Err(not_found());
+        }
         let span = self.shared.tracer.span(Lane::Caller, || format!("wait for step ticket {ticket}"));
         self.shared.caller_wait(ticket, timeout, false)?;
         drop(span);
         match *self.shared.last_result.lock().unwrap() {
             Some((t, result)) if t == ticket => Ok(result),
-            _ => Err(Error::new(
-                Status::NotFound,
-                format!(
-                    "ticket {ticket} is not the ticket of the latest step; results are kept for the latest step only"
-                ),
-            )),
+            _ => Err(not_found()),
         }
     }
 
@@ -719,6 +729,19 @@ pub fn unscale_factor(loss_scale: f32) -> f32 {
 /// anything else).
 pub fn usable_factor(factor: f32) -> bool {
     factor.is_finite() && factor > 0.0
+}
+
+/// A loss scale must be finite and > 0, and so must its reciprocal in f32, the unscale factor
+/// of every sum of squares and speculative step (`1 / loss_scale` overflows for loss scales
+/// below about 2.9e-39, subnormals of f32).
+pub(crate) fn check_loss_scale(what: &str, scale: f32) -> Result<()> {
+    if scale.is_finite() && scale > 0.0 && usable_factor(unscale_factor(scale)) {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!(
+            "{what} = {scale:e} is out of range: it must be finite and > 0, and 1 / {what} must be finite in f32"
+        )))
+    }
 }
 
 fn to_f32(values: Floats<'_>) -> Vec<f32> {

@@ -190,7 +190,10 @@ impl Worker {
     }
 
     /// A speculative step of `sg`, in chunks; stops early (keeping what it did) when a
-    /// more urgent job is waiting.
+    /// more urgent job is waiting. A gradient whose squares may not fit in f32 (a sum of
+    /// squares above `f32::MAX`) is not stepped speculatively: `exp_avg_sq` would become inf,
+    /// which no rollback or rescale can undo. Its ticket completes and the sub-group is
+    /// stepped once at `step()`.
     fn speculate(&mut self, sg: &Arc<SubGroup>, mut hp: AdamHyper, scale: f32) {
         let Lifecycle::Speculating(ticket) = self.shared.sched.lifecycle(sg.id) else {
             unreachable!("a speculative step runs for a sub-group in Speculating")
@@ -200,6 +203,7 @@ impl Worker {
         let outcome = guarded(|| {
             self.gradient_ready(sg)?;
             let mut data = sg.data.lock().unwrap();
+            let mut sumsq = 0.0;
             for index in 0..sg.slices.len() {
                 let s = self.slice_sumsq(sg, &mut data, index, scale)?;
                 if !s.is_finite() {
@@ -211,6 +215,10 @@ impl Worker {
                         ),
                     ));
                 }
+                sumsq += s;
+            }
+            if sumsq > f32::MAX as f64 {
+                return Ok(None);
             }
             self.master_write(sg)?;
             hp.step = data.work.step_count + 1;
@@ -233,17 +241,22 @@ impl Worker {
             if done == sg.numel {
                 self.staged(sg, &data)?;
             }
-            Ok((done, done - start_done))
+            Ok(Some((done, done - start_done)))
         });
         let elapsed = start.elapsed();
         match outcome {
-            Ok((done, ran)) if done == sg.numel => {
+            Ok(None) => {
+                self.shared.sched.set_lifecycle(sg.id, Lifecycle::Complete);
+                drop(span.arg("ticket", ticket).arg("declined", "squares beyond f32"));
+                self.shared.complete(ticket, Ok(()));
+            }
+            Ok(Some((done, ran))) if done == sg.numel => {
                 self.shared.policy.lock().unwrap().pass_measured(ran, elapsed);
                 self.shared.sched.set_lifecycle(sg.id, Lifecycle::Speculated(None));
                 drop(span.arg("ticket", ticket));
                 self.shared.complete(ticket, Ok(()));
             }
-            Ok((done, ran)) => {
+            Ok(Some((done, ran))) => {
                 self.shared.policy.lock().unwrap().pass_measured(ran, elapsed);
                 self.shared.sched.set_lifecycle(sg.id, Lifecycle::Speculated(Some(ticket)));
                 drop(span.arg("preempted at", done));
@@ -251,7 +264,7 @@ impl Worker {
             Err(e) => {
                 // Whatever chunks ran stay recorded in `spec` and are made exact at step().
                 let applied = sg.data.lock().unwrap().work.spec.is_some();
-                let state = if applied { Lifecycle::Speculated(None) } else { Lifecycle::Complete(None) };
+                let state = if applied { Lifecycle::Speculated(None) } else { Lifecycle::Complete };
                 self.shared.sched.set_lifecycle(sg.id, state);
                 drop(span.arg("ticket", ticket).arg("ok", false));
                 self.shared.complete(ticket, Err(e));
@@ -268,9 +281,15 @@ impl Worker {
             let mut late = sg.late.lock().unwrap();
             let has_late = late.as_ref().is_some_and(|l| !l.ranges.is_empty());
             if has_late {
-                // A queued speculative step would read a gradient about to change.
-                self.shared.sched.cancel_speculation(sg.id);
-                self.gradient_ready(sg)?;
+                // A queued speculative step would read a gradient about to change: it is
+                // cancelled, and its ticket completes once the gradient copies it stood for
+                // have landed (a caller may wait on it before step()).
+                let cancelled = self.shared.sched.cancel_speculation(sg.id);
+                let ready = self.gradient_ready(sg);
+                if let Some(ticket) = cancelled {
+                    self.shared.complete(ticket, ready.clone());
+                }
+                ready?;
             }
             let mut data = sg.data.lock().unwrap();
             let device = data.placement == Placement::Device;
@@ -294,7 +313,12 @@ impl Worker {
                     *elements += spec.done as u64;
                     data.work.redo = true;
                     if let Lifecycle::Speculated(pending) = self.shared.sched.lifecycle(sg.id) {
-                        self.shared.sched.set_lifecycle(sg.id, Lifecycle::Complete(pending));
+                        // A pass this preparation preempted is undone, not resumed: its
+                        // ticket completes now rather than with step()'s final pass.
+                        self.shared.sched.set_lifecycle(sg.id, Lifecycle::Complete);
+                        if let Some(ticket) = pending {
+                            self.shared.complete(ticket, Ok(()));
+                        }
                     }
                 }
                 for range in late.ranges.drain(..) {

@@ -11,7 +11,7 @@ use super::registry::Registry;
 use super::trace::Lane;
 use super::{
     HandOff, HandedSumsq, LateGrads, NormSource, Placement, STEP_LANE, Session, StepArgs, SubGroup, Ticket,
-    state_error, subgroup_lane, unscale_factor,
+    check_loss_scale, state_error, subgroup_lane, unscale_factor,
 };
 use crate::error::{Error, Result};
 use crate::kernels::{self, Floats};
@@ -94,8 +94,10 @@ impl Session {
             return Err(Error::invalid("micro_steps must be >= 1"));
         }
         let scale = match loss_scale {
-            Some(s) if s.is_finite() && s > 0.0 => s,
-            Some(s) => return Err(Error::invalid(format!("loss_scale = {s} must be finite and > 0"))),
+            Some(s) => {
+                check_loss_scale("loss_scale", s)?;
+                s
+            }
             None => {
                 if t.decide_ticket != 0 {
                     self.shared.tickets.wait(t.decide_ticket, None, false).ok();
@@ -201,12 +203,13 @@ impl Session {
         let (index, range) = (info.index, info.range.clone());
         let track = t.reg.track(info.sg)?;
         let (sg, final_ticket) = (track.sg.clone(), track.final_ticket);
+        // The previous step's final pass first: until it ran, the sub-group is not idle.
+        self.wait_final(final_ticket);
         if self.shared.sched.is_complete(sg.id) {
             self.add_late(&mut t, &sg, index, range, deliver)?;
             drop(span.arg("late", true));
             return Ok(None);
         }
-        self.wait_final(final_ticket);
         let seen = t.slice_seen[slice as usize];
         let last = micro + 1 == micro_steps;
         {
@@ -244,6 +247,7 @@ impl Session {
                 "sub-group {sg_id} has a session-owned gradient buffer; hand gradients over with grad_copy"
             )));
         }
+        self.wait_final(final_ticket);
         if self.shared.sched.is_complete(sg.id) {
             return Err(state_error(format!(
                 "slice {:?}: its sub-group was already complete this step, so its buffer is in use; \
@@ -251,7 +255,6 @@ impl Session {
                 t.reg.slices[slice as usize].name
             )));
         }
-        self.wait_final(final_ticket);
         if micro + 1 == micro_steps {
             let mut data = sg.data.lock().unwrap();
             let sumsq = kernels::grad_sumsq_here(data.grad.range(range), unscale_factor(t.loss_scale))?;
@@ -428,6 +431,7 @@ impl Session {
             subgroups.push((track.sg.clone(), ticket));
         }
         let step_ticket = self.shared.tickets.issue(STEP_LANE);
+        self.shared.step_ticket.store(step_ticket, std::sync::atomic::Ordering::Release);
         let waited_ns = self.shared.caller_wait_ns.load(std::sync::atomic::Ordering::Relaxed);
         let device_wait = self.shared.transport().map_or(0.0, |tr| tr.exposed_wait_s());
         let forward_wait_s = (waited_ns - t.wait_mark_ns) as f64 * 1e-9 + device_wait;

@@ -184,13 +184,24 @@ impl Session {
             sumsq: vec![None; ranges.len()],
             placement: desc.placement,
         };
+        // Elements outside every slice are padding: zero in every buffer, they step to zero
+        // (no gradient ever lands there), so no checkpoint needs them.
+        let padding = padding(&ranges, numel);
+        for gap in &padding {
+            for buf in [&mut data.master, &mut data.exp_avg, &mut data.exp_avg_sq, &mut data.grad] {
+                buf.zero_range(gap.clone());
+            }
+        }
         if let Some(copy) = data.copy.as_mut() {
             crate::kernels::copy_into(copy.floats_mut(), data.master.floats(), false, None)?;
         }
         let pinned = self.pin_all(&mut data)?;
         if let Some(transport) = transport {
-            let attached = transport.attach(id, desc.device, &ranges, desc.placement, data.host_state());
+            let attached = transport
+                .attach(id, desc.device, &ranges, desc.placement, data.host_state())
+                .and_then(|()| zero_device_padding(transport, id, desc.placement, &padding));
             if let Err(e) = attached {
+                transport.detach(id);
                 for &p in &pinned {
                     transport.unpin(p as *mut u8);
                 }
@@ -415,6 +426,7 @@ impl Session {
             return Err(Error::unsupported("device placement needs f32 master weights"));
         }
         transport.set_placement(sg, placement, data.host_state())?;
+        zero_device_padding(transport, sg, placement, &padding(&track.sg.slices, track.sg.numel))?;
         if placement == Placement::Host {
             // The host master is current again: stage and publish it as the model's weights
             // are (the device kernel published the same values already).
@@ -475,6 +487,35 @@ fn check_slices(slices: &[SliceDesc], numel: usize, names: &HashMap<String, u32>
             && s.offset + s.numel > next.offset
         {
             return Err(Error::new(Status::Aliasing, format!("slices {:?} and {:?} overlap", s.name, next.name)));
+        }
+    }
+    Ok(())
+}
+
+/// The ranges of a sub-group of `numel` elements outside its slices (`slices` sorted).
+fn padding(slices: &[Range<usize>], numel: usize) -> Vec<Range<usize>> {
+    let mut gaps = Vec::new();
+    let mut next = 0;
+    for r in slices.iter().chain(std::iter::once(&(numel..numel))) {
+        if r.start > next {
+            gaps.push(next..r.start);
+        }
+        next = r.end;
+    }
+    gaps
+}
+
+/// A device-placed sub-group's gradient buffer is not initialised: its padding is zeroed
+/// there too (hand-offs write the slices only).
+fn zero_device_padding(
+    transport: &dyn super::Transport,
+    sg: u32,
+    placement: Placement,
+    padding: &[Range<usize>],
+) -> Result<()> {
+    if placement == Placement::Device {
+        for gap in padding {
+            transport.device_zero_gradient(sg, gap.clone())?;
         }
     }
     Ok(())

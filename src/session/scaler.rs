@@ -34,15 +34,9 @@ impl Default for LossScalerOptions {
 
 impl LossScalerOptions {
     pub fn validate(&self) -> Result<()> {
-        let positive = |name: &str, x: f32| {
-            if x.is_finite() && x > 0.0 {
-                Ok(())
-            } else {
-                Err(Error::invalid(format!("loss scaler {name} = {x} must be finite and > 0")))
-            }
-        };
-        positive("init_scale", self.init_scale)?;
-        positive("min_scale", self.min_scale)?;
+        // The scale stays within [min_scale, f32::MAX]: both ends must be usable loss scales.
+        super::check_loss_scale("loss scaler init_scale", self.init_scale)?;
+        super::check_loss_scale("loss scaler min_scale", self.min_scale)?;
         if !(self.growth_factor.is_finite() && self.growth_factor > 1.0) {
             return Err(Error::invalid(format!("loss scaler growth_factor = {} must be > 1", self.growth_factor)));
         }

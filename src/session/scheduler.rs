@@ -23,9 +23,8 @@ use crate::kernels::AdamHyper;
 pub(crate) enum Lifecycle {
     /// Final for its latest step; this step's gradients may be arriving.
     Idle,
-    /// Its gradient is complete and nothing is applied to it (a cancelled speculative step's
-    /// ticket may be pending).
-    Complete(Option<Ticket>),
+    /// Its gradient is complete and nothing is applied to it.
+    Complete,
     SpecQueued(Ticket),
     Speculating(Ticket),
     /// A speculative step is applied, to all of it or (ticket pending) to the part a
@@ -125,7 +124,7 @@ impl Scheduler {
     }
 
     pub(crate) fn mark_complete(&self, id: u32) {
-        self.set_lifecycle(id, Lifecycle::Complete(None));
+        self.set_lifecycle(id, Lifecycle::Complete);
     }
 
     pub(crate) fn submit_speculation(&self, serial: u64, sg: Arc<SubGroup>, hp: AdamHyper, scale: f32, ticket: Ticket) {
@@ -156,15 +155,15 @@ impl Scheduler {
         }
     }
 
-    /// Cancels the queued speculative step of sub-group `id`, if any: it becomes
-    /// `Complete` with the speculative ticket still to complete.
-    pub(crate) fn cancel_speculation(&self, id: u32) -> bool {
+    /// Cancels the queued speculative step of sub-group `id`, if any: it becomes `Complete`,
+    /// and the cancelled step's ticket, returned, is the caller's to complete.
+    pub(crate) fn cancel_speculation(&self, id: u32) -> Option<Ticket> {
         let mut q = self.queue.lock().unwrap();
-        let Lifecycle::SpecQueued(ticket) = q.lifecycle[id as usize] else { return false };
+        let Lifecycle::SpecQueued(ticket) = q.lifecycle[id as usize] else { return None };
         q.ready.retain(|k, _| !(k.class == Class::Speculate && k.forward == id));
-        q.lifecycle[id as usize] = Lifecycle::Complete(Some(ticket));
+        q.lifecycle[id as usize] = Lifecycle::Complete;
         self.update_preempt(&q);
-        true
+        Some(ticket)
     }
 
     /// Queues the final pass of every sub-group of a decided step, in forward order; the
@@ -181,8 +180,8 @@ impl Scheduler {
                     cancelled += 1;
                     Some(t)
                 }
-                Lifecycle::Complete(t) | Lifecycle::Speculated(t) => t,
-                Lifecycle::Idle => None,
+                Lifecycle::Speculated(t) => t,
+                Lifecycle::Complete | Lifecycle::Idle => None,
                 other => unreachable!("sub-group {id} is {other:?} at its step's decision"),
             };
             q.lifecycle[id] = Lifecycle::FinalQueued(pending);

@@ -152,7 +152,10 @@ pub extern "C" fn so_step_args_default() -> so_step_args {
 /// @param micro_steps Micro-steps of gradient accumulation, >= 1; speculation happens
 ///        only in the last.
 /// @return `SO_STATUS_OK`; `SO_STATUS_INVALID_STATE` if the previous step was not given to
-///         `so_session_step`.
+///         `so_session_step`; `SO_STATUS_INVALID_ARGUMENT`, changing nothing, for
+///         `micro_steps` 0 or a loss scale that is not finite and > 0 or whose reciprocal is
+///         not finite in f32 (below about 2.9e-39; the built-in scaler's `init_scale` and
+///         `min_scale` are refused likewise at `so_session_create`).
 /// @note Thread-safety: see `so_session`.
 ///
 /// # Safety
@@ -191,6 +194,14 @@ pub unsafe extern "C" fn so_session_next_micro_step(session: *mut so_session) ->
 /// buffer of the sub-group's size, once) and the sub-group is rolled back and redone at
 /// `so_session_step`. The copy is done before this returns: `grad` may be reused at once.
 /// No allocation on the normal path.
+///
+/// The speculative step's ticket fails with `SO_STATUS_NON_FINITE` if the gradient has an
+/// inf or NaN element. A speculative step that does not run completes its ticket with
+/// `SO_STATUS_OK`, and the sub-group is stepped once at `so_session_step`: one cancelled
+/// at `so_session_step` (ticket complete with the sub-group's final pass), one cancelled or
+/// undone after a late gradient by `so_session_local_grad_sumsq` (complete there, before
+/// `so_session_step`), or one declined because the sum of squares of its unscaled gradient
+/// exceeds `FLT_MAX` (`exp_avg_sq` would overflow, which no rollback can undo).
 ///
 /// @param slice From `so_session_slice_id`.
 /// @param grad `numel` elements of the session's `grad_dtype`.
@@ -327,8 +338,8 @@ pub unsafe extern "C" fn so_session_step(
 /// @brief Waits up to `timeout_ns` (negative: forever) for the step of `ticket` (as
 /// returned by `so_session_step`) and describes it. Only the latest step's result is kept.
 /// @param out_result Caller-provided with `struct_size = sizeof(so_step_result)`.
-/// @return `SO_STATUS_OK`, `SO_STATUS_TIMEOUT`, or `SO_STATUS_NOT_FOUND` for a ticket that
-///         is not the latest step's.
+/// @return `SO_STATUS_OK`, `SO_STATUS_TIMEOUT`, or `SO_STATUS_NOT_FOUND` at once, without
+///         waiting, for any ticket but the one the latest `so_session_step` returned.
 /// @note Thread-safety: see `so_session`.
 ///
 /// # Safety

@@ -54,7 +54,11 @@ pub struct so_subgroup_desc {
     /// NULL (the session allocates the gradient buffer) or a caller buffer of `numel`
     /// elements of the accumulation dtype, borrowed like `master`, for `so_session_grad_written`.
     pub grad: *mut c_void,
-    /// The slices whose gradients complete this sub-group; copied.
+    /// The slices whose gradients complete this sub-group; copied. They need not cover the
+    /// sub-group: elements outside every slice are padding (e.g. for alignment), set to 0
+    /// in `master`, the moments and the gradient buffer at registration; they stay 0 (no
+    /// gradient lands there: keep a caller gradient buffer's padding 0) and are in no
+    /// checkpoint.
     pub slices: *const so_slice_desc,
     /// Entries in `slices`, >= 1.
     pub num_slices: usize,
