@@ -7,7 +7,7 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use super::driver::{self, CUdeviceptr, CUevent, CUstream, Context, Kernels};
 use crate::error::{Error, Result, Status};
@@ -136,6 +136,9 @@ pub struct CudaTransport {
     accum_dtype: DType,
     copy_dtype: Option<DType>,
     faults: CopyFaults,
+    /// The first failure of queued work (a copy, a kernel): CUDA reports those errors on
+    /// every later call of the context, so the transport refuses from then on.
+    fault: OnceLock<Error>,
     state: Mutex<State>,
 }
 
@@ -185,10 +188,29 @@ impl CudaTransport {
             accum_dtype,
             copy_dtype,
             faults: CopyFaults::from_env(),
+            fault: OnceLock::new(),
             state: Mutex::new(State::default()),
         };
         transport.ensure_word(0)?;
         Ok(transport)
+    }
+
+    /// Makes the context current for a call, or refuses with the first fault of queued
+    /// work: a sub-group must not be stepped or published from a gradient that never
+    /// arrived.
+    fn enter(&self) -> Result<()> {
+        if let Some(fault) = self.fault.get() {
+            return Err(fault.clone());
+        }
+        self.ctx.bind()
+    }
+
+    /// Remembers a failure of queued work (see `fault`).
+    fn noted<T>(&self, outcome: Result<T>) -> Result<T> {
+        if let Err(e) = &outcome {
+            let _ = self.fault.set(e.clone());
+        }
+        outcome
     }
 
     /// The stream every gradient copy ends on: a device gradient may be reused once this
@@ -272,7 +294,7 @@ impl CudaTransport {
         if src == 0 {
             return Err(Error::new(Status::NullArgument, "the device gradient is NULL"));
         }
-        self.ctx.bind()?;
+        self.enter()?;
         driver::refuse_capturing(stream)?;
         let mut state = self.state.lock().unwrap();
         let on_device = state.subgroups.get(&h.sg).ok_or_else(|| not_attached(h.sg))?.device.is_some();
@@ -373,15 +395,15 @@ impl CudaTransport {
 
     /// Waits until everything published so far has landed in the model's parameters.
     pub fn wait_published(&self) -> Result<()> {
-        self.ctx.bind()?;
-        driver::stream_synchronize(self.h2d.0)
+        self.enter()?;
+        self.noted(driver::stream_synchronize(self.h2d.0))
     }
 
     /// Makes `stream` wait, on the GPU, until `ticket` of `lane` is complete (`lane` `None`:
     /// the ticket is already complete on the host, so the wait covers what the transport has
     /// queued so far). Timed, for the exposed-wait figure.
     pub fn enqueue_wait(&self, ticket: Ticket, lane: Option<u32>, stream: CUstream) -> Result<()> {
-        self.ctx.bind()?;
+        self.enter()?;
         driver::refuse_capturing(stream)?;
         let mut state = self.state.lock().unwrap();
         let (before, after) = (Self::timing_event(&mut state)?, Self::timing_event(&mut state)?);
@@ -410,7 +432,7 @@ impl CudaTransport {
             }
         }
         self.state.lock().unwrap().free_events.extend(events);
-        outcome
+        self.noted(outcome)
     }
 
     fn device_state(&self, numel: usize, moment: DType) -> Result<DeviceState> {
@@ -444,7 +466,7 @@ impl CudaTransport {
             let (ptr, bytes) = floats_mut_ptr(src);
             driver::memcpy_htod_async(dst, ptr, bytes, self.h2d.0)?;
         }
-        driver::stream_synchronize(self.h2d.0)
+        self.noted(driver::stream_synchronize(self.h2d.0))
     }
 
     fn download(&self, d: &DeviceState, state: &mut HostState<'_>) -> Result<()> {
@@ -454,7 +476,7 @@ impl CudaTransport {
             let (ptr, bytes) = floats_mut_ptr(dst);
             driver::memcpy_dtoh_async(ptr, src, bytes, self.h2d.0)?;
         }
-        driver::stream_synchronize(self.h2d.0)
+        self.noted(driver::stream_synchronize(self.h2d.0))
     }
 
     /// Publishes f32 weights at `src` into the model's parameter of `dev`.
@@ -509,7 +531,7 @@ impl Transport for CudaTransport {
     }
 
     fn pin(&self, ptr: *mut u8, bytes: usize) -> Result<()> {
-        self.ctx.bind()?;
+        self.enter()?;
         let ours = driver::host_register(ptr, bytes)?;
         let mut state = self.state.lock().unwrap();
         if ours {
@@ -553,7 +575,7 @@ impl Transport for CudaTransport {
                 device.dtype.name()
             )));
         }
-        self.ctx.bind()?;
+        self.enter()?;
         self.ensure_word(sg + 1)?;
         let staging = driver::mem_alloc(numel * staging_dtype.size())?;
         let mut partial_offsets = Vec::with_capacity(slices.len());
@@ -618,7 +640,7 @@ impl Transport for CudaTransport {
     }
 
     fn gradient_ready(&self, sg: u32) -> Result<()> {
-        self.ctx.bind()?;
+        self.enter()?;
         let copies = {
             let mut state = self.state.lock().unwrap();
             state.subgroups.get_mut(&sg).map(|d| std::mem::take(&mut d.copies)).unwrap_or_default()
@@ -627,7 +649,7 @@ impl Transport for CudaTransport {
     }
 
     fn gradient_sumsq(&self, sg: u32, slice: usize) -> Result<f64> {
-        self.ctx.bind()?;
+        self.enter()?;
         let ready = {
             let mut state = self.state.lock().unwrap();
             let dev = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
@@ -643,13 +665,13 @@ impl Transport for CudaTransport {
     }
 
     fn master_write(&self, sg: u32) -> Result<()> {
-        self.ctx.bind()?;
+        self.enter()?;
         let staged = self.state.lock().unwrap().subgroups.get_mut(&sg).and_then(|d| d.staged.take());
         self.wait_and_free(staged.into_iter().collect())
     }
 
     fn weights_updated(&self, sg: u32, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()> {
-        self.ctx.bind()?;
+        self.enter()?;
         let mut state = self.state.lock().unwrap();
         let (staging, staging_dtype, numel) = {
             let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
@@ -677,7 +699,7 @@ impl Transport for CudaTransport {
     }
 
     fn publish(&self, sg: u32) -> Result<()> {
-        self.ctx.bind()?;
+        self.enter()?;
         let state = self.state.lock().unwrap();
         let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
         self.publish_from(d, d.staging, d.staging_dtype)
@@ -695,7 +717,7 @@ impl Transport for CudaTransport {
     }
 
     fn before_step(&self) -> Result<()> {
-        self.ctx.bind()?;
+        self.enter()?;
         let mut state = self.state.lock().unwrap();
         let Some(compute) = state.compute else { return Ok(()) };
         let event = Self::event(&mut state)?;
@@ -732,7 +754,7 @@ impl Transport for CudaTransport {
     }
 
     fn device_step(&self, sg: u32, hp: &AdamHyper, factor: f32) -> Result<()> {
-        self.ctx.bind()?;
+        self.enter()?;
         let copies = {
             let mut state = self.state.lock().unwrap();
             let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
@@ -787,7 +809,7 @@ impl Transport for CudaTransport {
     }
 
     fn device_zero_gradient(&self, sg: u32, range: Range<usize>) -> Result<()> {
-        self.ctx.bind()?;
+        self.enter()?;
         let mut state = self.state.lock().unwrap();
         let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
         let dev = d.device.as_ref().ok_or_else(|| Error::new(Status::InvalidState, "not device-placed"))?;
@@ -800,7 +822,7 @@ impl Transport for CudaTransport {
     }
 
     fn set_placement(&self, sg: u32, placement: Placement, mut host: HostState<'_>) -> Result<()> {
-        self.ctx.bind()?;
+        self.enter()?;
         let mut state = self.state.lock().unwrap();
         let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
         match (placement, d.device.take()) {
@@ -828,7 +850,7 @@ impl Transport for CudaTransport {
     }
 
     fn download_state(&self, sg: u32, mut host: HostState<'_>) -> Result<()> {
-        self.ctx.bind()?;
+        self.enter()?;
         let state = self.state.lock().unwrap();
         let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
         match &d.device {
@@ -838,7 +860,7 @@ impl Transport for CudaTransport {
     }
 
     fn load_state(&self, sg: u32, mut host: HostState<'_>) -> Result<()> {
-        self.ctx.bind()?;
+        self.enter()?;
         let state = self.state.lock().unwrap();
         let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
         let dev = d.device.as_ref().ok_or_else(|| Error::new(Status::InvalidState, "not device-placed"))?;
