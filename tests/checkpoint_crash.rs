@@ -50,15 +50,18 @@ impl Big {
         let mut opts = api::session_options_default();
         api::set_speculation(&mut opts, api::SPEC_ON);
         let mut out = std::ptr::null_mut();
+        // SAFETY: the options and the out-pointer are live locals.
         assert_eq!(unsafe { api::create(&opts, &mut out) }, Status::Ok, "{}", api::last_error());
         let h = Session(out);
         let hp = api::group_hparams_default();
         let mut g = 0;
+        // SAFETY: `h` was created above; `hp` and `g` are live locals.
         assert_eq!(unsafe { h.add_group(&hp, &mut g) }, Status::Ok);
         let mut masters = Vec::new();
         for sg in 0..SUBGROUPS {
             let buf = RawBuf::new(PER_SUBGROUP * 4);
             let init: Vec<f32> = (0..PER_SUBGROUP).map(|i| value(sg as u64, i as u64, 0) * 50.0).collect();
+            // SAFETY: `buf` holds PER_SUBGROUP f32 values, `init` as many.
             unsafe { std::ptr::copy_nonoverlapping(init.as_ptr().cast::<u8>(), buf.ptr(), PER_SUBGROUP * 4) };
             let name = api::cstring(&format!("layer{sg}"));
             let slices = [api::so_slice_desc { name: name.as_ptr(), offset: 0, numel: PER_SUBGROUP }];
@@ -69,6 +72,7 @@ impl Big {
             d.slices = slices.as_ptr();
             d.num_slices = 1;
             let mut id = 0;
+            // SAFETY: `d` points at `buf`, `slices` and `name`, all alive during the call.
             assert_eq!(unsafe { h.add_subgroup(&d, &mut id) }, Status::Ok, "{}", api::last_error());
             masters.push(buf);
         }
@@ -80,17 +84,20 @@ impl Big {
     /// cancelled and stepped exactly: the two differ in the last bits, so runs would depend on
     /// timing and could not be compared bit for bit.)
     fn step(&mut self, k: u64) {
+        // SAFETY: `self.h` is live until drop.
         assert_eq!(unsafe { self.h.begin_step(1.0, 1) }, Status::Ok);
         for sg in (0..SUBGROUPS).rev() {
             for (i, g) in self.grad.iter_mut().enumerate() {
                 *g = value(sg as u64, i as u64, k);
             }
             let st =
+                // SAFETY: `self.grad` holds PER_SUBGROUP f32 values.
                 unsafe { self.h.grad_copy(sg as u32, self.grad.as_ptr().cast(), PER_SUBGROUP, std::ptr::null_mut()) };
             assert_eq!(st, Status::Ok, "{}", api::last_error());
         }
         let args = api::step_args(0.0, None, false);
         let mut t = 0;
+        // SAFETY: `args` and `t` are live locals.
         assert_eq!(unsafe { self.h.step(&args, &mut t) }, Status::Ok);
         let r = self.h.step_result(t, -1).expect("step result");
         assert!(!r.skipped, "{r:?}");
@@ -99,6 +106,7 @@ impl Big {
     fn masters_hash(&self) -> u64 {
         let mut h = Hasher::new();
         for m in &self.masters {
+            // SAFETY: each master buffer holds PER_SUBGROUP f32 values.
             h.bytes(unsafe { std::slice::from_raw_parts(m.ptr(), PER_SUBGROUP * 4) });
         }
         h.finish()
@@ -111,6 +119,7 @@ impl Big {
 
 impl Drop for Big {
     fn drop(&mut self) {
+        // SAFETY: the handle is destroyed once, here, and never used after.
         unsafe { self.h.destroy() };
     }
 }
@@ -400,6 +409,7 @@ fn disk_full_child() {
     assert_eq!(big.h.save_path(&path), Status::Ok, "{}", api::last_error());
     let size = std::fs::metadata(&path).unwrap().len();
     big.step(2);
+    // SAFETY: plain libc calls with a valid rlimit; SIGXFSZ ignored so the save sees EFBIG.
     unsafe {
         libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
         let limit = libc::rlimit { rlim_cur: size / 3, rlim_max: libc::RLIM_INFINITY };
@@ -410,6 +420,7 @@ fn disk_full_child() {
     assert_eq!(st, Status::Io, "a save beyond RLIMIT_FSIZE");
     // The session is still usable, and a save succeeds once there is room again.
     big.step(3);
+    // SAFETY: plain libc call with a valid rlimit.
     unsafe {
         let limit = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
         assert_eq!(libc::setrlimit(libc::RLIMIT_FSIZE, &limit), 0);

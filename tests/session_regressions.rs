@@ -311,6 +311,7 @@ fn step_result_of_a_failed_speculative_ticket_is_not_found() {
 #[test]
 fn elements_outside_every_slice_are_zero_padding_and_resume_bit_for_bit() {
     let desc = |s: &Session, master: &mut Vec<f32>| {
+        // SAFETY: `master` outlives the session that borrows it (dropped at the end of the test).
         let m = unsafe { Borrowed::new("master", master.as_mut_ptr().cast(), master.len(), DType::F32) }.unwrap();
         // Elements 0 and 7 belong to no slice.
         let slices = vec![SliceDesc { name: "w".into(), offset: 1, numel: 6 }];

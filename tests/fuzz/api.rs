@@ -8,11 +8,11 @@ use std::ffi::{CString, c_char, c_void};
 pub use superoffload::error::Status;
 use superoffload::ffi::pool as cp;
 use superoffload::ffi::session as c;
-use superoffload::ffi::tickets as tk;
 pub use superoffload::ffi::session::{
     so_group_hparams, so_loss_scaler_options, so_session, so_session_options, so_slice_desc, so_step_args,
     so_step_result, so_subgroup_desc,
 };
+use superoffload::ffi::tickets as tk;
 
 pub type Ticket = u64;
 
