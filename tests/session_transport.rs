@@ -3,11 +3,12 @@
 //! call the hooks in the order the protocol promises.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use superoffload::error::Result;
+use superoffload::error::{Result, Status};
 use superoffload::kernels::{self, DType, Floats, FloatsMut, Isa, Pool, PoolOptions, bf16};
 use superoffload::session::{
     Borrowed, GroupHparams, HandedSumsq, NormSource, Session, SessionOptions, SliceDesc, Speculation, StepArgs,
@@ -71,20 +72,17 @@ impl Transport for DelayedCopies {
 
 const SIZES: [usize; 3] = [100_000, 70_001, 5_000];
 
-fn build(transport: Option<Arc<DelayedCopies>>) -> (Session, Vec<Vec<f32>>) {
+fn build(transport: Option<Arc<dyn Transport>>, speculation: Speculation) -> (Session, Vec<Vec<f32>>) {
     let pool =
         Arc::new(Pool::new(&PoolOptions { num_threads: 2, isa: Some(Isa::best()), ..Default::default() }).unwrap());
-    // Clipping triggers on some steps: bit for bit needs the same path in both sessions,
-    // which speculation (timing-dependent cancellation) does not promise.
     let opts = SessionOptions {
         pool: Some(pool),
         grad_dtype: DType::Bf16,
         accum_dtype: DType::Bf16,
-        speculation: Speculation::Off,
+        speculation,
         ..Default::default()
     };
-    let t: Option<Arc<dyn Transport>> = transport.map(|t| t as Arc<dyn Transport>);
-    let s = Session::with_transport(opts, t).unwrap();
+    let s = Session::with_transport(opts, transport).unwrap();
     s.add_group(GroupHparams { weight_decay: 0.05, ..GroupHparams::default() }).unwrap();
     let mut masters: Vec<Vec<f32>> =
         SIZES.iter().map(|&n| (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-3).collect()).collect();
@@ -101,8 +99,10 @@ fn build(transport: Option<Arc<DelayedCopies>>) -> (Session, Vec<Vec<f32>>) {
 #[test]
 fn delayed_copies_give_host_mode_bits() {
     let transport = Arc::new(DelayedCopies::default());
-    let (host, host_masters) = build(None);
-    let (dev, dev_masters) = build(Some(transport.clone()));
+    // Clipping triggers on some steps: bit for bit needs the same path in both sessions,
+    // which speculation (timing-dependent cancellation) does not promise.
+    let (host, host_masters) = build(None, Speculation::Off);
+    let (dev, dev_masters) = build(Some(transport.clone()), Speculation::Off);
     for step in 1..=6u64 {
         for s in [&host, &dev] {
             s.begin_step(Some(1.0), 1).unwrap();
@@ -206,4 +206,124 @@ fn the_low_precision_copy_follows_the_master() {
     assert!(*checker.staged.lock().unwrap() >= 5, "staged after each step (speculative and rescaled) and the load");
     drop(s);
     drop(master);
+}
+
+/// Sub-group 0's gradient copy lands only when the test opens the gate (as the first layer's
+/// gradient, the last of backward, lands on a GPU long after the host handed it over and
+/// called `step()`); the others land at once.
+#[derive(Default)]
+struct GatedFirst {
+    open: Mutex<bool>,
+    opened: Condvar,
+    waited_closed: AtomicBool,
+}
+
+impl Transport for GatedFirst {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
+        Ok(())
+    }
+    fn unpin(&self, _: *mut u8) {}
+    fn gradient_ready(&self, sg: u32) -> Result<()> {
+        let mut open = self.open.lock().unwrap();
+        if sg == 0 && !*open {
+            self.waited_closed.store(true, Ordering::Relaxed);
+            while !*open {
+                open = self.opened.wait(open).unwrap();
+            }
+        }
+        Ok(())
+    }
+    fn gradient_landed(&self, sg: u32) -> bool {
+        sg != 0 || *self.open.lock().unwrap()
+    }
+    fn master_write(&self, _: u32) -> Result<()> {
+        Ok(())
+    }
+    fn weights_updated(&self, _: u32, _: Floats<'_>, _: Option<Floats<'_>>) -> Result<()> {
+        Ok(())
+    }
+    fn publish(&self, _: u32) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl GatedFirst {
+    fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+}
+
+/// Opens the gate when dropped, so a failing check does not leave the session's destruction
+/// waiting for a copy that never lands.
+struct OpenOnDrop(Arc<GatedFirst>);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}
+
+/// The CPU-Adam thread takes no job that would wait on a gradient still in flight: the
+/// speculative steps of the sub-groups whose gradients landed run while the first one's is
+/// pending (before: the first sub-group's job, highest in priority, waited for its copy and
+/// held up every other), and the decision waits for the last gradient without blocking them.
+#[test]
+fn speculative_steps_run_while_an_earlier_gradient_is_in_flight() {
+    let gate = Arc::new(GatedFirst::default());
+    // Declared before the sessions, so dropped after them (also when a check fails).
+    let (host_masters, dev_masters);
+    let (host, dev);
+    (host, host_masters) = build(None, Speculation::Off);
+    (dev, dev_masters) = build(Some(gate.clone()), Speculation::On);
+    let opener = OpenOnDrop(gate.clone());
+    for s in [&host, &dev] {
+        s.begin_step(Some(1.0), 1).unwrap();
+    }
+    let mut spec = Vec::new();
+    for k in (0..SIZES.len()).rev() {
+        let g: Vec<bf16> = (0..SIZES[k]).map(|i| bf16::from_f32(((i * 11 + k) % 31) as f32 * 1e-3 - 0.015)).collect();
+        host.grad_copy(k as u32, Floats::Bf16(&g)).unwrap();
+        let ticket = dev
+            .hand_off(k as u32, g.len(), "test", |h| {
+                let FloatsMut::Bf16(d) = h.dst else { panic!("bf16 accumulation expected") };
+                d.copy_from_slice(&g);
+                match h.sumsq_scale {
+                    Some(scale) => Ok(Some(HandedSumsq::Known(kernels::grad_sumsq_here(Floats::Bf16(&g), scale)?))),
+                    None => Ok(None),
+                }
+            })
+            .unwrap();
+        spec.push((k, ticket.expect("speculation on: a speculative ticket")));
+    }
+    // No clipping: the factor is known, only the gradients are not all there.
+    let args = StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false };
+    let host_step = host.step(args).unwrap();
+    let dev_step = dev.step(args).unwrap();
+    for &(k, ticket) in spec.iter().filter(|(k, _)| *k != 0) {
+        let waited = dev.wait(ticket, Some(Duration::from_secs(10)));
+        assert!(
+            waited.is_ok(),
+            "sub-group {k}'s speculative step, gradient landed, waited on sub-group 0's: {waited:?}"
+        );
+    }
+    assert_eq!(
+        dev.wait(dev_step, Some(Duration::from_millis(50))).map_err(|e| e.status),
+        Err(Status::Timeout),
+        "the step is decided before its last gradient landed"
+    );
+    assert!(!gate.waited_closed.load(Ordering::Relaxed), "the CPU-Adam thread blocked on a gradient in flight");
+    drop(opener);
+    host.wait(host_step, None).unwrap();
+    dev.wait(dev_step, None).unwrap();
+    let r = dev.step_result(dev_step, None).unwrap();
+    assert!(r.kept >= 2 && r.kept + r.stepped == SIZES.len() as u32 && r.rescaled == 0, "{r:?}");
+    for k in 0..SIZES.len() {
+        for i in 0..SIZES[k] {
+            assert_eq!(host_masters[k][i].to_bits(), dev_masters[k][i].to_bits(), "sg {k} element {i}");
+        }
+    }
 }

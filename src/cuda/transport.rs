@@ -648,6 +648,15 @@ impl Transport for CudaTransport {
         self.wait_and_free(copies)
     }
 
+    fn gradient_landed(&self, sg: u32) -> bool {
+        if self.enter().is_err() {
+            return true;
+        }
+        let state = self.state.lock().unwrap();
+        let Some(d) = state.subgroups.get(&sg) else { return true };
+        d.copies.iter().chain(d.sumsq_ready.iter().flatten()).all(|e| driver::event_done(e.0).unwrap_or(true))
+    }
+
     fn gradient_sumsq(&self, sg: u32, slice: usize) -> Result<f64> {
         self.enter()?;
         let ready = {

@@ -106,9 +106,9 @@ pub enum so_speculation {
     Off = 0,
     /// Every sub-group that can speculate does, as soon as its gradient is complete.
     On = 1,
-    /// Decided per step and sub-group from earlier steps' measurements: speculate while the
-    /// clip factor mostly stayed unchanged and the sub-group's gradient arrived early enough
-    /// before `so_session_step` (the default).
+    /// Decided per step from earlier steps: speculate while the clip factor mostly stayed
+    /// unchanged (the default). A speculative step that has not started when the step is
+    /// decided is cancelled at no cost.
     Auto = 2,
 }
 

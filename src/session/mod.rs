@@ -79,9 +79,8 @@ pub enum Speculation {
     Off,
     /// Every sub-group that can speculate does, as soon as its gradient is complete.
     On,
-    /// Decided per step and sub-group from what earlier steps measured (see `policy.rs`):
-    /// speculate while the clip factor mostly stayed unchanged and the sub-group's gradient
-    /// arrived early enough to make progress before `step()`.
+    /// Decided per step from what earlier steps measured (see `policy.rs`): speculate while
+    /// the clip factor mostly stayed unchanged.
     #[default]
     Auto,
 }
@@ -342,6 +341,12 @@ pub trait Transport: Send + Sync + Any {
     fn detach(&self, _sg: u32) {}
     /// Before sub-group `sg`'s gradient (or late gradients) are read: wait for their copies.
     fn gradient_ready(&self, sg: u32) -> Result<()>;
+    /// Whether sub-group `sg`'s gradient copies and deferred sums of squares have landed,
+    /// without waiting: the CPU-Adam thread takes no job that would block on the device
+    /// while another could run. On a fault: `true` (the job runs and reports it).
+    fn gradient_landed(&self, _sg: u32) -> bool {
+        true
+    }
     /// The sum of squares of a slice's gradient whose hand-off left it [`HandedSumsq::Deferred`].
     fn gradient_sumsq(&self, _sg: u32, _slice: usize) -> Result<f64> {
         Err(Error::new(Status::Panic, "this transport defers no sums of squares"))
@@ -505,6 +510,11 @@ pub(crate) struct Shared {
 impl Shared {
     pub(crate) fn transport(&self) -> Option<&dyn Transport> {
         self.transport.as_deref()
+    }
+
+    /// Whether sub-group `sg`'s gradient has landed ([`Transport::gradient_landed`]).
+    pub(crate) fn gradient_landed(&self, sg: u32) -> bool {
+        self.transport().is_none_or(|t| t.gradient_landed(sg))
     }
 
     /// Completes a ticket: the transport's device word first, then the host side.

@@ -230,7 +230,7 @@ impl Worker {
             let opts = UpdateOptions { grad_scale: scale, ..Default::default() };
             let start_done = done;
             while done < sg.numel {
-                if done > start_done && self.shared.sched.should_yield() {
+                if done > start_done && self.shared.sched.should_yield(&|id| self.shared.gradient_landed(id)) {
                     break;
                 }
                 let end = (done + SPECULATION_CHUNK).min(sg.numel);
@@ -361,9 +361,14 @@ impl Worker {
         };
         let local = if prepared.is_ok() {
             guarded(|| self.local_sumsq(plan.subgroups.iter().map(|(sg, _)| sg), unscale_factor(plan.loss_scale)))
-                .unwrap_or(f64::NAN)
         } else {
-            f64::NAN
+            Ok(f64::NAN)
+        };
+        // A sum that could not be read (a failed gradient copy) fails the step, which is then
+        // skipped: no sub-group is stepped from a gradient that never arrived.
+        let (local, prepared) = match local {
+            Ok(local) => (local, prepared),
+            Err(e) => (f64::NAN, prepared.and(Err(e))),
         };
         let args = plan.args;
         let mut result = StepResult {

@@ -4,15 +4,12 @@
 //!
 //! Speculation. A speculative step pays when the step's final factor equals the factor it
 //! was taken with (it is kept: no pass after backward) and costs a little when it does not
-//! (a rescale after backward instead of an update, about as long; the chunk in flight when
-//! `step()` arrives). So in `Auto` a sub-group speculates when
-//! - the factor stayed unchanged (not clipped, not skipped) in at least half of the recent
-//!   steps (the last [`HISTORY`], counted with one pseudo-step each way, so a new session
-//!   speculates), and
-//! - on the previous step its gradient completed at least one chunk's worth of CPU time
-//!   before `step()` was called (a sub-group completing later would not get far before the
-//!   decision cancels or preempts it; the first sub-groups in forward order, whose gradients
-//!   come last, are the typical case).
+//! (a rescale after backward instead of an update, about as long). One that has not started
+//! when the step is decided costs nothing: it is cancelled and folded into the final pass;
+//! the CPU-Adam thread takes it only once its gradient has landed. So in `Auto` a sub-group
+//! speculates when the factor stayed unchanged (not clipped, not skipped) in at least half
+//! of the recent steps (the last [`HISTORY`], counted with one pseudo-step each way, so a
+//! new session speculates).
 //!
 //! Split. After [`SPLIT_AFTER`] measured steps with every sub-group offloaded, the exposed
 //! optimizer time `W` (mean `forward_wait_s` of those steps, the first excluded) is what the
@@ -22,10 +19,9 @@
 //! budget. No exposed time: no split.
 
 use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::Speculation;
-use super::passes::SPECULATION_CHUNK;
 
 /// Recent steps whose factor changes are remembered.
 pub(crate) const HISTORY: usize = 8;
@@ -36,10 +32,6 @@ pub(crate) struct Policy {
     mode: Speculation,
     /// Whether each recent step's final factor equalled its speculative one (newest last).
     unchanged: VecDeque<bool>,
-    /// Per sub-group: when its gradient completed this step.
-    completed_at: Vec<Option<Instant>>,
-    /// Per sub-group: from completion to `step()` on the previous step.
-    slack: Vec<Option<Duration>>,
     /// Seconds per element of a CPU update pass (exponentially averaged).
     secs_per_element: Option<f64>,
     /// `forward_wait_s` of every step so far.
@@ -48,33 +40,11 @@ pub(crate) struct Policy {
 
 impl Policy {
     pub(crate) fn new(mode: Speculation) -> Policy {
-        Policy {
-            mode,
-            unchanged: VecDeque::new(),
-            completed_at: Vec::new(),
-            slack: Vec::new(),
-            secs_per_element: None,
-            waits: Vec::new(),
-        }
+        Policy { mode, unchanged: VecDeque::new(), secs_per_element: None, waits: Vec::new() }
     }
 
-    fn slot<T: Default + Clone>(v: &mut Vec<T>, sg: u32) -> &mut T {
-        if v.len() <= sg as usize {
-            v.resize(sg as usize + 1, T::default());
-        }
-        &mut v[sg as usize]
-    }
-
-    pub(crate) fn completed(&mut self, sg: u32, at: Instant) {
-        *Self::slot(&mut self.completed_at, sg) = Some(at);
-    }
-
-    pub(crate) fn step_called(&mut self, at: Instant, forward_wait_s: f64) {
-        for (sg, done) in self.completed_at.iter_mut().enumerate() {
-            if let Some(done) = done.take() {
-                *Self::slot(&mut self.slack, sg as u32) = Some(at.saturating_duration_since(done));
-            }
-        }
+    /// `step()` was called; the previous step's exposed optimizer time was `forward_wait_s`.
+    pub(crate) fn step_called(&mut self, forward_wait_s: f64) {
         self.waits.push(forward_wait_s);
     }
 
@@ -96,18 +66,13 @@ impl Policy {
         });
     }
 
-    pub(crate) fn should_speculate(&self, sg: u32, numel: usize) -> bool {
+    pub(crate) fn should_speculate(&self) -> bool {
         match self.mode {
             Speculation::Off => false,
             Speculation::On => true,
             Speculation::Auto => {
                 let same = self.unchanged.iter().filter(|&&u| u).count();
-                let likely_kept = 2 * (same + 1) >= self.unchanged.len() + 2;
-                let early = match (self.slack.get(sg as usize).copied().flatten(), self.secs_per_element) {
-                    (Some(slack), Some(rate)) => slack.as_secs_f64() >= rate * numel.min(SPECULATION_CHUNK) as f64,
-                    _ => true,
-                };
-                likely_kept && early
+                2 * (same + 1) >= self.unchanged.len() + 2
             }
         }
     }
@@ -139,25 +104,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn auto_speculation_follows_the_clip_history_and_the_slack() {
+    fn auto_speculation_follows_the_clip_history() {
         let mut p = Policy::new(Speculation::Auto);
-        assert!(p.should_speculate(0, 1000), "a new session speculates");
+        assert!(p.should_speculate(), "a new session speculates");
         for _ in 0..HISTORY {
             p.decided(false);
         }
-        assert!(!p.should_speculate(0, 1000), "clipped every step");
+        assert!(!p.should_speculate(), "clipped every step");
         for _ in 0..HISTORY / 2 {
             p.decided(true);
         }
-        assert!(p.should_speculate(0, 1000), "unchanged in half of the recent steps");
-        p.pass_measured(1000, Duration::from_millis(1));
-        let t0 = Instant::now();
-        p.completed(0, t0);
-        p.completed(1, t0 + Duration::from_millis(5));
-        p.step_called(t0 + Duration::from_millis(5), 0.0);
-        assert!(p.should_speculate(0, 1000), "5 ms of slack for 1 ms of work");
-        assert!(!p.should_speculate(1, 1000), "its gradient came with step()");
-        assert!(!Policy::new(Speculation::Off).should_speculate(0, 1));
+        assert!(p.should_speculate(), "unchanged in half of the recent steps");
+        assert!(!Policy::new(Speculation::Off).should_speculate());
+        assert!(Policy::new(Speculation::On).should_speculate());
     }
 
     #[test]
@@ -165,7 +124,7 @@ mod tests {
         let mut p = Policy::new(Speculation::Auto);
         p.pass_measured(1000, Duration::from_millis(1)); // 1 µs per element
         for wait in [9.0, 0.0025, 0.0035] {
-            p.step_called(Instant::now(), wait);
+            p.step_called(wait);
         }
         // 3 ms exposed (the first step excluded): two sub-groups of 2000 elements hide 4 ms.
         assert_eq!(p.split(&[2000, 2000, 2000], 16, usize::MAX), Some(2));

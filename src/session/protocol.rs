@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::buffers::HostBuf;
 use super::passes::{PrepareEntry, PreparePlan, StepPlan};
@@ -294,13 +294,8 @@ impl Session {
     /// pays (the ticket of it), else just record that it is complete.
     fn submit_complete(&self, t: &mut Tracking, sg: &Arc<SubGroup>) -> Option<Ticket> {
         let group = t.reg.groups[sg.group as usize];
-        let now = Instant::now();
         let device = sg.data.lock().unwrap().placement == Placement::Device;
-        let speculate = {
-            let mut policy = self.shared.policy.lock().unwrap();
-            policy.completed(sg.id, now);
-            !device && sg.can_speculate(group) && policy.should_speculate(sg.id, sg.numel)
-        };
+        let speculate = !device && sg.can_speculate(group) && self.shared.policy.lock().unwrap().should_speculate();
         if !speculate {
             self.shared.sched.mark_complete(sg.id);
             return None;
@@ -436,7 +431,7 @@ impl Session {
         let device_wait = self.shared.transport().map_or(0.0, |tr| tr.exposed_wait_s());
         let forward_wait_s = (waited_ns - t.wait_mark_ns) as f64 * 1e-9 + device_wait;
         t.wait_mark_ns = waited_ns;
-        self.shared.policy.lock().unwrap().step_called(Instant::now(), forward_wait_s);
+        self.shared.policy.lock().unwrap().step_called(forward_wait_s);
         let plan = StepPlan {
             serial: t.serial,
             loss_scale: t.loss_scale,

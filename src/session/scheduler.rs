@@ -1,21 +1,29 @@
 //! The CPU-Adam thread's schedule: which job runs next, and where each sub-group is in its
 //! step.
 //!
-//! Jobs run one at a time, highest priority first. A priority is `(step serial, class,
-//! forward index)`: everything of an earlier step before anything of a later one; within a
-//! step the decision (and the preparation before it) first, then finalizations, then
-//! speculative steps; among finalizations and among speculative steps, the sub-group the
-//! next forward needs first (registration order) first. A speculative pass runs in chunks
-//! and stops between two when a job of a higher class is waiting ("preemption"): what it did
-//! is kept, and the finalization completes the rest.
+//! Jobs run one at a time: the runnable job of highest priority first. A priority is `(step
+//! serial, class, forward index)`: everything of an earlier step before anything of a later
+//! one; within a step the decision (and the preparation before it) first, then
+//! finalizations, then speculative steps; among finalizations and among speculative steps,
+//! the sub-group the next forward needs first (registration order) first. A job is runnable
+//! when it would not wait on the device: a speculative step once its sub-group's gradient
+//! has landed, the decision once every gradient of its step has (a CUDA caller reaches
+//! `step()` while the GPU is still in backward; a decision that waited there would hold up
+//! the speculative steps of the gradients landing meanwhile). A speculative pass runs in
+//! chunks and stops between two when a runnable job of a higher class is waiting
+//! ("preemption"): what it did is kept, and the finalization completes the rest.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use super::passes::{PreparePlan, StepPlan, Worker};
 use super::{Shared, SubGroup, Ticket};
 use crate::kernels::AdamHyper;
+
+/// How often the CPU-Adam thread looks again while every queued job waits on the device.
+const LANDING_POLL: Duration = Duration::from_micros(100);
 
 /// Where a sub-group is in the current step. Speculative tickets that are still pending
 /// travel with the state, to complete with the final pass that absorbed their work.
@@ -72,6 +80,27 @@ impl Queue {
         self.seq += 1;
         self.ready.insert(JobKey { serial, class, forward, seq: self.seq }, job);
     }
+
+    /// The first runnable job of the earliest step queued (`urgent`: a job that preempts a
+    /// speculative pass).
+    fn next_runnable(&self, landed: &dyn Fn(u32) -> bool, urgent: bool) -> Option<JobKey> {
+        let serial = self.ready.keys().next()?.serial;
+        self.ready
+            .iter()
+            .take_while(|(k, _)| k.serial == serial && !(urgent && k.class == Class::Speculate))
+            .find(|(_, job)| job.runnable(landed))
+            .map(|(k, _)| *k)
+    }
+}
+
+impl Job {
+    fn runnable(&self, landed: &dyn Fn(u32) -> bool) -> bool {
+        match self {
+            Job::Speculate { sg, .. } => landed(sg.id),
+            Job::Decide(plan) => plan.subgroups.iter().all(|(sg, _)| landed(sg.id)),
+            Job::Prepare { .. } | Job::Finalize(_) => true,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -95,9 +124,13 @@ impl Scheduler {
         self.preempt.store(urgent, Ordering::Release);
     }
 
-    /// Whether a running speculative pass should stop at its next chunk boundary.
-    pub(crate) fn should_yield(&self) -> bool {
-        self.preempt.load(Ordering::Acquire)
+    /// Whether a running speculative pass should stop at its next chunk boundary: a job of a
+    /// higher class is queued (the flag, cheap) and runnable (`landed`: see [`run`]).
+    pub(crate) fn should_yield(&self, landed: &dyn Fn(u32) -> bool) -> bool {
+        if !self.preempt.load(Ordering::Acquire) {
+            return false;
+        }
+        self.queue.lock().unwrap().next_runnable(landed, true).is_some()
     }
 
     pub(crate) fn add_subgroup(&self, id: u32) {
@@ -191,12 +224,12 @@ impl Scheduler {
         cancelled
     }
 
-    /// Takes the next job (waiting for one); `None` once closed and drained. A speculative
-    /// step taken moves its sub-group to `Speculating`.
-    fn pop(&self) -> Option<(JobKey, Job)> {
+    /// Takes the next runnable job (waiting for one); `None` once closed and drained. A
+    /// speculative step taken moves its sub-group to `Speculating`.
+    fn pop(&self, landed: &dyn Fn(u32) -> bool) -> Option<(JobKey, Job)> {
         let mut q = self.queue.lock().unwrap();
         loop {
-            if let Some((key, job)) = q.ready.pop_first() {
+            if let Some((key, job)) = q.next_runnable(landed, false).and_then(|key| q.ready.remove_entry(&key)) {
                 if let Job::Speculate { sg, .. } = &job {
                     let id = sg.id as usize;
                     let Lifecycle::SpecQueued(t) = q.lifecycle[id] else {
@@ -207,10 +240,15 @@ impl Scheduler {
                 self.update_preempt(&q);
                 return Some((key, job));
             }
-            if q.closed {
-                return None;
+            if q.ready.is_empty() {
+                if q.closed {
+                    return None;
+                }
+                q = self.wake.wait(q).unwrap();
+            } else {
+                // Every queued job waits on the device, which signals no condition variable.
+                q = self.wake.wait_timeout(q, LANDING_POLL).unwrap().0;
             }
-            q = self.wake.wait(q).unwrap();
         }
     }
 
@@ -223,8 +261,8 @@ impl Scheduler {
 
 /// The CPU-Adam thread's loop.
 pub(crate) fn run(shared: Arc<Shared>) {
-    let mut worker = Worker::new(shared);
-    while let Some((key, job)) = worker.shared.sched.pop() {
+    let mut worker = Worker::new(shared.clone());
+    while let Some((key, job)) = shared.sched.pop(&|sg| shared.gradient_landed(sg)) {
         worker.run(key, job);
     }
 }
