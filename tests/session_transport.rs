@@ -327,3 +327,49 @@ fn speculative_steps_run_while_an_earlier_gradient_is_in_flight() {
         }
     }
 }
+
+/// Every gradient copy fails (as a faulted caller stream makes every CUDA call fail): the
+/// deferred sums of squares cannot be read.
+struct FailingCopies;
+
+impl Transport for FailingCopies {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
+        Ok(())
+    }
+    fn unpin(&self, _: *mut u8) {}
+    fn gradient_ready(&self, _: u32) -> Result<()> {
+        Err(superoffload::error::Error::new(Status::CudaError, "the copy failed"))
+    }
+    fn gradient_sumsq(&self, _: u32, _: usize) -> Result<f64> {
+        Err(superoffload::error::Error::new(Status::CudaError, "the copy failed"))
+    }
+    fn master_write(&self, _: u32) -> Result<()> {
+        Ok(())
+    }
+    fn weights_updated(&self, _: u32, _: Floats<'_>, _: Option<Floats<'_>>) -> Result<()> {
+        Ok(())
+    }
+    fn publish(&self, _: u32) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A step whose gradients never arrived fails with the transport's status and changes no
+/// weight (before: the unreadable sum counted as non-finite, and the step's ticket said OK).
+#[test]
+fn a_failed_gradient_copy_fails_the_step_and_changes_nothing() {
+    let (masters, s);
+    (s, masters) = build(Some(Arc::new(FailingCopies)), Speculation::Off);
+    let before: Vec<Vec<u32>> = masters.iter().map(|m| m.iter().map(|x| x.to_bits()).collect()).collect();
+    s.begin_step(Some(1.0), 1).unwrap();
+    for k in (0..SIZES.len()).rev() {
+        s.hand_off(k as u32, SIZES[k], "test", |h| Ok(h.sumsq_scale.map(|_| HandedSumsq::Deferred))).unwrap();
+    }
+    let t = s.step(StepArgs { max_norm: 1.0, norm: NormSource::Local, overflow: false }).unwrap();
+    assert_eq!(s.wait(t, None).map_err(|e| e.status), Err(Status::CudaError));
+    let after: Vec<Vec<u32>> = masters.iter().map(|m| m.iter().map(|x| x.to_bits()).collect()).collect();
+    assert!(before == after, "a failed step changed master weights");
+}
