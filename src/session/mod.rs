@@ -659,6 +659,8 @@ impl Session {
             )
         };
         if ticket == 0 || ticket != self.shared.step_ticket.load(Ordering::Acquire) {
+            // A ticket never issued says so.
+            self.shared.tickets.state(ticket)?;
             return Err(not_found());
         }
         let span = self.shared.tracer.span(Lane::Caller, || format!("wait for step ticket {ticket}"));
