@@ -44,13 +44,7 @@ impl Gate {
 }
 
 impl Transport for Gate {
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-    fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
-        Ok(())
-    }
-    fn unpin(&self, _: *mut u8) {}
+    transport_without_pinning!();
     fn gradient_ready(&self, sg: u32) -> Result<()> {
         let mut state = self.state.lock().unwrap();
         state.0.get_or_insert(sg);
@@ -60,15 +54,7 @@ impl Transport for Gate {
         }
         Ok(())
     }
-    fn master_write(&self, _: u32) -> Result<()> {
-        Ok(())
-    }
-    fn weights_updated(&self, _: u32, _: Floats<'_>, _: Option<Floats<'_>>) -> Result<()> {
-        Ok(())
-    }
-    fn publish(&self, _: u32) -> Result<()> {
-        Ok(())
-    }
+    transport_without_publishing!();
     fn ticket_done(&self, lane: u32, ticket: Ticket) {
         self.done.lock().unwrap().push((lane, ticket));
     }

@@ -2,6 +2,8 @@
 //! transport's device-to-host copies do) must give exactly the bits of host mode, and must
 //! call the hooks in the order the protocol promises.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -42,13 +44,7 @@ impl DelayedCopies {
 }
 
 impl Transport for DelayedCopies {
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-    fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
-        Ok(())
-    }
-    fn unpin(&self, _: *mut u8) {}
+    transport_without_pinning!();
     fn gradient_ready(&self, sg: u32) -> Result<()> {
         let handles = self.pending.lock().unwrap().remove(&sg).unwrap_or_default();
         for h in handles {
@@ -154,13 +150,7 @@ struct CopyChecker {
 }
 
 impl Transport for CopyChecker {
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-    fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
-        Ok(())
-    }
-    fn unpin(&self, _: *mut u8) {}
+    transport_without_pinning!();
     fn gradient_ready(&self, _: u32) -> Result<()> {
         Ok(())
     }
@@ -219,13 +209,7 @@ struct GatedFirst {
 }
 
 impl Transport for GatedFirst {
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-    fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
-        Ok(())
-    }
-    fn unpin(&self, _: *mut u8) {}
+    transport_without_pinning!();
     fn gradient_ready(&self, sg: u32) -> Result<()> {
         let mut open = self.open.lock().unwrap();
         if sg == 0 && !*open {
@@ -239,15 +223,7 @@ impl Transport for GatedFirst {
     fn gradient_landed(&self, sg: u32) -> bool {
         sg != 0 || *self.open.lock().unwrap()
     }
-    fn master_write(&self, _: u32) -> Result<()> {
-        Ok(())
-    }
-    fn weights_updated(&self, _: u32, _: Floats<'_>, _: Option<Floats<'_>>) -> Result<()> {
-        Ok(())
-    }
-    fn publish(&self, _: u32) -> Result<()> {
-        Ok(())
-    }
+    transport_without_publishing!();
 }
 
 impl GatedFirst {
@@ -333,28 +309,14 @@ fn speculative_steps_run_while_an_earlier_gradient_is_in_flight() {
 struct FailingCopies;
 
 impl Transport for FailingCopies {
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-    fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
-        Ok(())
-    }
-    fn unpin(&self, _: *mut u8) {}
+    transport_without_pinning!();
     fn gradient_ready(&self, _: u32) -> Result<()> {
         Err(superoffload::error::Error::new(Status::CudaError, "the copy failed"))
     }
     fn gradient_sumsq(&self, _: u32, _: usize) -> Result<f64> {
         Err(superoffload::error::Error::new(Status::CudaError, "the copy failed"))
     }
-    fn master_write(&self, _: u32) -> Result<()> {
-        Ok(())
-    }
-    fn weights_updated(&self, _: u32, _: Floats<'_>, _: Option<Floats<'_>>) -> Result<()> {
-        Ok(())
-    }
-    fn publish(&self, _: u32) -> Result<()> {
-        Ok(())
-    }
+    transport_without_publishing!();
 }
 
 /// A step whose gradients never arrived fails with the transport's status and changes no

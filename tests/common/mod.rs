@@ -411,3 +411,39 @@ pub fn round_to(dtype: DType, x: f32) -> u32 {
         DType::F32 => x.to_bits(),
     }
 }
+
+/// The hooks of a test transport that pins nothing: `as_any`, `pin`, `unpin`.
+#[macro_export]
+macro_rules! transport_without_pinning {
+    () => {
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+        fn pin(&self, _: *mut u8, _: usize) -> superoffload::error::Result<()> {
+            Ok(())
+        }
+        fn unpin(&self, _: *mut u8) {}
+    };
+}
+
+/// The hooks of a test transport that publishes nowhere: `master_write`, `weights_updated`,
+/// `publish`.
+#[macro_export]
+macro_rules! transport_without_publishing {
+    () => {
+        fn master_write(&self, _: u32) -> superoffload::error::Result<()> {
+            Ok(())
+        }
+        fn weights_updated(
+            &self,
+            _: u32,
+            _: superoffload::kernels::Floats<'_>,
+            _: Option<superoffload::kernels::Floats<'_>>,
+        ) -> superoffload::error::Result<()> {
+            Ok(())
+        }
+        fn publish(&self, _: u32) -> superoffload::error::Result<()> {
+            Ok(())
+        }
+    };
+}

@@ -231,6 +231,16 @@ pub fn json_num(x: f64) -> String {
     if x.is_finite() { format!("{x}") } else { "null".to_string() }
 }
 
+/// Writes a bench's JSON document for `--json PATH` (`-`: standard output).
+pub fn write_json(path: &str, json: &str) -> Result<(), String> {
+    if path == "-" {
+        println!("{json}");
+        Ok(())
+    } else {
+        std::fs::write(path, format!("{json}\n")).map_err(|e| format!("--json {path}: {e}"))
+    }
+}
+
 /// The CPUs this process may run on.
 pub fn allowed_cpus() -> Vec<usize> {
     superoffload::kernels::pool::allowed_cores().unwrap_or_default()

@@ -713,11 +713,7 @@ fn run(a: Args) -> Result<(), String> {
     )
     .unwrap();
     if let Some(path) = &a.json {
-        if path == "-" {
-            println!("{json}");
-        } else {
-            std::fs::write(path, json + "\n").map_err(|e| format!("--json {path}: {e}"))?;
-        }
+        write_json(path, &json)?;
     }
     Ok(())
 }
