@@ -118,6 +118,22 @@ fn hand_over_speculated(s: &Session, sg: u32, grad: &[f32]) {
     }
 }
 
+/// (master, exp_avg, exp_avg_sq) of one sub-group.
+type State = (Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// The state stepped without and with speculation agree within `rel` (relative) element-wise.
+fn assert_states_close(without: &State, with: &State, rel: f32, context: &str) {
+    let parts = [("p", &without.0, &with.0), ("m", &without.1, &with.1), ("v", &without.2, &with.2)];
+    for (what, a, b) in parts {
+        for (x, y) in a.iter().zip(b.iter()) {
+            assert!(
+                (x - y).abs() <= rel * x.abs().max(1e-30),
+                "{context}{what}: without speculation {a:?}, with {b:?}"
+            );
+        }
+    }
+}
+
 /// `step`, with every speculative step run before `step()`.
 fn step_speculated(s: &Session, grads: &[Vec<f32>], args: StepArgs) -> superoffload::session::StepResult {
     s.begin_step(Some(1.0), 1).unwrap();
@@ -240,15 +256,8 @@ fn clipped_step_with_a_tiny_loss_scale_matches_the_step_without_speculation() {
             drop(s);
             Some((masters.remove(0), m, v))
         };
-        let (Some((p0, m0, v0)), Some((p1, m1, v1))) = (state(false), state(true)) else { continue };
-        for (what, a, b) in [("p", &p0, &p1), ("m", &m0, &m1), ("v", &v0, &v1)] {
-            for (x, y) in a.iter().zip(b.iter()) {
-                assert!(
-                    (x - y).abs() <= 1e-5 * x.abs().max(1e-30),
-                    "loss scale {scale:e}, {what}: without speculation {a:?}, with {b:?}"
-                );
-            }
-        }
+        let (Some(without), Some(with)) = (state(false), state(true)) else { continue };
+        assert_states_close(&without, &with, 1e-5, &format!("loss scale {scale:e}, "));
     }
 }
 
@@ -273,13 +282,7 @@ fn clipped_step_with_a_huge_loss_scale_matches_the_step_without_speculation() {
         drop(s);
         (masters.remove(0), m, v)
     };
-    let (p0, m0, v0) = state(false);
-    let (p1, m1, v1) = state(true);
-    for (what, a, b) in [("p", &p0, &p1), ("m", &m0, &m1), ("v", &v0, &v1)] {
-        for (x, y) in a.iter().zip(b.iter()) {
-            assert!((x - y).abs() <= 1e-5 * x.abs().max(1e-30), "{what}: without speculation {a:?}, with {b:?}");
-        }
-    }
+    assert_states_close(&state(false), &state(true), 1e-5, "");
 }
 
 /// Found by the fuzzer (seed 69): `so_session_step_result` documents NOT_FOUND "for a ticket
@@ -379,13 +382,7 @@ fn clipped_step_with_a_small_loss_scale_keeps_f32_precision() {
         drop(s);
         (masters.remove(0), m, v)
     };
-    let (p0, m0, v0) = state(false);
-    let (p1, m1, v1) = state(true);
-    for (what, a, b) in [("p", &p0, &p1), ("m", &m0, &m1), ("v", &v0, &v1)] {
-        for (x, y) in a.iter().zip(b.iter()) {
-            assert!((x - y).abs() <= 1e-6 * x.abs().max(1e-30), "{what}: without speculation {a:?}, with {b:?}");
-        }
-    }
+    assert_states_close(&state(false), &state(true), 1e-6, "");
 }
 
 /// Found by the fuzzer after the scheduler rewrite (seed 4): a gradient handed over for the
