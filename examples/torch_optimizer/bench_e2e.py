@@ -403,15 +403,19 @@ def main():
             t_cpu = t_adam * results[k].get("params", n_params) / n_params  # h: the offloaded share only
             summary[f"{k}_cpu_adam_hidden_fraction"] = round(max(0.0, 1 - exposed / t_cpu), 3)
     targets = {}
-    if "a_noclip" in s and "d_noclip" in s:
-        targets["a_over_d_noclip"] = (round(s["a_noclip"] / s["d_noclip"], 3), "<= 1.10")
-    if "a_clip" in s and "d_clip" in s:
-        targets["a_over_d_clip"] = (round(s["a_clip"] / s["d_clip"], 3), "<= 1.15")
+    # The README's targets: the 1.1B default model, and the 2.8B model (CPU Adam about as long
+    # as a backward), where everything offloaded has less GPU time to hide behind.
+    large = n_params > 2e9
+    goal_a = {"noclip": "<= 1.15" if large else "<= 1.04", "clip": "report" if large else "<= 1.10"}
+    goal_x = "<= 1.05" if large else "<= 1.02"
+    for c in ("noclip", "clip"):
+        if f"a_{c}" in s and f"d_{c}" in s:
+            targets[f"a_over_d_{c}"] = (round(s[f"a_{c}"] / s[f"d_{c}"], 3), goal_a[c])
     for k in ours_runs:
         if k[0] in "sb" and f"d_{k.split('_')[1]}" in s:
             targets[f"{k}_over_d"] = (round(s[k] / s[f"d_{k.split('_')[1]}"], 3), "report")
         if k.startswith("x") and f"d_{k.split('_')[1]}" in s:
-            targets[f"{k}_over_d"] = (round(s[k] / s[f"d_{k.split('_')[1]}"], 3), "<= 1.05")
+            targets[f"{k}_over_d"] = (round(s[k] / s[f"d_{k.split('_')[1]}"], 3), goal_x)
         if k.startswith("h") and f"d_{k.split('_')[1]}" in s:
             goal = "<= 1.15" if k.endswith("_clip") else "<= 1.10"
             targets[f"{k}_over_d"] = (round(s[k] / s[f"d_{k.split('_')[1]}"], 3), goal)
