@@ -654,7 +654,8 @@ impl Transport for CudaTransport {
         }
         let state = self.state.lock().unwrap();
         let Some(d) = state.subgroups.get(&sg) else { return true };
-        d.copies.iter().chain(d.sumsq_ready.iter().flatten()).all(|e| driver::event_done(e.0).unwrap_or(true))
+        // Newest first: a gradient still in flight is then usually found by one query.
+        d.copies.iter().rev().chain(d.sumsq_ready.iter().flatten()).all(|e| driver::event_done(e.0).unwrap_or(true))
     }
 
     fn gradient_sumsq(&self, sg: u32, slice: usize) -> Result<f64> {
