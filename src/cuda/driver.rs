@@ -213,20 +213,6 @@ pub(crate) fn host_unregister(ptr: *mut u8) {
     unsafe { sys::cuMemHostUnregister(ptr.cast()) };
 }
 
-/// Makes `stream` wait until the 64-bit device word at `flag` is >= `value`.
-pub(crate) fn stream_wait_value(stream: CUstream, flag: CUdeviceptr, value: u64) -> Result<()> {
-    let flags = sys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ as u32;
-    // SAFETY: valid stream; `flag` is device memory the transport owns.
-    check(unsafe { sys::cuStreamWaitValue64_v2(stream, flag, value, flags) }.result(), "cuStreamWaitValue64")
-}
-
-/// Writes `value` to the device word at `flag` when `stream` reaches this point.
-pub(crate) fn stream_write_value(stream: CUstream, flag: CUdeviceptr, value: u64) -> Result<()> {
-    let flags = sys::CUstreamWriteValue_flags_enum::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
-    // SAFETY: as above.
-    check(unsafe { sys::cuStreamWriteValue64_v2(stream, flag, value, flags) }.result(), "cuStreamWriteValue64")
-}
-
 /// A kernel argument: a pointer to the value, as cuLaunchKernel takes them.
 pub(crate) trait KernelArg {
     fn ptr(&mut self) -> *mut c_void;

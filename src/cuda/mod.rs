@@ -63,13 +63,21 @@ pub fn gradient_from_device(
     session.hand_off(slice, numel, "gradient_from_device", |h| transport.gradient_from_device(h, grad, dtype, stream))
 }
 
-/// Makes `stream` wait, on the GPU and without blocking the host, until `ticket` is
-/// complete (e.g. a sub-group's final ticket before the forward of its layer).
+/// Makes `stream` wait until `ticket` is complete and its weights are published (e.g. a
+/// sub-group's final ticket before the forward of its layer). A ticket still pending is
+/// waited for on the calling thread first; the stream then waits for what the session has
+/// queued, never for work the session has yet to queue: a stream waiting on the GPU for a
+/// CUDA call the CPU-Adam thread has still to make was seen to deadlock once another thread
+/// of the process blocked inside the driver meanwhile (a launch into a full queue, a
+/// synchronous copy). A failed ticket is waited for like a completed one: its failure is
+/// reported on the host (`wait`).
 pub fn enqueue_wait(session: &Session, ticket: Ticket, stream: Stream) -> Result<()> {
     let transport = transport_of(session, "so_ticket_enqueue_wait")?;
     if ticket == 0 {
         return Ok(());
     }
     session.ticket_state(ticket)?;
-    transport.enqueue_wait(ticket, session.pending_lane(ticket), stream)
+    transport.enqueue_wait(stream, || {
+        let _ = session.wait(ticket, None);
+    })
 }

@@ -1,8 +1,8 @@
 //! The CUDA transport: device gradients to pinned host buffers in pieces on two copy
 //! streams, their sums of squares taken on the GPU as they arrive; updated weights to
 //! per-sub-group GPU staging buffers, published into the model's parameters once `step()`
-//! has decided; device-placed sub-groups stepped by the library's own GPU kernel; tickets
-//! the GPU can wait on (one 64-bit word per ticket lane).
+//! has decided; device-placed sub-groups stepped by the library's own GPU kernel; stream
+//! waits for published weights.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -12,7 +12,7 @@ use std::sync::{Mutex, OnceLock};
 use super::driver::{self, CUdeviceptr, CUevent, CUstream, Context, Kernels};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{AdamHyper, DType, Floats, FloatsMut};
-use crate::session::{DeviceParam, HandOff, HandedSumsq, HostState, Placement, Ticket, Transport};
+use crate::session::{DeviceParam, HandOff, HandedSumsq, HostState, Placement, Transport};
 
 /// How a CUDA session moves data.
 #[derive(Clone, Copy, Debug)]
@@ -60,9 +60,6 @@ unsafe impl<T> Sync for Raw<T> {}
 
 /// Elements per partial of a sum of squares (the CPU kernels' block).
 const SUMSQ_BLOCK: usize = 8192;
-/// Ticket-lane words per device allocation (allocations never move: a stream may be waiting
-/// on any word).
-const WORDS_PER_CHUNK: usize = 4096;
 
 /// The master weights, moments and gradient of a device-placed sub-group.
 struct DeviceState {
@@ -115,8 +112,6 @@ struct State {
     free_timing: Vec<Raw<CUevent>>,
     /// Timing events around each GPU-side ticket wait not yet accounted.
     waits: Vec<(Raw<CUevent>, Raw<CUevent>)>,
-    /// Ticket-lane words, in chunks.
-    words: Vec<CUdeviceptr>,
     compute: Option<Raw<CUstream>>,
 }
 
@@ -126,7 +121,7 @@ pub struct CudaTransport {
     kernels: Kernels,
     /// Gradient copies; the first also carries the end of every copy sequence.
     d2h: [Raw<CUstream>; 2],
-    /// Staging copies, publication, device steps, ticket words.
+    /// Staging copies, publication, device steps.
     h2d: Raw<CUstream>,
     /// Sums of squares and device-placed gradients.
     side: Raw<CUstream>,
@@ -191,7 +186,6 @@ impl CudaTransport {
             fault: OnceLock::new(),
             state: Mutex::new(State::default()),
         };
-        transport.ensure_word(0)?;
         Ok(transport)
     }
 
@@ -245,24 +239,6 @@ impl CudaTransport {
             Some(e) => Ok(e),
             None => Ok(Raw(driver::event_create(true)?)),
         }
-    }
-
-    /// The device word of a ticket lane.
-    fn word(&self, state: &State, lane: u32) -> CUdeviceptr {
-        let lane = lane as usize;
-        state.words[lane / WORDS_PER_CHUNK] + (lane % WORDS_PER_CHUNK * 8) as u64
-    }
-
-    /// Allocates (zeroed) the word chunk holding `lane`.
-    fn ensure_word(&self, lane: u32) -> Result<()> {
-        let mut state = self.state.lock().unwrap();
-        while state.words.len() <= lane as usize / WORDS_PER_CHUNK {
-            let chunk = driver::mem_alloc(WORDS_PER_CHUNK * 8)?;
-            driver::memset_async(chunk, WORDS_PER_CHUNK * 8, self.h2d.0)?;
-            driver::stream_synchronize(self.h2d.0)?;
-            state.words.push(chunk);
-        }
-        Ok(())
     }
 
     /// Queues the copy of a device gradient into the host place the session gave it (or, for
@@ -399,27 +375,35 @@ impl CudaTransport {
         self.noted(driver::stream_synchronize(self.h2d.0))
     }
 
-    /// Makes `stream` wait, on the GPU, until `ticket` of `lane` is complete (`lane` `None`:
-    /// the ticket is already complete on the host, so the wait covers what the transport has
-    /// queued so far). Timed, for the exposed-wait figure.
-    pub fn enqueue_wait(&self, ticket: Ticket, lane: Option<u32>, stream: CUstream) -> Result<()> {
+    /// Makes `stream` wait for what the session has queued once `host_wait` returns (the
+    /// caller's wait for a ticket on the host). The wait is timed on the GPU from the point
+    /// the stream reached before the host wait: the idle time it caused.
+    pub fn enqueue_wait(&self, stream: CUstream, host_wait: impl FnOnce()) -> Result<()> {
         self.enter()?;
         driver::refuse_capturing(stream)?;
-        let mut state = self.state.lock().unwrap();
-        let (before, after) = (Self::timing_event(&mut state)?, Self::timing_event(&mut state)?);
-        driver::event_record(before.0, stream)?;
-        match lane {
-            Some(lane) => driver::stream_wait_value(stream, self.word(&state, lane), ticket)?,
-            None => {
-                let e = Self::event(&mut state)?;
-                driver::event_record(e.0, self.h2d.0)?;
-                driver::stream_wait_event(stream, e.0)?;
-                state.free_events.push(e);
+        let before = {
+            let mut state = self.state.lock().unwrap();
+            let before = Self::timing_event(&mut state)?;
+            if let Err(e) = driver::event_record(before.0, stream) {
+                state.free_timing.push(before);
+                return Err(e);
             }
+            before
+        };
+        // Without the state lock: the CPU-Adam thread publishes through it meanwhile.
+        host_wait();
+        let mut state = self.state.lock().unwrap();
+        let queued = Self::event(&mut state)?;
+        let after = Self::timing_event(&mut state)?;
+        let recorded = driver::event_record(queued.0, self.h2d.0)
+            .and_then(|()| driver::stream_wait_event(stream, queued.0))
+            .and_then(|()| driver::event_record(after.0, stream));
+        state.free_events.push(queued);
+        match recorded {
+            Ok(()) => state.waits.push((before, after)),
+            Err(_) => state.free_timing.extend([before, after]),
         }
-        driver::event_record(after.0, stream)?;
-        state.waits.push((before, after));
-        Ok(())
+        recorded
     }
 
     /// Waits for `events` and returns them to the free list. Called without the state lock:
@@ -576,7 +560,6 @@ impl Transport for CudaTransport {
             )));
         }
         self.enter()?;
-        self.ensure_word(sg + 1)?;
         let staging = driver::mem_alloc(numel * staging_dtype.size())?;
         let mut partial_offsets = Vec::with_capacity(slices.len());
         let mut total = 0;
@@ -713,17 +696,6 @@ impl Transport for CudaTransport {
         let state = self.state.lock().unwrap();
         let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
         self.publish_from(d, d.staging, d.staging_dtype)
-    }
-
-    fn ticket_done(&self, lane: u32, ticket: Ticket) {
-        // A failure here would leave GPU waiters waiting; the ticket's own outcome is
-        // reported on the host either way.
-        if self.ctx.bind().is_ok() {
-            let state = self.state.lock().unwrap();
-            if (lane as usize) < state.words.len() * WORDS_PER_CHUNK {
-                let _ = driver::stream_write_value(self.h2d.0, self.word(&state, lane), ticket);
-            }
-        }
     }
 
     fn before_step(&self) -> Result<()> {
@@ -880,7 +852,7 @@ impl Transport for CudaTransport {
 
     fn device_bytes(&self) -> usize {
         let state = self.state.lock().unwrap();
-        state.subgroups.values().map(SgDevice::bytes).sum::<usize>() + state.words.len() * WORDS_PER_CHUNK * 8
+        state.subgroups.values().map(SgDevice::bytes).sum::<usize>()
     }
 }
 
@@ -920,9 +892,6 @@ impl Drop for CudaTransport {
         for (a, b) in state.waits {
             driver::event_destroy(a.0);
             driver::event_destroy(b.0);
-        }
-        for chunk in state.words {
-            driver::mem_free(chunk);
         }
         give_back_streams(self.device, [self.d2h[0], self.d2h[1], self.h2d, self.side]);
     }

@@ -359,7 +359,8 @@ pub trait Transport: Send + Sync + Any {
     fn weights_updated(&self, sg: u32, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()>;
     /// `sg` is final for this step: make the staged weights the model's.
     fn publish(&self, sg: u32) -> Result<()>;
-    /// `ticket` of `lane` completes (after its work and any `publish` of it).
+    /// `ticket` of `lane` completes (after its work and any `publish` of it; within a lane, in
+    /// issue order).
     fn ticket_done(&self, _lane: u32, _ticket: Ticket) {}
     /// `step()` (or a checkpoint load) was called: what is published from now on must follow
     /// the work the caller has queued so far.
@@ -679,11 +680,6 @@ impl Session {
             return Ok(TicketState::Done);
         }
         self.shared.tickets.state(ticket)
-    }
-
-    /// The lane of a ticket still pending (`None` once complete).
-    pub fn pending_lane(&self, ticket: Ticket) -> Option<u32> {
-        self.shared.tickets.pending_lane(ticket)
     }
 
     /// Waits for `ticket` alone (0 is always done); its own error, if it failed.
