@@ -1219,8 +1219,8 @@ so_status so_session_create(const struct so_session_options *options,
  * thread, frees the session's memory and releases its pool reference. NULL is a no-op.
  * Borrowed buffers are not used after this returns. A CUDA session's copy streams are not
  * destroyed (an allocator may still record events on them, after `record_stream`): a later
- * CUDA session on the same device reuses them. Its device word for GPU-side ticket waits is
- * freed, so no stream may still be waiting on one of its tickets.
+ * CUDA session on the same device reuses them. Its events and staging buffers are freed, so
+ * no stream may still be waiting for one of its tickets (`so_ticket_enqueue_wait`).
  *
  * @note Thread-safety: must not race with other calls on the session.
  *
@@ -1241,7 +1241,7 @@ SO_NODISCARD so_status so_session_host_bytes(const struct so_session *session, s
 
 /**
  * @brief GPU bytes the session allocated (device-placed state, staging buffers, sums of
- * squares, ticket words); 0 for a host session.
+ * squares); 0 for a host session.
  * @note Thread-safety: see `so_session`.
  *
  * # Safety
@@ -1808,14 +1808,18 @@ so_status so_session_set_compute_stream(struct so_session *session,
                                         so_cuda_stream_t stream);
 
 /**
- * @brief Makes `stream` wait, on the GPU and without blocking the calling thread, until
- * `ticket` is complete — e.g. a sub-group's final ticket before the forward of its layer
- * reads the published weights. Implemented with one device word per ticket lane (a
- * sub-group's tickets, or the step-wide ones) that the session's stream writes as tickets
- * complete (`cuStreamWaitValue64`), so it may be called before the work has even started,
- * and waits for that work alone. The wait is timed on the GPU: the total is the next step
- * result's `forward_wait_s`. The outcome of failed work is reported on the host
- * (`so_ticket_wait`).
+ * @brief Makes `stream` wait until `ticket` is complete and what it published has landed —
+ * e.g. a sub-group's final ticket before the forward of its layer reads the published
+ * weights. A ticket still pending is first waited for on the calling thread (that work
+ * alone, as `so_ticket_wait`); the stream then waits for what the session has queued. The
+ * stream never waits on the GPU for work the session has yet to queue: such a wait was seen
+ * to deadlock once another thread of the process blocked inside the CUDA driver meanwhile
+ * (a launch into a full queue, a synchronous copy), holding up the driver calls that would
+ * have released it. Call it where the host runs ahead of the GPU (a forward pre-hook): the
+ * host waits while the GPU still works through what was queued before. The GPU's idle time
+ * at the wait, from the point the stream had reached when this was called, is timed on the
+ * GPU: the total is the next step result's `forward_wait_s`. The outcome of failed work is
+ * reported on the host (`so_ticket_wait`); the stream's wait ends either way.
  * @return `SO_STATUS_OK`, `SO_STATUS_NOT_FOUND` for a ticket never issued,
  *         `SO_STATUS_STREAM_CAPTURING`, `SO_STATUS_INVALID_STATE` for a host session.
  * @note Thread-safety: see `so_session`.

@@ -85,11 +85,16 @@ def forward_backward(model, batch):
     return loss.detach()
 
 
-def run_steps(name, step_fn, args, timer):
-    """--warmup untimed steps, then --steps timed ones (each ended by a sync of the current
-    stream, as a loss.item() would); returns per-step seconds and losses."""
+# Clipped steps after which speculation "auto" stops speculating, after a history of
+# unclipped ones (src/session/policy.rs: at least half of the last 8 steps unchanged).
+AUTO_POLICY_TURN = 5
+
+
+def run_steps(name, step_fn, args, timer, warmup=None):
+    """--warmup (or `warmup`) untimed steps, then --steps timed ones (each ended by a sync of
+    the current stream, as a loss.item() would); returns per-step seconds and losses."""
     losses, times = [], []
-    for _ in range(args.warmup):
+    for _ in range(args.warmup if warmup is None else warmup):
         losses.append(step_fn())
     timer.sync()
     t_start = time.perf_counter()
@@ -169,11 +174,16 @@ def mode_ours(model, batch, args, timer, speculation, clips, results, n_params, 
             step()
         opt.last_step_result()
         results[f"{key}_split_device_bytes"] = opt.session.device_bytes()
-        log(f"  [{key}] automatic split: {opt.session.device_bytes() / 2**30:.2f} GiB of optimizer state on the GPU")
+        log(f"  [{key}] automatic split: the session holds {opt.session.device_bytes() / 2**30:.2f} GiB of GPU memory "
+            "(the optimizer state placed there, within the budget, and every sub-group's staging buffer)")
     for clip in clips:
         opt.max_grad_norm = clip
         name = f"{key}_{'clip' if clip > 0 else 'noclip'}"
-        times, window, losses = run_steps(name, step, args, timer)
+        # The clipped run follows the unclipped one in the same session: speculation "auto"
+        # remembers 8 steps and needs 5 clipped ones to stop speculating. A session clipped
+        # from its first step stops after one.
+        warmup = max(args.warmup, AUTO_POLICY_TURN) if clip > 0 and speculation == "auto" and len(clips) > 1 else None
+        times, window, losses = run_steps(name, step, args, timer, warmup)
         r = opt.last_step_result()
         extra = {"setup_s": round(setup, 2), **mem,
                  "last_step": {k: r[k] for k in ("global_norm", "clip_coef", "speculative", "kept", "rescaled",

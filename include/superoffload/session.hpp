@@ -724,7 +724,7 @@ public:
     /** Registers the compute stream (`so_session_set_compute_stream`). */
     void set_compute_stream(so_cuda_stream_t stream);
 
-    /** Makes `stream` wait on the GPU until `ticket` is complete (`so_ticket_enqueue_wait`). */
+    /** Makes `stream` wait until `ticket` is complete and published (`so_ticket_enqueue_wait`). */
     void enqueue_wait(Ticket ticket, so_cuda_stream_t stream) const;
 
     /** The session's first copy stream (`so_session_copy_stream`). */

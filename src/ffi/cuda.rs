@@ -174,14 +174,18 @@ pub unsafe extern "C" fn so_session_set_compute_stream(session: *mut so_session,
     })
 }
 
-/// @brief Makes `stream` wait, on the GPU and without blocking the calling thread, until
-/// `ticket` is complete — e.g. a sub-group's final ticket before the forward of its layer
-/// reads the published weights. Implemented with one device word per ticket lane (a
-/// sub-group's tickets, or the step-wide ones) that the session's stream writes as tickets
-/// complete (`cuStreamWaitValue64`), so it may be called before the work has even started,
-/// and waits for that work alone. The wait is timed on the GPU: the total is the next step
-/// result's `forward_wait_s`. The outcome of failed work is reported on the host
-/// (`so_ticket_wait`).
+/// @brief Makes `stream` wait until `ticket` is complete and what it published has landed —
+/// e.g. a sub-group's final ticket before the forward of its layer reads the published
+/// weights. A ticket still pending is first waited for on the calling thread (that work
+/// alone, as `so_ticket_wait`); the stream then waits for what the session has queued. The
+/// stream never waits on the GPU for work the session has yet to queue: such a wait was seen
+/// to deadlock once another thread of the process blocked inside the CUDA driver meanwhile
+/// (a launch into a full queue, a synchronous copy), holding up the driver calls that would
+/// have released it. Call it where the host runs ahead of the GPU (a forward pre-hook): the
+/// host waits while the GPU still works through what was queued before. The GPU's idle time
+/// at the wait, from the point the stream had reached when this was called, is timed on the
+/// GPU: the total is the next step result's `forward_wait_s`. The outcome of failed work is
+/// reported on the host (`so_ticket_wait`); the stream's wait ends either way.
 /// @return `SO_STATUS_OK`, `SO_STATUS_NOT_FOUND` for a ticket never issued,
 ///         `SO_STATUS_STREAM_CAPTURING`, `SO_STATUS_INVALID_STATE` for a host session.
 /// @note Thread-safety: see `so_session`.

@@ -518,7 +518,7 @@ impl Shared {
         self.transport().is_none_or(|t| t.gradient_landed(sg))
     }
 
-    /// Completes a ticket: the transport's device word first, then the host side.
+    /// Completes a ticket: the transport hears of it first, then the host side.
     pub(crate) fn complete(&self, ticket: Ticket, outcome: Result<()>) {
         if let (Some(t), Some(lane)) = (self.transport(), self.tickets.pending_lane(ticket)) {
             t.ticket_done(lane, ticket);

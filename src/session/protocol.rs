@@ -408,11 +408,10 @@ impl Session {
             Phase::Idle => return Err(state_error("no step has begun (call begin_step first)")),
         };
         if let Some(transport) = self.shared.transport() {
-            // The previous step's final tickets must have completed (so their device words
-            // are written) before publication is ordered after the caller's stream: a stream
-            // waiting on one of them would otherwise wait for the transport, which would wait
-            // for that stream. A sub-group that got a gradient this step was waited for at its
-            // hand-off; one that got none may still be finishing.
+            // The previous step's final tickets must have completed before publication is
+            // ordered after the caller's stream: the previous step's weights would otherwise be
+            // published only after this step's backward. A sub-group that got a gradient this
+            // step was waited for at its hand-off; one that got none may still be finishing.
             for track in t.reg.live() {
                 self.wait_final(track.final_ticket);
             }

@@ -776,9 +776,9 @@ class SuperOffloadAdamW(Optimizer):
         the publication of the weights (with `host=True`, also until the current stream has
         passed that point). Call it before reading parameters outside a forward.
 
-        The host wait comes first on purpose: a read on the legacy default stream right behind a
-        GPU-side wait for a ticket that is not complete yet (so_ticket_enqueue_wait) was seen to
-        deadlock with the session's publication (python/tests/gpu_wait_repro.py)."""
+        The stream waits only for publication already queued: so_ticket_enqueue_wait waits on
+        the host for a ticket still pending (a GPU-side wait for work not yet queued was seen to
+        deadlock: python/tests/gpu_wait_repro.py)."""
         self._check_open()
         if self._ticket is not None:
             t0 = time.perf_counter()
@@ -1252,8 +1252,8 @@ class SuperOffloadAdamW(Optimizer):
         if self.cuda and not self.session.closed:
             if self._ticket is not None:
                 self.session.enqueue_wait_final(self._all_sgs, self._stream())
-            # Destroying the session frees the device word that enqueued waits read: every
-            # stream must have passed its waits first.
+            # Destroying the session frees the events that enqueued waits read: every stream
+            # must have passed its waits first.
             torch.cuda.synchronize(self.device)
         self.session.close()
         if self._pool is not None:

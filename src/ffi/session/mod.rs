@@ -221,8 +221,8 @@ pub unsafe extern "C" fn so_session_create(
 /// thread, frees the session's memory and releases its pool reference. NULL is a no-op.
 /// Borrowed buffers are not used after this returns. A CUDA session's copy streams are not
 /// destroyed (an allocator may still record events on them, after `record_stream`): a later
-/// CUDA session on the same device reuses them. Its device word for GPU-side ticket waits is
-/// freed, so no stream may still be waiting on one of its tickets.
+/// CUDA session on the same device reuses them. Its events and staging buffers are freed, so
+/// no stream may still be waiting for one of its tickets (`so_ticket_enqueue_wait`).
 ///
 /// @note Thread-safety: must not race with other calls on the session.
 ///
@@ -256,7 +256,7 @@ pub unsafe extern "C" fn so_session_host_bytes(session: *const so_session, out_b
 }
 
 /// @brief GPU bytes the session allocated (device-placed state, staging buffers, sums of
-/// squares, ticket words); 0 for a host session.
+/// squares); 0 for a host session.
 /// @note Thread-safety: see `so_session`.
 ///
 /// # Safety
