@@ -22,8 +22,8 @@
 // so_session_set_group before each step.
 //
 // One step: set the LR; forward, where before the embeddings, each block and the head the
-// current stream waits (on the GPU, so_ticket_enqueue_wait) for that sub-group's final
-// ticket of the previous step, or in CPU mode the host waits for it and copies the
+// current stream waits (so_ticket_enqueue_wait: the host for a pending ticket, the stream
+// for its publication) for that sub-group's final ticket of the previous step, or in CPU mode the host waits for it and copies the
 // sub-group's master weights into the model; so_session_begin_step; backward, during which
 // a gradient hook on every parameter hands its gradient to the session as soon as autograd
 // has produced it (so_session_grad_device with at::cuda::getCurrentCUDAStream(), then
