@@ -23,15 +23,16 @@
 //
 // One step: set the LR; forward, where before the embeddings, each block and the head the
 // current stream waits (so_ticket_enqueue_wait: the host for a pending ticket, the stream
-// for its publication) for that sub-group's final ticket of the previous step, or in CPU mode the host waits for it and copies the
-// sub-group's master weights into the model; so_session_begin_step; backward, during which
-// a gradient hook on every parameter hands its gradient to the session as soon as autograd
-// has produced it (so_session_grad_device with at::cuda::getCurrentCUDAStream(), then
-// record_stream on the session's copy stream; so_session_grad_copy in CPU mode), so
-// sub-groups are stepped speculatively on the session's CPU-Adam thread while the backward
-// of earlier layers goes on; so_session_step with max_norm 1.0 (torch's clip_grad_norm_
-// semantics), which publishes the final weights of each sub-group into the model once
-// decided (CUDA) while the next forward already runs on the layers that are final.
+// for its publication) for that sub-group's final ticket of the previous step, or in CPU
+// mode the host waits for it and copies the sub-group's master weights into the model;
+// so_session_begin_step; backward, during which a gradient hook on every parameter hands
+// its gradient to the session as soon as autograd has produced it (so_session_grad_device
+// with at::cuda::getCurrentCUDAStream(), then record_stream on the session's copy stream;
+// so_session_grad_copy in CPU mode), so sub-groups are stepped speculatively on the
+// session's CPU-Adam thread while the backward of earlier layers goes on; so_session_step
+// with max_norm 1.0 (torch's clip_grad_norm_ semantics), which publishes the final weights
+// of each sub-group into the model once decided (CUDA) while the next forward already runs
+// on the layers that are final.
 //
 // Checks (--check, default "parity,exact,resume"; exit status 1 if one fails, 2 on errors):
 //   parity  the same training with torch::optim::AdamW on f32 master weights kept on the
