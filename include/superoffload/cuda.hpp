@@ -81,7 +81,10 @@ inline void Session::set_compute_stream(so_cuda_stream_t stream) {
     check(so_session_set_compute_stream(handle_.get(), stream));
 }
 
-/** Waits on the host for a pending ticket first. @throws Error `SO_STATUS_NOT_FOUND` (a ticket never issued), the CUDA statuses. */
+/**
+ * Waits on the host for a pending ticket, then makes `stream` wait for its publication.
+ * @throws Error `SO_STATUS_NOT_FOUND` (a ticket never issued), the CUDA statuses.
+ */
 inline void Session::enqueue_wait(Ticket ticket, so_cuda_stream_t stream) const {
     check(so_ticket_enqueue_wait(handle_.get(), ticket, stream));
 }
