@@ -393,8 +393,20 @@ impl CudaTransport {
         // Without the state lock: the CPU-Adam thread publishes through it meanwhile.
         host_wait();
         let mut state = self.state.lock().unwrap();
-        let queued = Self::event(&mut state)?;
-        let after = Self::timing_event(&mut state)?;
+        let events = Self::event(&mut state).and_then(|queued| match Self::timing_event(&mut state) {
+            Ok(after) => Ok((queued, after)),
+            Err(e) => {
+                state.free_events.push(queued);
+                Err(e)
+            }
+        });
+        let (queued, after) = match events {
+            Ok(pair) => pair,
+            Err(e) => {
+                state.free_timing.push(before);
+                return Err(e);
+            }
+        };
         let recorded = driver::event_record(queued.0, self.h2d.0)
             .and_then(|()| driver::stream_wait_event(stream, queued.0))
             .and_then(|()| driver::event_record(after.0, stream));
