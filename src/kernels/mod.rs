@@ -482,12 +482,17 @@ fn run_step_pass<O: LaneOp>(pool: &Pool, op: &O, bufs: AdamBuffers<'_>, want_sum
     Ok(partials.map(|p| p.iter().sum()))
 }
 
-/// Splits `n` elements into at most `threads` contiguous ranges of whole blocks, at least
-/// `MIN_BLOCKS_PER_CHUNK` blocks each (small buffers are not worth waking every thread).
+const CHUNKS_PER_THREAD: usize = 4;
+
+/// Splits `n` elements into at most `CHUNKS_PER_THREAD × threads` contiguous ranges of whole
+/// blocks, at least `MIN_BLOCKS_PER_CHUNK` blocks each (small buffers are not worth waking
+/// every thread). Several chunks per thread let the pool's work stealing route around a
+/// thread that shares its core with the training thread: with one chunk each, the pass
+/// would last as long as that thread's share.
 fn chunk_ranges(n: usize, threads: usize) -> Vec<std::ops::Range<usize>> {
     const MIN_BLOCKS_PER_CHUNK: usize = 4;
     let blocks = n.div_ceil(BLOCK);
-    let chunks = (blocks / MIN_BLOCKS_PER_CHUNK).clamp(1, threads.max(1));
+    let chunks = (blocks / MIN_BLOCKS_PER_CHUNK).clamp(1, CHUNKS_PER_THREAD * threads.max(1));
     let (base, extra) = (blocks / chunks, blocks % chunks);
     let mut ranges = Vec::with_capacity(chunks);
     let mut start_block = 0;
@@ -633,7 +638,7 @@ mod tests {
     fn chunks_cover_the_buffer_in_whole_blocks() {
         for &(n, threads) in &[(0, 4), (1, 4), (BLOCK * 4 - 1, 16), (BLOCK * 100 + 17, 16), (BLOCK * 7, 3)] {
             let ranges = chunk_ranges(n, threads);
-            assert!(ranges.len() <= threads.max(1));
+            assert!(ranges.len() <= CHUNKS_PER_THREAD * threads.max(1));
             let mut next = 0;
             for r in &ranges {
                 assert_eq!(r.start, next);
