@@ -922,9 +922,11 @@ typedef struct so_step_result {
    */
   uint64_t final_pass_elements;
   /**
-   * Seconds the compute stream (CUDA sessions, through `so_ticket_enqueue_wait`) or the
-   * calling threads (ticket waits) waited on this session's tickets between the previous
-   * `so_session_step` and this one: the optimizer time the previous step left exposed.
+   * Seconds the compute stream (CUDA sessions, through `so_ticket_enqueue_wait`, timed on
+   * the GPU) or the calling threads (`so_ticket_wait` and the other host waits) waited on
+   * this session's tickets between the previous `so_session_step` and this one: the
+   * optimizer time the previous step left exposed. The host wait inside
+   * `so_ticket_enqueue_wait` is not counted: the host runs ahead of the GPU there.
    */
   double forward_wait_s;
 } so_step_result;

@@ -77,7 +77,5 @@ pub fn enqueue_wait(session: &Session, ticket: Ticket, stream: Stream) -> Result
         return Ok(());
     }
     session.ticket_state(ticket)?;
-    transport.enqueue_wait(stream, || {
-        let _ = session.wait(ticket, None);
-    })
+    transport.enqueue_wait(stream, || session.wait_for_stream(ticket))
 }

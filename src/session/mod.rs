@@ -691,6 +691,14 @@ impl Session {
         self.shared.caller_wait(ticket, timeout, false)
     }
 
+    /// Waits for `ticket` before a stream wait on it (`so_ticket_enqueue_wait`). Not counted
+    /// as the caller's wait: the host runs ahead of the GPU here, and the GPU itself times
+    /// the idle time the wait causes. Its outcome is the caller's to read on the host.
+    pub(crate) fn wait_for_stream(&self, ticket: Ticket) {
+        let _span = self.shared.tracer.span(Lane::Caller, || format!("wait for ticket {ticket} (stream)"));
+        let _ = self.shared.tickets.wait(ticket, None, false);
+    }
+
     /// Waits for every ticket issued up to `ticket`; the first error among them, if any failed.
     pub fn wait_all(&self, ticket: Ticket, timeout: Option<Duration>) -> Result<()> {
         if ticket == 0 {

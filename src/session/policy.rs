@@ -11,22 +11,26 @@
 //! of the recent steps (the last [`HISTORY`], counted with one pseudo-step each way, so a
 //! new session speculates).
 //!
-//! Split. After [`SPLIT_AFTER`] measured steps with every sub-group offloaded, the exposed
-//! optimizer time `W` (mean `forward_wait_s` of those steps, the first excluded) is what the
-//! next forward waited for. Sub-groups are finalized in forward order, so moving the first
-//! `r` to the device takes their CPU passes (`numel × seconds per element`) off the front of
-//! that queue: the split is the smallest `r` whose passes add up to `W`, within the device
-//! budget. No exposed time: no split.
+//! Split. Every [`SPLIT_AFTER`] measured steps, the exposed optimizer time `W` (mean
+//! `forward_wait_s` of those steps, the first after a change of the split excluded) is what
+//! the next forward waited for. Sub-groups are finalized in forward order, so moving the
+//! next `r` sub-groups to the device takes their CPU passes (`numel × seconds per element`)
+//! off the front of that queue: the split grows by the fewest whose passes add up to `W`,
+//! within the device budget. It only grows: it follows the regime to where the optimizer
+//! hides (a run that starts clipping, speculation turning off), and a split that hides
+//! the optimizer already measures no exposed time (below 1 % of the step period).
 
 use std::collections::VecDeque;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::Speculation;
 
 /// Recent steps whose factor changes are remembered.
 pub(crate) const HISTORY: usize = 8;
-/// Steps measured before the automatic split is chosen.
+/// Steps measured before the automatic split is chosen, and again before it grows.
 pub(crate) const SPLIT_AFTER: usize = 3;
+/// Exposed optimizer time below this fraction of the step period is not worth a split.
+const EXPOSED_NEGLIGIBLE: f64 = 0.01;
 
 pub(crate) struct Policy {
     mode: Speculation,
@@ -34,18 +38,32 @@ pub(crate) struct Policy {
     unchanged: VecDeque<bool>,
     /// Seconds per element of a CPU update pass (exponentially averaged).
     secs_per_element: Option<f64>,
-    /// `forward_wait_s` of every step so far.
-    waits: Vec<f64>,
+    /// `forward_wait_s` and host period (seconds since the previous `step()`) of each step
+    /// since the split last changed.
+    waits: Vec<(f64, f64)>,
+    last_step: Option<Instant>,
+    /// First sub-groups on the device.
+    placed: usize,
 }
 
 impl Policy {
     pub(crate) fn new(mode: Speculation) -> Policy {
-        Policy { mode, unchanged: VecDeque::new(), secs_per_element: None, waits: Vec::new() }
+        Policy {
+            mode,
+            unchanged: VecDeque::new(),
+            secs_per_element: None,
+            waits: Vec::new(),
+            last_step: None,
+            placed: 0,
+        }
     }
 
     /// `step()` was called; the previous step's exposed optimizer time was `forward_wait_s`.
     pub(crate) fn step_called(&mut self, forward_wait_s: f64) {
-        self.waits.push(forward_wait_s);
+        let now = Instant::now();
+        let period = self.last_step.map_or(0.0, |t| (now - t).as_secs_f64());
+        self.last_step = Some(now);
+        self.waits.push((forward_wait_s, period));
     }
 
     pub(crate) fn decided(&mut self, unchanged: bool) {
@@ -78,16 +96,23 @@ impl Policy {
     }
 
     /// The automatic split: how many first sub-groups (of `numels`, in forward order) to
-    /// place on the device, once enough steps were measured (`None` before).
-    pub(crate) fn split(&self, numels: &[usize], device_bytes_per_element: usize, budget: usize) -> Option<usize> {
+    /// place on the device from now on, when it should grow (`None`: leave it as it is).
+    pub(crate) fn split(&mut self, numels: &[usize], device_bytes_per_element: usize, budget: usize) -> Option<usize> {
         if self.waits.len() < SPLIT_AFTER {
             return None;
         }
         let measured = &self.waits[1..];
-        let exposed = measured.iter().sum::<f64>() / measured.len() as f64;
+        let exposed = measured.iter().map(|w| w.0).sum::<f64>() / measured.len() as f64;
+        let period = measured.iter().map(|w| w.1).sum::<f64>() / measured.len() as f64;
+        self.waits.clear();
         let rate = self.secs_per_element?;
-        let (mut hidden, mut bytes, mut count) = (0.0, 0usize, 0);
-        for &n in numels {
+        if exposed <= EXPOSED_NEGLIGIBLE * period {
+            return None;
+        }
+        let mut bytes: usize =
+            numels[..self.placed.min(numels.len())].iter().map(|n| n * device_bytes_per_element).sum();
+        let (mut hidden, mut count) = (0.0, self.placed);
+        for &n in &numels[count.min(numels.len())..] {
             if hidden >= exposed || bytes + n * device_bytes_per_element > budget {
                 break;
             }
@@ -95,7 +120,10 @@ impl Policy {
             bytes += n * device_bytes_per_element;
             count += 1;
         }
-        Some(count)
+        (count > self.placed).then(|| {
+            self.placed = count;
+            count
+        })
     }
 }
 
@@ -121,14 +149,40 @@ mod tests {
 
     #[test]
     fn split_covers_the_exposed_time_within_the_budget() {
+        let measured = |waits: &[f64]| {
+            let mut p = Policy::new(Speculation::Auto);
+            p.pass_measured(1000, Duration::from_millis(1)); // 1 µs per element
+            for &wait in waits {
+                p.step_called(wait);
+            }
+            p
+        };
+        // 3 ms exposed (the first step excluded): two sub-groups of 2000 elements hide 4 ms.
+        assert_eq!(measured(&[9.0, 0.0025, 0.0035]).split(&[2000; 3], 16, usize::MAX), Some(2));
+        assert_eq!(measured(&[9.0, 0.0025, 0.0035]).split(&[2000; 3], 16, 2000 * 16), Some(1), "the budget caps it");
+        assert_eq!(Policy::new(Speculation::Auto).split(&[1], 16, 1), None, "not measured yet");
+        assert_eq!(measured(&[9.0, 0.0, 0.0]).split(&[2000; 3], 16, usize::MAX), None, "nothing exposed");
+    }
+
+    #[test]
+    fn split_grows_while_time_stays_exposed() {
         let mut p = Policy::new(Speculation::Auto);
-        p.pass_measured(1000, Duration::from_millis(1)); // 1 µs per element
-        for wait in [9.0, 0.0025, 0.0035] {
+        p.pass_measured(1000, Duration::from_millis(1));
+        for wait in [9.0, 0.0015, 0.0015] {
             p.step_called(wait);
         }
-        // 3 ms exposed (the first step excluded): two sub-groups of 2000 elements hide 4 ms.
-        assert_eq!(p.split(&[2000, 2000, 2000], 16, usize::MAX), Some(2));
-        assert_eq!(p.split(&[2000, 2000, 2000], 16, 2000 * 16), Some(1), "the budget caps it");
-        assert_eq!(Policy::new(Speculation::Auto).split(&[1], 16, 1), None, "not measured yet");
+        assert_eq!(p.split(&[1000; 6], 16, usize::MAX), Some(2));
+        for wait in [0.5, 0.0025, 0.0025] {
+            p.step_called(wait);
+        }
+        assert_eq!(
+            p.split(&[1000; 6], 16, 4 * 1000 * 16),
+            Some(4),
+            "grows by what is still exposed, within the budget"
+        );
+        for wait in [0.5, 0.0025, 0.0025] {
+            p.step_called(wait);
+        }
+        assert_eq!(p.split(&[1000; 6], 16, 4 * 1000 * 16), None, "the budget is spent");
     }
 }

@@ -41,7 +41,6 @@ pub(crate) struct Tracking {
     decide_ticket: Ticket,
     /// The callers' ticket-wait total at the previous `step()`.
     wait_mark_ns: u64,
-    split_decided: bool,
 }
 
 impl Tracking {
@@ -57,7 +56,6 @@ impl Tracking {
             late_gradients: 0,
             decide_ticket: 0,
             wait_mark_ns: 0,
-            split_decided: false,
         }
     }
 
@@ -105,7 +103,7 @@ impl Session {
                 self.shared.scaler.lock().unwrap().map_or(1.0, |s| s.scale)
             }
         };
-        if self.options.gpu_budget_bytes > 0 && !t.split_decided {
+        if self.options.gpu_budget_bytes > 0 {
             self.maybe_split(&mut t)?;
         }
         t.loss_scale = scale;
@@ -118,8 +116,8 @@ impl Session {
         Ok(())
     }
 
-    /// The automatic split: once the policy has measured enough steps, places the first
-    /// sub-groups in forward order on the device (see `policy.rs` for the rule).
+    /// The automatic split: each time the policy has measured enough steps, places more of
+    /// the first sub-groups in forward order on the device (see `policy.rs` for the rule).
     fn maybe_split(&self, t: &mut Tracking) -> Result<()> {
         let numels: Vec<usize> = t.reg.live().map(|tr| tr.sg.numel).collect();
         let per_element = self.device_bytes_per_element();
@@ -127,7 +125,6 @@ impl Session {
         else {
             return Ok(());
         };
-        t.split_decided = true;
         let ids: Vec<u32> = t.reg.live().take(count).map(|tr| tr.sg.id).collect();
         for &id in &ids {
             self.place(t, id, Placement::Device)?;
