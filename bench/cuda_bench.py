@@ -247,14 +247,22 @@ def overlap(lib, torch, args):
                 state["results"].append(s.result(state["ticket"]))
             state["ticket"] = s.step(clip)
 
-        # The automatic split is chosen after three measured steps: warm up past it.
-        for _ in range(4 if gpu_budget else 0):
+        def device_bytes():
+            out = C.c_size_t()
+            lib.check(lib.c.so_session_device_bytes(s.h, C.byref(out)), "device_bytes")
+            return out.value
+
+        # The automatic split is chosen after three measured steps and grows while the
+        # optimizer stays exposed: warm up until it has not grown for four steps.
+        stable, warm = 0, 0
+        while gpu_budget and stable < 4 and warm < 24:
+            before = device_bytes()
             train_step()
+            stable, warm = (stable + 1 if device_bytes() == before else 0), warm + 1
         t = time_loop(train_step, args.steps)
         r = s.result(state["ticket"])
         timed = state["results"][-(args.steps - 1):]
-        dev_bytes = C.c_size_t()
-        lib.check(lib.c.so_session_device_bytes(s.h, C.byref(dev_bytes)), "device_bytes")
+        dev_bytes = device_bytes()
         s.close()
         results[name] = {
             "step_ms": ms(t), "vs_max_gpu_adam": round(t / max(t_gpu, t_adam), 3),
@@ -262,7 +270,7 @@ def overlap(lib, torch, args):
             "speculative": r.speculative, "device_stepped": r.device_stepped, "clip_coef": round(r.clip_coef, 4),
             "final_pass_elements": r.final_pass_elements,
             "forward_wait_ms_mean": ms(statistics.mean(x.forward_wait_s for x in timed)) if timed else None,
-            "device_bytes": dev_bytes.value,
+            "device_bytes": dev_bytes,
         }
         print(f"overlap {name}: {results[name]}", file=sys.stderr, flush=True)
     for name in ("auto", "on", "auto_split"):

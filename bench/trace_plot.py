@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Renders a session timeline (so_session_trace_save / Session::save_trace, Chrome trace JSON)
-as a PNG: one lane per thread, one bar per event, coloured by what it is.
+as a PNG: one lane per thread, one bar per event, coloured by what it is, and prints a summary:
+per kind of CPU-Adam pass its count and mean duration, when the decision ran, when the last
+sub-group was final, and the caller's ticket waits (ms from the first event).
 
   python3 bench/trace_plot.py trace.json timeline.png [--from-ms A --to-ms B]
 """
@@ -21,6 +23,30 @@ def colour(event):
     return "other", "#999999"
 
 
+def summary(events):
+    """One line: what the CPU-Adam thread did and what the caller waited for, in ms."""
+    t0 = min(e["ts"] for e in events)
+    kinds = {}
+    for e in events:
+        if e["tid"] != 2 or e["name"].startswith("wait"):
+            continue
+        kind, _ = colour(e)
+        kinds.setdefault(kind, []).append(e["dur"] / 1e3)
+    passes = ", ".join(f"{k} {len(d)} x {sum(d) / len(d):.2f}" for k, d in sorted(kinds.items()))
+    decide = [e for e in events if e["name"].startswith("decide")]
+    finals = [e for e in events if e["name"].startswith("finalize")]
+    waits = [e["dur"] / 1e3 for e in events if e["tid"] == 1 and e["name"].startswith("wait for ticket")]
+    end = lambda e: (e["ts"] + e["dur"] - t0) / 1e3  # noqa: E731
+    parts = [f"passes (count x mean ms): {passes}"]
+    if decide:
+        parts.append(f"decided at {(decide[0]['ts'] - t0) / 1e3:.1f}")
+    if finals:
+        parts.append(f"last final at {max(end(e) for e in finals):.1f}")
+    if waits:
+        parts.append(f"caller ticket waits {len(waits)}, {sum(waits):.1f} ms in all, longest {max(waits):.1f}")
+    return "; ".join(parts)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
@@ -29,15 +55,18 @@ def main():
     ap.add_argument("--to-ms", type=float)
     ap.add_argument("--title", default="superoffload session timeline")
     args = ap.parse_args()
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     data = json.load(open(args.trace))
     events = [e for e in data["traceEvents"] if e.get("ph") == "X"]
     lanes = {e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e.get("ph") == "M"}
     if not events:
         raise SystemExit("the trace has no events (was tracing on?)")
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no matplotlib: no {args.png}; {summary(events)}")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     t0 = min(e["ts"] for e in events)
     lo = args.from_ms if args.from_ms is not None else 0.0
     hi = args.to_ms if args.to_ms is not None else max(e["ts"] + e["dur"] - t0 for e in events) / 1e3
@@ -59,7 +88,7 @@ def main():
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=6, frameon=False, fontsize=8)
     fig.tight_layout()
     fig.savefig(args.png, dpi=130)
-    print(f"wrote {args.png}: {len(events)} events, {len(lanes)} lanes")
+    print(f"wrote {args.png}: {len(events)} events, {len(lanes)} lanes; {summary(events)}")
 
 
 if __name__ == "__main__":

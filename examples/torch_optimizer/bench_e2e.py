@@ -24,9 +24,9 @@ Reported per run: s/step (median of --steps timed steps after --warmup), tokens/
 (1 - max(0, t - t_e) / t_cpu_adam, t_cpu_adam measured once with the library's kernel alone on the
 same cores), host bytes per parameter and pinned bytes (so_session_pinned_bytes), the last step's
 result (kept / rescaled / stepped). Targets: a <= 1.10 x d without clipping, a <= 1.15 x d with
-clipping on every step, a >= 1.4 x faster than c. Also writes a timeline of one step of (a) with
-clipping (trace_a_clip.json; trace_h<f>_clip.json for each h run) and renders it with
-bench/trace_plot.py (.png).
+clipping on every step, a >= 1.4 x faster than c. Also writes a timeline of one extra step of each
+of our runs (trace_<run>.json, e.g. trace_a_clip.json) and renders it with bench/trace_plot.py
+(.png, and a summary line in the log).
 
   python3 bench_e2e.py [--layers 22 --hidden 2048 ...] [--seq 2048 --batch 16] [--modes e,d,a,x,h,s,b,c]
   python3 bench_e2e.py --smoke       # tiny model on the CPU: exercises the code paths, no numbers
@@ -90,11 +90,28 @@ def forward_backward(model, batch):
 AUTO_POLICY_TURN = 5
 
 
-def run_steps(name, step_fn, args, timer, warmup=None):
-    """--warmup (or `warmup`) untimed steps, then --steps timed ones (each ended by a sync of
-    the current stream, as a loss.item() would); returns per-step seconds and losses."""
+# Steps without growth after which the automatic split is taken as settled: the session
+# measures 3 steps before it decides (src/session/policy.rs), and places on the next.
+SPLIT_SETTLE = 4
+
+
+def settle_split(opt, step, limit=20):
+    """Steps until the automatic split has not grown for SPLIT_SETTLE steps (at most `limit`),
+    so that the timed steps come after it; returns how many ran."""
+    stable, ran, before = 0, 0, opt.session.device_bytes()
+    while stable < SPLIT_SETTLE and ran < limit:
+        step()
+        ran += 1
+        now = opt.session.device_bytes()
+        stable, before = (stable + 1 if now == before else 0), now
+    return ran
+
+
+def run_steps(name, step_fn, args, timer):
+    """--warmup untimed steps, then --steps timed ones (each ended by a sync of the current
+    stream, as a loss.item() would); returns per-step seconds and losses."""
     losses, times = [], []
-    for _ in range(args.warmup if warmup is None else warmup):
+    for _ in range(args.warmup):
         losses.append(step_fn())
     timer.sync()
     t_start = time.perf_counter()
@@ -167,48 +184,46 @@ def mode_ours(model, batch, args, timer, speculation, clips, results, n_params, 
         opt.step()
         return loss
 
-    if gpu_budget:
-        # The session chooses the automatic split after three measured steps (and moves the
-        # chosen sub-groups' state to the GPU on the next): time the steps after it.
-        for _ in range(4):
-            step()
-        opt.last_step_result()
-        results[f"{key}_split_device_bytes"] = opt.session.device_bytes()
-        log(f"  [{key}] automatic split: the session holds {opt.session.device_bytes() / 2**30:.2f} GiB of GPU memory "
-            "(the optimizer state placed there, within the budget, and every sub-group's staging buffer)")
     for clip in clips:
         opt.max_grad_norm = clip
         name = f"{key}_{'clip' if clip > 0 else 'noclip'}"
-        # The clipped run follows the unclipped one in the same session: speculation "auto"
-        # remembers 8 steps and needs 5 clipped ones to stop speculating. A session clipped
-        # from its first step stops after one.
-        warmup = max(args.warmup, AUTO_POLICY_TURN) if clip > 0 and speculation == "auto" and len(clips) > 1 else None
-        times, window, losses = run_steps(name, step, args, timer, warmup)
+        if clip > 0 and speculation == "auto" and len(clips) > 1:
+            # The clipped run follows the unclipped one in the same session: speculation
+            # "auto" remembers 8 steps and needs 5 clipped ones to stop speculating. A session
+            # clipped from its first step stops after one.
+            for _ in range(AUTO_POLICY_TURN):
+                step()
+        if gpu_budget:
+            settled = settle_split(opt, step)
+            results[f"{name}_split_device_bytes"] = opt.session.device_bytes()
+            log(f"  [{name}] automatic split settled after {settled} steps: the session holds "
+                f"{opt.session.device_bytes() / 2**30:.2f} GiB of GPU memory (the optimizer state placed there, "
+                "within the budget, and every sub-group's staging buffer)")
+        times, window, losses = run_steps(name, step, args, timer)
         r = opt.last_step_result()
         extra = {"setup_s": round(setup, 2), **mem,
                  "last_step": {k: r[k] for k in ("global_norm", "clip_coef", "speculative", "kept", "rescaled",
                                                  "redone", "stepped", "skipped", "gpu_resident_stepped")}}
         results[name] = summarise(name, times, window, losses, n_params, tokens, extra)
-        if speculation != "off" and clip > 0 and args.trace:
-            trace_step(opt, step, args, key)
+        if args.trace:
+            trace_step(opt, step, args, name)
     results[f"{key}_pinned_bytes_peak"] = opt.session.pinned_bytes()
     opt.close()
     del opt
     gc.collect()
 
 
-def trace_step(opt, step, args, key):
-    """Timeline of one extra step with clipping, through its finalization."""
+def trace_step(opt, step, args, name):
+    """Timeline of one extra step of run `name`, through its finalization."""
     opt.trace(True)
     step()
     opt.last_step_result()  # waits until every sub-group is final
     opt.trace(False)
-    path = os.path.join(args.out, f"trace_{key}_clip.json")
+    path = os.path.join(args.out, f"trace_{name}.json")
     opt.save_trace(path)
-    png = os.path.join(args.out, f"trace_{key}_clip.png")
+    png = os.path.join(args.out, f"trace_{name}.png")
     plot = os.path.join(HERE, "..", "..", "bench", "trace_plot.py")
-    title = "SuperOffloadAdamW, one step with clipping (speculative" + (
-        f", first {key[1:]} of the parameters GPU-resident)" if key.startswith("h") else ")")
+    title = f"SuperOffloadAdamW, one step of run {name}"
     r = subprocess.run([sys.executable, plot, path, png, "--title", title], capture_output=True, text=True)
     log(f"  trace: {path}; " + (r.stdout.strip() if r.returncode == 0 else
                                  f"trace_plot.py failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-300:]}"))
