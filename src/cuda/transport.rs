@@ -91,6 +91,8 @@ struct SgDevice {
     copies: Vec<Raw<CUevent>>,
     /// Recorded after the latest staging copy, which reads the host master (or copy).
     staged: Option<Raw<CUevent>>,
+    /// Recorded after the latest publication from `staging`, which reads it.
+    published: Option<Raw<CUevent>>,
     device: Option<DeviceState>,
 }
 
@@ -121,8 +123,12 @@ pub struct CudaTransport {
     kernels: Kernels,
     /// Gradient copies; the first also carries the end of every copy sequence.
     d2h: [Raw<CUstream>; 2],
-    /// Staging copies, publication, device steps.
+    /// Publication, device steps: behind each step's wait for the caller's backward.
     h2d: Raw<CUstream>,
+    /// Staging copies of updated weights (host to `staging`). Not behind that wait: the
+    /// weights of speculative steps taken during backward reach the device while backward
+    /// runs, and the first layer's publication after it does not queue behind them.
+    stage: Raw<CUstream>,
     /// Sums of squares and device-placed gradients.
     side: Raw<CUstream>,
     piece_bytes: usize,
@@ -171,7 +177,7 @@ impl CudaTransport {
         }
         let ctx = Context::primary(options.device)?;
         let kernels = Kernels::load()?;
-        let [a, b, c, d] = take_streams(options.device)?;
+        let [a, b, c, d, e] = take_streams(options.device)?;
         let transport = CudaTransport {
             device: options.device,
             ctx,
@@ -179,6 +185,7 @@ impl CudaTransport {
             d2h: [a, b],
             h2d: c,
             side: d,
+            stage: e,
             piece_bytes: options.piece_bytes,
             accum_dtype,
             copy_dtype,
@@ -498,9 +505,9 @@ impl CudaTransport {
 /// Copy streams outlive the sessions that used them: callers `record_stream` them into
 /// PyTorch's caching allocator, which records events on them whenever it later frees such
 /// memory. So they are never destroyed; a later session on the same device reuses them.
-static SPARE_STREAMS: Mutex<Vec<(i32, [Raw<CUstream>; 4])>> = Mutex::new(Vec::new());
+static SPARE_STREAMS: Mutex<Vec<(i32, [Raw<CUstream>; 5])>> = Mutex::new(Vec::new());
 
-fn take_streams(device: i32) -> Result<[Raw<CUstream>; 4]> {
+fn take_streams(device: i32) -> Result<[Raw<CUstream>; 5]> {
     let mut spare = SPARE_STREAMS.lock().unwrap();
     if let Some(i) = spare.iter().position(|(d, _)| *d == device) {
         return Ok(spare.swap_remove(i).1);
@@ -510,10 +517,11 @@ fn take_streams(device: i32) -> Result<[Raw<CUstream>; 4]> {
         Raw(driver::stream_create()?),
         Raw(driver::stream_create()?),
         Raw(driver::stream_create()?),
+        Raw(driver::stream_create()?),
     ])
 }
 
-fn give_back_streams(device: i32, streams: [Raw<CUstream>; 4]) {
+fn give_back_streams(device: i32, streams: [Raw<CUstream>; 5]) {
     SPARE_STREAMS.lock().unwrap().push((device, streams));
 }
 
@@ -601,6 +609,7 @@ impl Transport for CudaTransport {
             sumsq_ready: vec![None; slices.len()],
             copies: Vec::new(),
             staged: None,
+            published: None,
             device: None,
         };
         let placed = registered.and_then(|_| {
@@ -626,9 +635,11 @@ impl Transport for CudaTransport {
         if let Some(mut d) = removed {
             let mut events = std::mem::take(&mut d.copies);
             events.extend(d.staged.take());
+            events.extend(d.published.take());
             events.extend(d.sumsq_ready.iter_mut().filter_map(Option::take));
             let _ = self.wait_and_free(events);
             let _ = driver::stream_synchronize(self.side.0);
+            let _ = driver::stream_synchronize(self.stage.0);
             let _ = driver::stream_synchronize(self.h2d.0);
             release(d);
         }
@@ -692,9 +703,15 @@ impl Transport for CudaTransport {
                 )));
             }
         };
-        driver::memcpy_htod_async(staging, floats_ptr(&source), numel * staging_dtype.size(), self.h2d.0)?;
+        // The staging buffer is overwritten only after the previous publication read it.
+        if let Some(published) = state.subgroups.get_mut(&sg).expect("checked").published.take() {
+            let waited = driver::stream_wait_event(self.stage.0, published.0);
+            state.free_events.push(published);
+            waited?;
+        }
+        driver::memcpy_htod_async(staging, floats_ptr(&source), numel * staging_dtype.size(), self.stage.0)?;
         let event = Self::event(&mut state)?;
-        driver::event_record(event.0, self.h2d.0)?;
+        driver::event_record(event.0, self.stage.0)?;
         // The staging copies of a sub-group run in order on one stream: the newest event
         // covers the earlier ones, which can be reused at once.
         if let Some(previous) = state.subgroups.get_mut(&sg).expect("checked").staged.replace(event) {
@@ -705,9 +722,19 @@ impl Transport for CudaTransport {
 
     fn publish(&self, sg: u32) -> Result<()> {
         self.enter()?;
-        let state = self.state.lock().unwrap();
+        let mut state = self.state.lock().unwrap();
         let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
-        self.publish_from(d, d.staging, d.staging_dtype)
+        // The latest staging copy (if the host has not waited for it already) comes first.
+        if let Some(staged) = &d.staged {
+            driver::stream_wait_event(self.h2d.0, staged.0)?;
+        }
+        self.publish_from(d, d.staging, d.staging_dtype)?;
+        let event = Self::event(&mut state)?;
+        driver::event_record(event.0, self.h2d.0)?;
+        if let Some(previous) = state.subgroups.get_mut(&sg).expect("checked").published.replace(event) {
+            state.free_events.push(previous);
+        }
+        Ok(())
     }
 
     fn before_step(&self) -> Result<()> {
@@ -878,7 +905,7 @@ fn release(mut d: SgDevice) {
     if let Some(dev) = d.device.take() {
         CudaTransport::free_device_state(dev);
     }
-    for e in d.copies.into_iter().chain(d.staged).chain(d.sumsq_ready.into_iter().flatten()) {
+    for e in d.copies.into_iter().chain(d.staged).chain(d.published).chain(d.sumsq_ready.into_iter().flatten()) {
         driver::event_destroy(e.0);
     }
 }
@@ -888,7 +915,7 @@ impl Drop for CudaTransport {
         if self.ctx.bind().is_err() {
             return;
         }
-        for s in self.d2h.iter().chain([&self.h2d, &self.side]) {
+        for s in self.d2h.iter().chain([&self.h2d, &self.side, &self.stage]) {
             let _ = driver::stream_synchronize(s.0);
         }
         let state = std::mem::take(&mut *self.state.lock().unwrap());
@@ -905,6 +932,6 @@ impl Drop for CudaTransport {
             driver::event_destroy(a.0);
             driver::event_destroy(b.0);
         }
-        give_back_streams(self.device, [self.d2h[0], self.d2h[1], self.h2d, self.side]);
+        give_back_streams(self.device, [self.d2h[0], self.d2h[1], self.h2d, self.side, self.stage]);
     }
 }
