@@ -69,6 +69,14 @@ impl Transport for DelayedCopies {
 const SIZES: [usize; 3] = [100_000, 70_001, 5_000];
 
 fn build(transport: Option<Arc<dyn Transport>>, speculation: Speculation) -> (Session, Vec<Vec<f32>>) {
+    build_sized(transport, speculation, &SIZES)
+}
+
+fn build_sized(
+    transport: Option<Arc<dyn Transport>>,
+    speculation: Speculation,
+    sizes: &[usize],
+) -> (Session, Vec<Vec<f32>>) {
     let pool =
         Arc::new(Pool::new(&PoolOptions { num_threads: 2, isa: Some(Isa::best()), ..Default::default() }).unwrap());
     let opts = SessionOptions {
@@ -81,7 +89,7 @@ fn build(transport: Option<Arc<dyn Transport>>, speculation: Speculation) -> (Se
     let s = Session::with_transport(opts, transport).unwrap();
     s.add_group(GroupHparams { weight_decay: 0.05, ..GroupHparams::default() }).unwrap();
     let mut masters: Vec<Vec<f32>> =
-        SIZES.iter().map(|&n| (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-3).collect()).collect();
+        sizes.iter().map(|&n| (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-3).collect()).collect();
     for (k, m) in masters.iter_mut().enumerate() {
         // SAFETY: the heap buffer of `m` is returned with the session and outlives its work (each
         // test waits for every step).
@@ -99,6 +107,7 @@ fn delayed_copies_give_host_mode_bits() {
     // which speculation (timing-dependent cancellation) does not promise.
     let (host, host_masters) = build(None, Speculation::Off);
     let (dev, dev_masters) = build(Some(transport.clone()), Speculation::Off);
+    dev.trace(true);
     for step in 1..=6u64 {
         for s in [&host, &dev] {
             s.begin_step(Some(1.0), 1).unwrap();
@@ -132,6 +141,13 @@ fn delayed_copies_give_host_mode_bits() {
             }
         }
     }
+    // With a device to publish to, final passes wrote the weights first and the moments in a
+    // pass of their own (and the next step's hand-offs waited for it): the bits above cover it.
+    let trace = std::env::temp_dir().join(format!("so-transport-trace-{}.json", std::process::id()));
+    dev.save_trace(&trace).unwrap();
+    let timeline = std::fs::read_to_string(&trace).unwrap();
+    std::fs::remove_file(&trace).ok();
+    assert!(timeline.contains("moments, sub-group"), "no moments pass ran");
     // Weights are staged after every change and published only for steps that were not skipped.
     let log = transport.log.lock().unwrap();
     assert!(log.iter().any(|l| l.starts_with("publish")));
@@ -139,6 +155,74 @@ fn delayed_copies_give_host_mode_bits() {
         if let Some(sg) = l.strip_prefix("publish ") {
             assert!(log[..i].iter().any(|p| p == &format!("staged {sg}")), "publish without staging");
         }
+    }
+}
+
+/// A transport whose gradient copies land at once, as the hand-off queues them: a hand-off
+/// that did not wait for the previous step's moments pass would overwrite the gradient
+/// that pass still reads.
+struct ImmediateCopies;
+
+impl Transport for ImmediateCopies {
+    transport_without_pinning!();
+    transport_without_publishing!();
+    fn gradient_ready(&self, _: u32) -> Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_hand_off_waits_for_the_previous_steps_moments() {
+    // Moments passes run in backward order: while the last (large) sub-group's runs, the
+    // first's is queued, and its gradient is handed over first.
+    const SIZES: [usize; 3] = [5_000, 2_000_000, 2_000_000];
+    let (host, host_masters) = build_sized(None, Speculation::Off, &SIZES);
+    let (dev, dev_masters) = build_sized(Some(Arc::new(ImmediateCopies)), Speculation::Off, &SIZES);
+    let steps = 6u64;
+    let mut dev_steps = Vec::new();
+    let grads: Vec<Vec<Vec<bf16>>> = (1..=steps)
+        .map(|step| {
+            SIZES
+                .iter()
+                .map(|&n| {
+                    (0..n).map(|i| bf16::from_f32(((i as u64 * 11 + step * 5) % 31) as f32 * 1e-3 - 0.015)).collect()
+                })
+                .collect()
+        })
+        .collect();
+    for g in &grads {
+        for s in [&host, &dev] {
+            s.begin_step(Some(1.0), 1).unwrap();
+        }
+        for (k, g) in g.iter().enumerate() {
+            host.grad_copy(k as u32, Floats::Bf16(g)).unwrap();
+            dev.hand_off(k as u32, g.len(), "test", |h| {
+                let FloatsMut::Bf16(d) = h.dst else { panic!("bf16 accumulation expected") };
+                d.copy_from_slice(g);
+                Ok(h.sumsq_scale
+                    .map(|scale| HandedSumsq::Known(kernels::grad_sumsq_here(Floats::Bf16(g), scale).unwrap())))
+            })
+            .unwrap();
+        }
+        let args = StepArgs { max_norm: 0.5, norm: NormSource::Local, overflow: false };
+        host.wait(host.step(args).unwrap(), None).unwrap();
+        dev_steps.push(dev.step(args).unwrap());
+        // Only the weights: the next hand-offs follow the final tickets at once.
+        for k in 0..SIZES.len() {
+            dev.wait(dev.final_ticket(k as u32).unwrap(), None).unwrap();
+        }
+    }
+    // A hand-off that found the moments pending took the gradient as on time, not late.
+    let last = dev.step_result(*dev_steps.last().unwrap(), None).unwrap();
+    assert_eq!(last.late_gradients, 0, "{last:?}");
+    for k in 0..SIZES.len() {
+        let (host_m, host_v) = host.moments(k as u32).unwrap();
+        let (dev_m, dev_v) = dev.moments(k as u32).unwrap();
+        assert!(host_m == dev_m && host_v == dev_v, "sub-group {k}: moments differ");
+        assert!(
+            host_masters[k].iter().zip(&dev_masters[k]).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "sub-group {k}: weights differ"
+        );
     }
 }
 

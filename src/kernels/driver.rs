@@ -15,8 +15,20 @@ use super::simd::{MAX_LANES, Simd};
 /// of it (and so of every vector width).
 pub(crate) const BLOCK: usize = 8192;
 
+/// Which buffers a step-shaped pass writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Stores {
+    /// The parameter, its copy and the moments.
+    All,
+    /// The parameter and its copy; the moments keep their values.
+    Weights,
+    /// The moments only.
+    Moments,
+}
+
 /// The slices of one thread's share of a step-shaped pass.
 pub(crate) struct StepChunk<'a, P, G, M, C> {
+    pub stores: Stores,
     pub p: &'a mut [P],
     pub g: &'a [G],
     pub m: &'a mut [M],
@@ -32,7 +44,8 @@ pub(crate) fn step_chunk<S: Simd, O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>
     op: &O,
     chunk: StepChunk<'_, P, G, M, C>,
 ) {
-    let StepChunk { p, g, m, v, mut out, mut partials } = chunk;
+    let StepChunk { stores, p, g, m, v, mut out, mut partials } = chunk;
+    let (weights, moments) = (stores != Stores::Moments, stores != Stores::Weights);
     let n = p.len();
     let lanes = S::LANES;
     let mut start = 0;
@@ -49,11 +62,15 @@ pub(crate) fn step_chunk<S: Simd, O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>
                 s.load(&m[i..i + lanes]),
                 s.load(&v[i..i + lanes]),
             );
-            s.store(&mut p[i..i + lanes], r.p);
-            s.store(&mut m[i..i + lanes], r.m);
-            s.store(&mut v[i..i + lanes], r.v);
-            if let Some(out) = out.as_deref_mut() {
-                s.store(&mut out[i..i + lanes], stored_param(s, r.p, &p[i..i + lanes]));
+            if weights {
+                s.store(&mut p[i..i + lanes], r.p);
+                if let Some(out) = out.as_deref_mut() {
+                    s.store(&mut out[i..i + lanes], stored_param(s, r.p, &p[i..i + lanes]));
+                }
+            }
+            if moments {
+                s.store(&mut m[i..i + lanes], r.m);
+                s.store(&mut v[i..i + lanes], r.v);
             }
             if partials.is_some() {
                 acc = s.acc_add_squares(acc, r.g);
@@ -71,16 +88,20 @@ pub(crate) fn step_chunk<S: Simd, O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>
             tm[..len].copy_from_slice(&m[i..end]);
             tv[..len].copy_from_slice(&v[i..end]);
             let r = op.apply(s, s.load(&tp[..lanes]), s.load(&tg[..lanes]), s.load(&tm[..lanes]), s.load(&tv[..lanes]));
-            s.store(&mut tp[..lanes], r.p);
-            s.store(&mut tm[..lanes], r.m);
-            s.store(&mut tv[..lanes], r.v);
-            p[i..end].copy_from_slice(&tp[..len]);
-            m[i..end].copy_from_slice(&tm[..len]);
-            v[i..end].copy_from_slice(&tv[..len]);
-            if let Some(out) = out.as_deref_mut() {
-                let mut to = [C::ZERO; MAX_LANES];
-                s.store(&mut to[..lanes], stored_param(s, r.p, &tp[..lanes]));
-                out[i..end].copy_from_slice(&to[..len]);
+            if weights {
+                s.store(&mut tp[..lanes], r.p);
+                p[i..end].copy_from_slice(&tp[..len]);
+                if let Some(out) = out.as_deref_mut() {
+                    let mut to = [C::ZERO; MAX_LANES];
+                    s.store(&mut to[..lanes], stored_param(s, r.p, &tp[..lanes]));
+                    out[i..end].copy_from_slice(&to[..len]);
+                }
+            }
+            if moments {
+                s.store(&mut tm[..lanes], r.m);
+                s.store(&mut tv[..lanes], r.v);
+                m[i..end].copy_from_slice(&tm[..len]);
+                v[i..end].copy_from_slice(&tv[..len]);
             }
             if partials.is_some() {
                 // Padding lanes hold a zero gradient, which adds exactly nothing.

@@ -17,7 +17,7 @@ pub use half::{bf16, f16};
 pub use pool::{Isa, Pool, PoolOptions};
 
 use crate::error::{Error, Result, Status};
-use driver::{BLOCK, StepChunk, SumsqOut};
+use driver::{BLOCK, StepChunk, Stores, SumsqOut};
 use math::{LaneOp, MemoryFloor, Rescale, Rollback, StepConstants, Update};
 use simd::Simd;
 
@@ -336,6 +336,41 @@ pub fn update(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, opts: &UpdateO
     Ok(UpdateReport { grad_sumsq: if opts.grad_sumsq { prechecked.or(fused) } else { None } })
 }
 
+/// The first half of [`update`] split in two passes: writes the parameter (and its copy)
+/// as [`update`] would, leaving the moments as they were. [`update_moments`] with the same
+/// arguments then writes the moments as [`update`] would: together they write exactly its
+/// bits. The parameter is what the next forward needs; the moments can wait. Only where the
+/// moments do not depend on the parameter: AdamW, or Adam-L2 without weight decay.
+pub fn update_weights(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, grad_scale: f32) -> Result<()> {
+    split_update(pool, hp, bufs, grad_scale, Stores::Weights)
+}
+
+/// The second half of [`update_weights`]: the moments of the same step. The gradient and the
+/// moments must be as [`update_weights`] found them (the parameter is not read).
+pub fn update_moments(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, grad_scale: f32) -> Result<()> {
+    split_update(pool, hp, bufs, grad_scale, Stores::Moments)
+}
+
+/// Whether [`update_weights`] and [`update_moments`] can split a step with `hp`.
+pub fn can_split_update(hp: &AdamHyper) -> bool {
+    hp.mode == AdamMode::AdamW || hp.weight_decay == 0.0
+}
+
+fn split_update(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, grad_scale: f32, stores: Stores) -> Result<()> {
+    hp.validate()?;
+    check_scale("grad_scale", grad_scale)?;
+    if !can_split_update(hp) {
+        return Err(Error::unsupported(
+            "a step with Adam-L2 weight decay cannot be split: its moments depend on the parameter",
+        ));
+    }
+    let n = bufs.numel()?;
+    let op = Update { k: StepConstants::new(hp), grad_scale };
+    let pass = Pass { pool, op: &op, ranges: chunk_ranges(n, pool.num_threads()), partials: None, stores };
+    with_isa!(pool, s => pass.dispatch_param(s, bufs));
+    Ok(())
+}
+
 /// Undoes one [`update`] taken with the same gradient, `grad_scale` and hyperparameters
 /// (including `step`). Needs f32 param and f32 moments.
 ///
@@ -477,7 +512,13 @@ fn isa_vanished() -> Error {
 fn run_step_pass<O: LaneOp>(pool: &Pool, op: &O, bufs: AdamBuffers<'_>, want_sumsq: bool) -> Result<Option<f64>> {
     let n = bufs.numel()?;
     let mut partials = want_sumsq.then(|| vec![0.0f64; n.div_ceil(BLOCK)]);
-    let pass = Pass { pool, op, ranges: chunk_ranges(n, pool.num_threads()), partials: partials.as_deref_mut() };
+    let pass = Pass {
+        pool,
+        op,
+        ranges: chunk_ranges(n, pool.num_threads()),
+        partials: partials.as_deref_mut(),
+        stores: Stores::All,
+    };
     with_isa!(pool, s => pass.dispatch_param(s, bufs));
     Ok(partials.map(|p| p.iter().sum()))
 }
@@ -529,6 +570,7 @@ struct Pass<'p, O> {
     op: &'p O,
     ranges: Vec<std::ops::Range<usize>>,
     partials: Option<&'p mut [f64]>,
+    stores: Stores,
 }
 
 impl<O: LaneOp> Pass<'_, O> {
@@ -595,7 +637,7 @@ impl<O: LaneOp> Pass<'_, O> {
         mut v: &mut [M],
         mut out: Option<&mut [C]>,
     ) {
-        let Pass { pool, op, ranges, mut partials } = self;
+        let Pass { pool, op, ranges, mut partials, stores } = self;
         let mut jobs = Vec::with_capacity(ranges.len());
         for range in &ranges {
             let len = range.len();
@@ -623,7 +665,7 @@ impl<O: LaneOp> Pass<'_, O> {
                 }
                 None => None,
             };
-            let chunk = StepChunk { p: cp, g: cg, m: cm, v: cv, out: cout, partials: cpartials };
+            let chunk = StepChunk { stores, p: cp, g: cg, m: cm, v: cv, out: cout, partials: cpartials };
             jobs.push(move || s.step_chunk(op, chunk));
         }
         pool.run_all(jobs);

@@ -59,9 +59,18 @@ struct StepInFlight {
     groups: Vec<GroupHparams>,
     /// Final tickets by sub-group id.
     finals: std::collections::HashMap<u32, Ticket>,
+    /// Final passes still to run.
     remaining: usize,
+    /// Moments passes still to run (the step ticket completes after them too).
+    settling: usize,
     step_ticket: Ticket,
     prepared: Result<()>,
+}
+
+impl StepInFlight {
+    fn done(&self) -> bool {
+        self.remaining == 0 && self.settling == 0
+    }
 }
 
 /// The CPU-Adam thread's state.
@@ -131,6 +140,7 @@ impl Worker {
             }
             Job::Decide(plan) => self.decide(*plan),
             Job::Finalize(sg) => self.finalize(key.serial, &sg),
+            Job::Moments { sg, hp, scale } => self.moments(&sg, &hp, scale),
         }
     }
 
@@ -422,10 +432,11 @@ impl Worker {
             groups: plan.groups,
             finals: plan.subgroups.iter().map(|(sg, t)| (sg.id, *t)).collect(),
             remaining: plan.subgroups.len(),
+            settling: 0,
             step_ticket: plan.step_ticket,
             prepared,
         };
-        if step.remaining == 0 {
+        if step.done() {
             self.finish(step);
         } else {
             self.step = Some(step);
@@ -448,12 +459,25 @@ impl Worker {
         let start = Instant::now();
         let mut outcome_kind = "unchanged";
         let mut elements = 0u64;
-        let outcome = guarded(|| self.final_pass(sg, group, &mut step.result, &mut outcome_kind, &mut elements));
-        if outcome_kind == "stepped" && elements > 0 {
+        let mut moments_after = None;
+        let outcome = guarded(|| {
+            self.final_pass(sg, group, &mut step.result, &mut outcome_kind, &mut elements, &mut moments_after)
+        });
+        if outcome_kind.starts_with("stepped") && elements > 0 {
+            // With the moments after, what the next forward waits for is the weights pass.
             self.shared.policy.lock().unwrap().pass_measured(elements as usize, start.elapsed());
         }
         step.result.final_pass_elements += elements;
-        self.shared.sched.set_lifecycle(sg.id, Lifecycle::Idle);
+        match moments_after {
+            Some((hp, scale)) => {
+                // The weights were written, so the moments follow even if staging failed.
+                // Before the final ticket completes: a hand-off released by it must see the
+                // moments pending.
+                self.shared.sched.submit_moments(serial, sg.clone(), hp, scale);
+                step.settling += 1;
+            }
+            None => self.shared.sched.set_lifecycle(sg.id, Lifecycle::Idle),
+        }
         let final_ticket = step.finals[&sg.id];
         drop(span.arg("outcome", outcome_kind).arg("ticket", final_ticket));
         if let Some(t) = pending_spec {
@@ -461,7 +485,30 @@ impl Worker {
         }
         self.shared.complete(final_ticket, outcome);
         step.remaining -= 1;
-        if step.remaining == 0 {
+        if step.done() {
+            self.finish(step);
+        } else {
+            self.step = Some(step);
+        }
+    }
+
+    /// The moments of a sub-group whose final pass wrote only its weights: the second half
+    /// of that step (`kernels::update_moments`), from the gradient and moments it left.
+    fn moments(&mut self, sg: &Arc<SubGroup>, hp: &AdamHyper, scale: f32) {
+        let mut step = self.step.take().expect("a decided step is settling");
+        let span = self.shared.tracer.span(Lane::CpuAdam, || format!("moments, sub-group {}", sg.id));
+        let outcome = guarded(|| {
+            let mut data = sg.data.lock().unwrap();
+            kernels::update_moments(&self.shared.pool, hp, buffers(&mut data, 0..sg.numel), scale)
+        });
+        self.shared.sched.settle(sg.id);
+        drop(span.arg("ok", outcome.is_ok()));
+        if let Err(e) = outcome {
+            // The moments are not those of the step the weights took: the step fails.
+            step.prepared = step.prepared.and(Err(e));
+        }
+        step.settling -= 1;
+        if step.done() {
             self.finish(step);
         } else {
             self.step = Some(step);
@@ -477,6 +524,7 @@ impl Worker {
         result: &mut StepResult,
         kind: &mut &'static str,
         elements: &mut u64,
+        moments_after: &mut Option<(AdamHyper, f32)>,
     ) -> Result<()> {
         let pool = &self.shared.pool;
         let mut data = sg.data.lock().unwrap();
@@ -559,7 +607,17 @@ impl Worker {
             }
             None => {
                 self.master_write(sg)?;
-                kernels::update(pool, &hp, buffers(&mut data, 0..n), &update)?;
+                // The next forward waits for the weights alone: with a device to publish to,
+                // the moments are written by a pass of their own after publication
+                // (`Class::Moments`), off that wait; a caller-provided gradient buffer may be
+                // rewritten by the caller once the weights are final, so it is not deferred.
+                let defer = self.shared.transport().is_some() && data.grad.is_owned() && kernels::can_split_update(&hp);
+                if defer {
+                    kernels::update_weights(pool, &hp, buffers(&mut data, 0..n), factor)?;
+                    *moments_after = Some((hp, factor));
+                } else {
+                    kernels::update(pool, &hp, buffers(&mut data, 0..n), &update)?;
+                }
                 self.staged(sg, &data)?;
                 *elements += n as u64;
                 if redo {
@@ -567,7 +625,7 @@ impl Worker {
                     *kind = "redone";
                 } else {
                     result.stepped += 1;
-                    *kind = "stepped";
+                    *kind = if defer { "stepped, moments after" } else { "stepped" };
                 }
             }
         }

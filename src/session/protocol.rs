@@ -200,8 +200,10 @@ impl Session {
         let (index, range) = (info.index, info.range.clone());
         let track = t.reg.track(info.sg)?;
         let (sg, final_ticket) = (track.sg.clone(), track.final_ticket);
-        // The previous step's final pass first: until it ran, the sub-group is not idle.
+        // The previous step's final pass first: until it ran, the sub-group is not idle; and
+        // its moments, when that pass left them for later (the gradient buffer is read).
         self.wait_final(final_ticket);
+        self.wait_settled(sg.id);
         if self.shared.sched.is_complete(sg.id) {
             self.add_late(&mut t, &sg, index, range, deliver)?;
             drop(span.arg("late", true));
@@ -265,6 +267,16 @@ impl Session {
     fn wait_final(&self, ticket: Ticket) {
         if ticket != 0 {
             self.shared.caller_wait(ticket, None, false).ok();
+        }
+    }
+
+    /// Waits while the sub-group's moments pass of the previous step is pending, counting
+    /// the time as the caller's wait (it holds the backward up).
+    fn wait_settled(&self, sg: u32) {
+        let start = std::time::Instant::now();
+        if self.shared.sched.wait_settled(sg) {
+            let waited = start.elapsed().as_nanos() as u64;
+            self.shared.caller_wait_ns.fetch_add(waited, std::sync::atomic::Ordering::Relaxed);
         }
     }
 

@@ -5,7 +5,9 @@
 //! serial, class, forward index)`: everything of an earlier step before anything of a later
 //! one; within a step the decision (and the preparation before it) first, then
 //! finalizations, then speculative steps; among finalizations and among speculative steps,
-//! the sub-group the next forward needs first (registration order) first. A job is runnable
+//! the sub-group the next forward needs first (registration order) first; last, the moments
+//! of sub-groups whose final pass wrote only the weights, in backward order (the order the
+//! next step's gradients arrive in, each of which waits for them). A job is runnable
 //! when it would not wait on the device: a speculative step once its sub-group's gradient
 //! has landed, the decision once every gradient of its step has (a CUDA caller reaches
 //! `step()` while the GPU is still in backward; a decision that waited there would hold up
@@ -40,6 +42,9 @@ pub(crate) enum Lifecycle {
     Speculated(Option<Ticket>),
     /// Decided: its final pass is queued.
     FinalQueued(Option<Ticket>),
+    /// Its weights are final and published; its moments are written by a pass of their own,
+    /// queued. The gradient buffer is still read: the next hand-off waits.
+    MomentsPending,
     Removed,
 }
 
@@ -50,6 +55,7 @@ pub(crate) enum Class {
     Decide,
     Finalize,
     Speculate,
+    Moments,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -65,6 +71,7 @@ pub(crate) enum Job {
     Decide(Box<StepPlan>),
     Finalize(Arc<SubGroup>),
     Speculate { sg: Arc<SubGroup>, hp: AdamHyper, scale: f32 },
+    Moments { sg: Arc<SubGroup>, hp: AdamHyper, scale: f32 },
 }
 
 #[derive(Default)]
@@ -87,7 +94,7 @@ impl Queue {
         let serial = self.ready.keys().next()?.serial;
         self.ready
             .iter()
-            .take_while(|(k, _)| k.serial == serial && !(urgent && k.class == Class::Speculate))
+            .take_while(|(k, _)| k.serial == serial && !(urgent && k.class >= Class::Speculate))
             .find(|(_, job)| job.runnable(landed))
             .map(|(k, _)| *k)
     }
@@ -98,7 +105,7 @@ impl Job {
         match self {
             Job::Speculate { sg, .. } => landed(sg.id),
             Job::Decide(plan) => plan.subgroups.iter().all(|(sg, _)| landed(sg.id)),
-            Job::Prepare { .. } | Job::Finalize(_) => true,
+            Job::Prepare { .. } | Job::Finalize(_) | Job::Moments { .. } => true,
         }
     }
 }
@@ -107,6 +114,8 @@ impl Job {
 pub(crate) struct Scheduler {
     queue: Mutex<Queue>,
     wake: Condvar,
+    /// A sub-group left `MomentsPending`.
+    settled: Condvar,
     /// A job of a higher class than a speculative step is waiting.
     preempt: AtomicBool,
 }
@@ -120,7 +129,7 @@ impl Scheduler {
     }
 
     fn update_preempt(&self, q: &Queue) {
-        let urgent = q.ready.keys().next().is_some_and(|k| k.class != Class::Speculate);
+        let urgent = q.ready.keys().next().is_some_and(|k| k.class < Class::Speculate);
         self.preempt.store(urgent, Ordering::Release);
     }
 
@@ -197,6 +206,34 @@ impl Scheduler {
         q.lifecycle[id as usize] = Lifecycle::Complete;
         self.update_preempt(&q);
         Some(ticket)
+    }
+
+    /// Queues the pass that writes the moments of a sub-group whose final pass wrote only its
+    /// weights (a `u32::MAX - id` forward key: backward order).
+    pub(crate) fn submit_moments(&self, serial: u64, sg: Arc<SubGroup>, hp: AdamHyper, scale: f32) {
+        let mut q = self.queue.lock().unwrap();
+        q.lifecycle[sg.id as usize] = Lifecycle::MomentsPending;
+        let forward = u32::MAX - sg.id;
+        q.push(serial, Class::Moments, forward, Job::Moments { sg, hp, scale });
+        self.update_preempt(&q);
+        self.wake.notify_one();
+    }
+
+    /// The sub-group's moments are written: it is idle.
+    pub(crate) fn settle(&self, id: u32) {
+        self.queue.lock().unwrap().lifecycle[id as usize] = Lifecycle::Idle;
+        self.settled.notify_all();
+    }
+
+    /// Waits while the sub-group's moments are pending; returns whether it waited.
+    pub(crate) fn wait_settled(&self, id: u32) -> bool {
+        let mut q = self.queue.lock().unwrap();
+        let mut waited = false;
+        while q.lifecycle[id as usize] == Lifecycle::MomentsPending {
+            waited = true;
+            q = self.settled.wait(q).unwrap();
+        }
+        waited
     }
 
     /// Queues the final pass of every sub-group of a decided step, in forward order; the
