@@ -609,9 +609,15 @@ impl Worker {
                 self.master_write(sg)?;
                 // The next forward waits for the weights alone: with a device to publish to,
                 // the moments are written by a pass of their own after publication
-                // (`Class::Moments`), off that wait; a caller-provided gradient buffer may be
-                // rewritten by the caller once the weights are final, so it is not deferred.
-                let defer = self.shared.transport().is_some() && data.grad.is_owned() && kernels::can_split_update(&hp);
+                // (`Class::Moments`), off that wait. Not when the step speculated: the next
+                // step's speculative passes would queue behind those passes, and where the CPU
+                // is as busy as the GPU that costs more than it saves (the overlap benchmark's
+                // balanced regime). Nor with a caller-provided gradient buffer, which the
+                // caller may rewrite once the weights are final.
+                let defer = result.speculative == 0
+                    && self.shared.transport().is_some()
+                    && data.grad.is_owned()
+                    && kernels::can_split_update(&hp);
                 if defer {
                     kernels::update_weights(pool, &hp, buffers(&mut data, 0..n), factor)?;
                     *moments_after = Some((hp, factor));
