@@ -332,7 +332,7 @@ pub fn update(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, opts: &UpdateO
     };
     let op = Update { k: StepConstants::new(hp), grad_scale: opts.grad_scale };
     let fused_sumsq = opts.grad_sumsq && prechecked.is_none();
-    let fused = run_step_pass(pool, &op, bufs, fused_sumsq)?;
+    let fused = run_step_pass(pool, &op, bufs, fused_sumsq, Stores::All)?;
     Ok(UpdateReport { grad_sumsq: if opts.grad_sumsq { prechecked.or(fused) } else { None } })
 }
 
@@ -364,11 +364,7 @@ fn split_update(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, grad_scale: 
             "a step with Adam-L2 weight decay cannot be split: its moments depend on the parameter",
         ));
     }
-    let n = bufs.numel()?;
-    let op = Update { k: StepConstants::new(hp), grad_scale };
-    let pass = Pass { pool, op: &op, ranges: chunk_ranges(n, pool.num_threads()), partials: None, stores };
-    with_isa!(pool, s => pass.dispatch_param(s, bufs));
-    Ok(())
+    run_step_pass(pool, &Update { k: StepConstants::new(hp), grad_scale }, bufs, false, stores).map(drop)
 }
 
 /// Undoes one [`update`] taken with the same gradient, `grad_scale` and hyperparameters
@@ -383,7 +379,7 @@ pub fn rollback(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, grad_scale: 
     check_scale("grad_scale", grad_scale)?;
     require_master_weights("rollback", &bufs)?;
     bufs.numel()?;
-    run_step_pass(pool, &Rollback { k: StepConstants::new(hp), grad_scale }, bufs, false).map(drop)
+    run_step_pass(pool, &Rollback { k: StepConstants::new(hp), grad_scale }, bufs, false, Stores::All).map(drop)
 }
 
 /// Turns a step taken on `old_scale · g` into the step on `new_scale · g` from the same
@@ -398,7 +394,8 @@ pub fn rescale(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, old_scale: f3
     if old_scale == new_scale {
         return Ok(());
     }
-    run_step_pass(pool, &Rescale { k: StepConstants::new(hp), old_scale, new_scale }, bufs, false).map(drop)
+    run_step_pass(pool, &Rescale { k: StepConstants::new(hp), old_scale, new_scale }, bufs, false, Stores::All)
+        .map(drop)
 }
 
 /// f64 sum of squares of `scale · g`, the same for every instruction set and thread count
@@ -421,7 +418,7 @@ pub fn grad_sumsq(pool: &Pool, grad: GradRef<'_>, scale: f32) -> Result<f64> {
 pub fn memory_floor(pool: &Pool, bufs: AdamBuffers<'_>, grad_scale: f32) -> Result<()> {
     check_scale("grad_scale", grad_scale)?;
     bufs.numel()?;
-    run_step_pass(pool, &MemoryFloor { grad_scale }, bufs, false).map(drop)
+    run_step_pass(pool, &MemoryFloor { grad_scale }, bufs, false, Stores::All).map(drop)
 }
 
 /// Calls `$body` with `$s` bound to the token of the widest instruction set the CPU has
@@ -508,17 +505,18 @@ fn isa_vanished() -> Error {
     Error::new(Status::Unsupported, "the pool's instruction set is not available on this CPU")
 }
 
-/// Runs a step-shaped pass; returns the sum of squares when `want_sumsq`.
-fn run_step_pass<O: LaneOp>(pool: &Pool, op: &O, bufs: AdamBuffers<'_>, want_sumsq: bool) -> Result<Option<f64>> {
+/// Runs a step-shaped pass writing `stores`; returns the sum of squares when `want_sumsq`.
+fn run_step_pass<O: LaneOp>(
+    pool: &Pool,
+    op: &O,
+    bufs: AdamBuffers<'_>,
+    want_sumsq: bool,
+    stores: Stores,
+) -> Result<Option<f64>> {
     let n = bufs.numel()?;
     let mut partials = want_sumsq.then(|| vec![0.0f64; n.div_ceil(BLOCK)]);
-    let pass = Pass {
-        pool,
-        op,
-        ranges: chunk_ranges(n, pool.num_threads()),
-        partials: partials.as_deref_mut(),
-        stores: Stores::All,
-    };
+    let pass =
+        Pass { pool, op, ranges: chunk_ranges(n, pool.num_threads()), partials: partials.as_deref_mut(), stores };
     with_isa!(pool, s => pass.dispatch_param(s, bufs));
     Ok(partials.map(|p| p.iter().sum()))
 }
