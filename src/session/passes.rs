@@ -63,8 +63,18 @@ struct StepInFlight {
     remaining: usize,
     /// Moments passes still to run (the step ticket completes after them too).
     settling: usize,
+    /// Whether final passes may write the moments after publishing the weights (`policy.rs`).
+    moments_may_wait: bool,
     step_ticket: Ticket,
     prepared: Result<()>,
+}
+
+/// What one final pass did: its outcome for the trace, the elements it passed over, and the
+/// moments pass it left for later.
+struct FinalPass {
+    kind: &'static str,
+    elements: u64,
+    moments_after: Option<(AdamHyper, f32)>,
 }
 
 impl StepInFlight {
@@ -118,6 +128,12 @@ impl Worker {
     }
 
     pub(crate) fn run(&mut self, key: JobKey, job: Job) {
+        let start = Instant::now();
+        self.run_job(key, job);
+        self.shared.policy.lock().unwrap().job_ran(start.elapsed());
+    }
+
+    fn run_job(&mut self, key: JobKey, job: Job) {
         match job {
             Job::Speculate { sg, hp, scale } => self.speculate(&sg, hp, scale),
             Job::Prepare { plan, ticket } => {
@@ -416,7 +432,11 @@ impl Worker {
             result.next_loss_scale = plan.loss_scale;
         }
         let unchanged = !result.skipped && result.grad_factor == unscale_factor(plan.loss_scale);
-        self.shared.policy.lock().unwrap().decided(unchanged);
+        let moments_may_wait = {
+            let mut policy = self.shared.policy.lock().unwrap();
+            policy.decided(unchanged);
+            policy.moments_can_wait(plan.speculative > 0)
+        };
         let subgroups: Vec<Arc<SubGroup>> = plan.subgroups.iter().map(|(sg, _)| sg.clone()).collect();
         result.cancelled = self.shared.sched.finalize_all(plan.serial, &subgroups);
         drop(
@@ -433,6 +453,7 @@ impl Worker {
             finals: plan.subgroups.iter().map(|(sg, t)| (sg.id, *t)).collect(),
             remaining: plan.subgroups.len(),
             settling: 0,
+            moments_may_wait,
             step_ticket: plan.step_ticket,
             prepared,
         };
@@ -457,12 +478,12 @@ impl Worker {
         let group = step.groups[sg.group as usize];
         let span = self.shared.tracer.span(Lane::CpuAdam, || format!("finalize sub-group {}", sg.id));
         let start = Instant::now();
-        let mut outcome_kind = "unchanged";
-        let mut elements = 0u64;
-        let mut moments_after = None;
+        let mut done = FinalPass { kind: "unchanged", elements: 0, moments_after: None };
         let outcome = guarded(|| {
-            self.final_pass(sg, group, &mut step.result, &mut outcome_kind, &mut elements, &mut moments_after)
+            let moments_may_wait = step.moments_may_wait;
+            self.final_pass(sg, group, moments_may_wait, &mut step.result, &mut done)
         });
+        let FinalPass { kind: outcome_kind, elements, moments_after } = done;
         if outcome_kind.starts_with("stepped") && elements > 0 {
             // With the moments after, what the next forward waits for is the weights pass.
             self.shared.policy.lock().unwrap().pass_measured(elements as usize, start.elapsed());
@@ -521,10 +542,9 @@ impl Worker {
         &self,
         sg: &SubGroup,
         group: GroupHparams,
+        moments_may_wait: bool,
         result: &mut StepResult,
-        kind: &mut &'static str,
-        elements: &mut u64,
-        moments_after: &mut Option<(AdamHyper, f32)>,
+        out: &mut FinalPass,
     ) -> Result<()> {
         let pool = &self.shared.pool;
         let mut data = sg.data.lock().unwrap();
@@ -541,11 +561,11 @@ impl Worker {
             if let Some(spec) = spec {
                 self.master_write(sg)?;
                 kernels::rollback(pool, &spec.hp, buffers(&mut data, 0..spec.done), spec.scale)?;
-                *elements += spec.done as u64;
+                out.elements += spec.done as u64;
             }
             if spec.is_some() || redo {
                 result.rolled_back += 1;
-                *kind = "rolled back";
+                out.kind = "rolled back";
             }
             // The model keeps its weights: staged weights of a skipped step are never published.
             return Ok(());
@@ -556,8 +576,8 @@ impl Worker {
             self.shared.transport().expect("device placement has a transport").device_step(sg.id, &hp, factor)?;
             data.work.step_count += 1;
             result.device_stepped += 1;
-            *kind = "stepped on the device";
-            *elements += n as u64;
+            out.kind = "stepped on the device";
+            out.elements += n as u64;
             return Ok(());
         }
         let update = UpdateOptions { grad_scale: factor, ..Default::default() };
@@ -581,16 +601,16 @@ impl Worker {
                         data.work.spec = Some(spec);
                         return Err(e);
                     }
-                    *elements += spec.done as u64;
+                    out.elements += spec.done as u64;
                     result.rescaled += 1;
-                    *kind = "rescaled";
+                    out.kind = "rescaled";
                 } else {
                     result.kept += 1;
-                    *kind = "kept";
+                    out.kind = "kept";
                 }
                 if spec.done < n {
                     kernels::update(pool, &spec.hp, buffers(&mut data, spec.done..n), &update)?;
-                    *elements += (n - spec.done) as u64;
+                    out.elements += (n - spec.done) as u64;
                 }
                 if rescale || spec.done < n {
                     self.staged(sg, &data)?;
@@ -601,37 +621,35 @@ impl Worker {
                 kernels::rollback(pool, &spec.hp, buffers(&mut data, 0..spec.done), spec.scale)?;
                 kernels::update(pool, &hp, buffers(&mut data, 0..n), &update)?;
                 self.staged(sg, &data)?;
-                *elements += (spec.done + n) as u64;
+                out.elements += (spec.done + n) as u64;
                 result.redone += 1;
-                *kind = "redone";
+                out.kind = "redone";
             }
             None => {
                 self.master_write(sg)?;
                 // The next forward waits for the weights alone: with a device to publish to,
                 // the moments are written by a pass of their own after publication
-                // (`Class::Moments`), off that wait. Not when the step speculated: the next
-                // step's speculative passes would queue behind those passes, and where the CPU
-                // is as busy as the GPU that costs more than it saves (the overlap benchmark's
-                // balanced regime). Nor with a caller-provided gradient buffer, which the
-                // caller may rewrite once the weights are final.
-                let defer = result.speculative == 0
+                // (`Class::Moments`), off that wait, where the CPU has time for it (the
+                // policy). Not with a caller-provided gradient buffer, which the caller may
+                // rewrite once the weights are final.
+                let defer = moments_may_wait
                     && self.shared.transport().is_some()
                     && data.grad.is_owned()
                     && kernels::can_split_update(&hp);
                 if defer {
                     kernels::update_weights(pool, &hp, buffers(&mut data, 0..n), factor)?;
-                    *moments_after = Some((hp, factor));
+                    out.moments_after = Some((hp, factor));
                 } else {
                     kernels::update(pool, &hp, buffers(&mut data, 0..n), &update)?;
                 }
                 self.staged(sg, &data)?;
-                *elements += n as u64;
+                out.elements += n as u64;
                 if redo {
                     result.redone += 1;
-                    *kind = "redone";
+                    out.kind = "redone";
                 } else {
                     result.stepped += 1;
-                    *kind = if defer { "stepped, moments after" } else { "stepped" };
+                    out.kind = if defer { "stepped, moments after" } else { "stepped" };
                 }
             }
         }
