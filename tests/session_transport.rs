@@ -56,7 +56,7 @@ impl Transport for DelayedCopies {
         self.log.lock().unwrap().push(format!("write {sg}"));
         Ok(())
     }
-    fn weights_updated(&self, sg: u32, _: Floats<'_>, _: Option<Floats<'_>>) -> Result<()> {
+    fn weights_updated(&self, sg: u32, _: usize, _: Floats<'_>, _: Option<Floats<'_>>) -> Result<()> {
         self.log.lock().unwrap().push(format!("staged {sg}"));
         Ok(())
     }
@@ -241,7 +241,7 @@ impl Transport for CopyChecker {
     fn master_write(&self, _: u32) -> Result<()> {
         Ok(())
     }
-    fn weights_updated(&self, _: u32, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()> {
+    fn weights_updated(&self, _: u32, _: usize, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()> {
         let (Floats::F32(m), Some(Floats::Bf16(c))) = (master, copy) else { panic!("f32 master with a bf16 copy") };
         for (x, y) in m.iter().zip(c) {
             assert_eq!(bf16::from_f32(*x).to_bits(), y.to_bits(), "copy of {x}");
@@ -279,6 +279,71 @@ fn the_low_precision_copy_follows_the_master() {
     std::fs::remove_file(&path).unwrap();
     assert!(*checker.staged.lock().unwrap() >= 5, "staged after each step (speculative and rescaled) and the load");
     drop(s);
+    drop(master);
+}
+
+/// Records what each staging call covered and a checksum of what it was given.
+#[derive(Default)]
+struct PieceRecorder {
+    /// (offset, len, checksum of the master elements staged) since the last publish.
+    pieces: Mutex<Vec<(usize, usize, u64)>>,
+    /// The pieces of each publication.
+    published: Mutex<Vec<Vec<(usize, usize, u64)>>>,
+}
+
+fn checksum(values: &[f32]) -> u64 {
+    values.iter().fold(0u64, |h, v| h.rotate_left(5) ^ u64::from(v.to_bits()))
+}
+
+impl Transport for PieceRecorder {
+    transport_without_pinning!();
+    fn gradient_ready(&self, _: u32) -> Result<()> {
+        Ok(())
+    }
+    fn master_write(&self, _: u32) -> Result<()> {
+        Ok(())
+    }
+    fn weights_updated(&self, _: u32, offset: usize, master: Floats<'_>, _: Option<Floats<'_>>) -> Result<()> {
+        let Floats::F32(m) = master else { panic!("f32 master") };
+        self.pieces.lock().unwrap().push((offset, m.len(), checksum(m)));
+        Ok(())
+    }
+    fn publish(&self, _: u32) -> Result<()> {
+        let pieces = std::mem::take(&mut *self.pieces.lock().unwrap());
+        self.published.lock().unwrap().push(pieces);
+        Ok(())
+    }
+}
+
+/// A large sub-group's final pass is staged piece by piece (so the copies overlap the pass):
+/// the pieces tile it in order, and each carried the elements at its own offset.
+#[test]
+fn a_final_pass_is_staged_in_pieces_that_tile_the_sub_group() {
+    const N: usize = 9_000_000;
+    let recorder = Arc::new(PieceRecorder::default());
+    let opts = SessionOptions { speculation: Speculation::Off, ..SessionOptions::default() };
+    let s = Session::with_transport(opts, Some(recorder.clone() as Arc<dyn Transport>)).unwrap();
+    s.add_group(GroupHparams::default()).unwrap();
+    let mut master: Vec<f32> = (0..N).map(|i| (i as f32 * 1e-3).sin()).collect();
+    // SAFETY: `master` is dropped after the session (the explicit drops at the end).
+    let m = unsafe { Borrowed::new("m", master.as_mut_ptr().cast(), N, DType::F32) }.unwrap();
+    s.add_subgroup(SubGroupDesc::new(0, m, vec![SliceDesc { name: "w".into(), offset: 0, numel: N }])).unwrap();
+    s.begin_step(None, 1).unwrap();
+    let g: Vec<f32> = (0..N).map(|i| (i % 17) as f32 * 1e-2).collect();
+    s.grad_copy(0, Floats::F32(&g)).unwrap();
+    let t = s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false }).unwrap();
+    s.wait(t, None).unwrap();
+    let published = recorder.published.lock().unwrap().clone();
+    drop(s);
+    let [pieces] = &published[..] else { panic!("one publication, got {}", published.len()) };
+    assert!(pieces.len() > 1, "staged in pieces: {pieces:?}");
+    let mut end = 0;
+    for &(offset, len, sum) in pieces {
+        assert_eq!(offset, end, "pieces in order, without gaps or overlaps");
+        assert_eq!(sum, checksum(&master[offset..offset + len]), "the piece at {offset} carried its own elements");
+        end = offset + len;
+    }
+    assert_eq!(end, N);
     drop(master);
 }
 

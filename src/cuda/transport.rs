@@ -686,7 +686,7 @@ impl Transport for CudaTransport {
         self.wait_and_free(staged.into_iter().collect())
     }
 
-    fn weights_updated(&self, sg: u32, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()> {
+    fn weights_updated(&self, sg: u32, offset: usize, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()> {
         self.enter()?;
         let mut state = self.state.lock().unwrap();
         let (staging, staging_dtype, numel) = {
@@ -703,13 +703,24 @@ impl Transport for CudaTransport {
                 )));
             }
         };
-        // The staging buffer is overwritten only after the previous publication read it.
+        // The staging buffer is overwritten only after the previous publication read it (the
+        // first piece of a pass waits; the rest follow it on the stream).
         if let Some(published) = state.subgroups.get_mut(&sg).expect("checked").published.take() {
             let waited = driver::stream_wait_event(self.stage.0, published.0);
             state.free_events.push(published);
             waited?;
         }
-        driver::memcpy_htod_async(staging, floats_ptr(&source), numel * staging_dtype.size(), self.stage.0)?;
+        let len = source.len();
+        if offset + len > numel {
+            return Err(Error::new(Status::Panic, format!("sub-group {sg}: staged elements beyond its end")));
+        }
+        let size = staging_dtype.size();
+        driver::memcpy_htod_async(
+            staging + (offset * size) as CUdeviceptr,
+            floats_ptr(&source),
+            len * size,
+            self.stage.0,
+        )?;
         let event = Self::event(&mut state)?;
         driver::event_record(event.0, self.stage.0)?;
         // The staging copies of a sub-group run in order on one stream: the newest event

@@ -385,7 +385,7 @@ impl Session {
                 (Some(transport), Placement::Device) => transport.load_state(sg.id, d.host_state())?,
                 (Some(transport), Placement::Host) => {
                     transport.master_write(sg.id)?;
-                    transport.weights_updated(sg.id, d.master.floats(), d.copy.as_ref().map(|c| c.floats()))?;
+                    transport.weights_updated(sg.id, 0, d.master.floats(), d.copy.as_ref().map(|c| c.floats()))?;
                     transport.publish(sg.id)?;
                 }
                 (None, _) => {}

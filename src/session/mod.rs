@@ -355,9 +355,11 @@ pub trait Transport: Send + Sync + Any {
     /// Before the master weights (or their copy) of `sg` are modified: wait until nothing
     /// still reads them.
     fn master_write(&self, sg: u32) -> Result<()>;
-    /// `sg`'s master weights changed (its low-precision copy too, when the session keeps one):
-    /// stage them for the device, not yet visible to the model.
-    fn weights_updated(&self, sg: u32, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()>;
+    /// `sg`'s master weights from element `offset` on changed (its low-precision copy too,
+    /// when the session keeps one): `master` and `copy` hold those elements. Stage them for
+    /// the device, not yet visible to the model. A pass may report its sub-group piece by
+    /// piece, so that staging copies overlap the rest of the pass.
+    fn weights_updated(&self, sg: u32, offset: usize, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()>;
     /// `sg` is final for this step: make the staged weights the model's.
     fn publish(&self, sg: u32) -> Result<()>;
     /// `ticket` of `lane` completes (after its work and any `publish` of it; within a lane, in

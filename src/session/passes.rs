@@ -19,6 +19,8 @@ use crate::kernels::{self, AdamBuffers, AdamHyper, CopyOutMut, FloatsMut, Moment
 /// Elements of one chunk of a speculative pass: between two chunks the pass checks whether
 /// more urgent work is waiting (about a millisecond of work on a many-core pool).
 pub(crate) const SPECULATION_CHUNK: usize = 1 << 22;
+/// Elements of a final pass staged for the device at a time (16 MiB of bf16 weights).
+const PUBLISH_PIECE: usize = 1 << 23;
 
 /// Zero-filling, late-gradient merging and the sums of squares the decision needs.
 pub(crate) struct PreparePlan {
@@ -172,8 +174,18 @@ impl Worker {
 
     /// Tells the transport that a pass changed the master weights.
     fn staged(&self, sg: &SubGroup, data: &SgData) -> Result<()> {
+        self.staged_range(sg, data, 0..sg.numel)
+    }
+
+    /// Tells the transport that a pass changed the master weights in `range`.
+    fn staged_range(&self, sg: &SubGroup, data: &SgData, range: Range<usize>) -> Result<()> {
         match self.shared.transport() {
-            Some(t) => t.weights_updated(sg.id, data.master.floats(), data.copy.as_ref().map(|c| c.floats())),
+            Some(t) => t.weights_updated(
+                sg.id,
+                range.start,
+                data.master.range(range.clone()),
+                data.copy.as_ref().map(|c| c.range(range)),
+            ),
             None => Ok(()),
         }
     }
@@ -636,13 +648,20 @@ impl Worker {
                     && self.shared.transport().is_some()
                     && data.grad.is_owned()
                     && kernels::can_split_update(&hp);
-                if defer {
-                    kernels::update_weights(pool, &hp, buffers(&mut data, 0..n), factor)?;
-                    out.moments_after = Some((hp, factor));
-                } else {
-                    kernels::update(pool, &hp, buffers(&mut data, 0..n), &update)?;
+                // In pieces, each staged as it is done: the next forward waits for this pass
+                // and the staging copy of its last piece only.
+                for start in (0..n).step_by(PUBLISH_PIECE) {
+                    let piece = start..(start + PUBLISH_PIECE).min(n);
+                    if defer {
+                        kernels::update_weights(pool, &hp, buffers(&mut data, piece.clone()), factor)?;
+                    } else {
+                        kernels::update(pool, &hp, buffers(&mut data, piece.clone()), &update)?;
+                    }
+                    self.staged_range(sg, &data, piece)?;
                 }
-                self.staged(sg, &data)?;
+                if defer {
+                    out.moments_after = Some((hp, factor));
+                }
                 out.elements += n as u64;
                 if redo {
                     result.redone += 1;

@@ -437,6 +437,7 @@ macro_rules! transport_without_publishing {
         fn weights_updated(
             &self,
             _: u32,
+            _: usize,
             _: superoffload::kernels::Floats<'_>,
             _: Option<superoffload::kernels::Floats<'_>>,
         ) -> superoffload::error::Result<()> {
