@@ -226,9 +226,8 @@ def overlap(lib, torch, args):
         ("auto_split", "auto", 0.0, budget), ("auto_split_clip", "auto", 1e-3, budget),
     ]
     print(f"overlap: GPU forward+backward {ms(t_gpu)} ms, CPU Adam {ms(t_adam)} ms", file=sys.stderr, flush=True)
-    for name, spec, clip, gpu_budget in modes:
-        if args.modes and name not in args.modes:
-            continue
+
+    def run_mode(name, spec, clip, gpu_budget):
         s = Session(lib, masters, params, speculation=spec, cores=args.cores, gpu_budget=gpu_budget)
         s.set_compute_stream(compute.cuda_stream)
         copy_stream = torch.cuda.ExternalStream(s.copy_stream_ptr)
@@ -264,15 +263,27 @@ def overlap(lib, torch, args):
         timed = state["results"][-(args.steps - 1):]
         dev_bytes = device_bytes()
         s.close()
-        results[name] = {
-            "step_ms": ms(t), "vs_max_gpu_adam": round(t / max(t_gpu, t_adam), 3),
+        return t, {
             "rescaled": r.rescaled, "kept": r.kept, "stepped": r.stepped, "cancelled": r.cancelled,
             "speculative": r.speculative, "device_stepped": r.device_stepped, "clip_coef": round(r.clip_coef, 4),
             "final_pass_elements": r.final_pass_elements,
             "forward_wait_ms_mean": ms(statistics.mean(x.forward_wait_s for x in timed)) if timed else None,
             "device_bytes": dev_bytes,
         }
-        print(f"overlap {name}: {results[name]}", file=sys.stderr, flush=True)
+
+    # Rounds run the modes in turn, so a drift of the machine's speed spreads over all of them;
+    # a mode's step time is the median of its rounds, its counts those of the last round.
+    times = {}
+    for _ in range(args.rounds):
+        for name, spec, clip, gpu_budget in modes:
+            if args.modes and name not in args.modes:
+                continue
+            t, details = run_mode(name, spec, clip, gpu_budget)
+            times.setdefault(name, []).append(t)
+            t = statistics.median(times[name])
+            results[name] = {"step_ms": ms(t), "vs_max_gpu_adam": round(t / max(t_gpu, t_adam), 3),
+                             "step_ms_rounds": [ms(x) for x in times[name]], **details}
+            print(f"overlap {name}: {results[name]}", file=sys.stderr, flush=True)
     for name in ("auto", "on", "auto_split"):
         clipped = f"{name}_clip_every_step" if name != "auto_split" else "auto_split_clip"
         if not all(m in results for m in (name, clipped, "after_backward", "after_backward_clip")):
@@ -315,6 +326,7 @@ def main():
     ap.add_argument("--fwd-mm", type=int, default=3)
     ap.add_argument("--bwd-mm", type=int, default=6)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1, help="overlap: run every mode this many times, in turn")
     ap.add_argument("--modes", type=lambda s: s.split(","), default=None,
                     help="comma-separated overlap modes to run (default: all)")
     ap.add_argument("--cores", type=lambda s: [int(c) for c in s.split(",")] if s else None, default=None,

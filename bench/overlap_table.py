@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Prints the overlap results of bench/cuda_bench.py (--json files) as a Markdown table:
-step time, ratio to max(GPU forward+backward, CPU Adam), optimizer passes after backward and the
+step time (with --rounds, the median and each round's),
+ratio to max(GPU forward+backward, CPU Adam), optimizer passes after backward and the
 exposed wait of the next forward, per mode.
 
   python3 bench/overlap_table.py out/cuda_balanced.json [more.json ...]
@@ -18,7 +19,9 @@ for path in sys.argv[1:]:
         if not isinstance(v, dict):
             continue
         counts = f"{v['kept']} / {v['rescaled']} / {v['stepped']} / {v['cancelled']} / {v['device_stepped']}"
-        print(f"| {name} | {v['step_ms']} | {v['vs_max_gpu_adam']} | {v['final_pass_elements']:,} | "
+        rounds = v.get("step_ms_rounds", [])
+        step = f"{v['step_ms']} ({', '.join(map(str, rounds))})" if len(rounds) > 1 else v["step_ms"]
+        print(f"| {name} | {step} | {v['vs_max_gpu_adam']} | {v['final_pass_elements']:,} | "
               f"{v['forward_wait_ms_mean']} | {counts} | {v['device_bytes']:,} |")
     for k, v in d.items():
         if "_over_" in k:

@@ -12,7 +12,8 @@
 
 #define NSG 3
 #define STEPS 6
-static const size_t SLICES[NSG][2] = {{100000, 0}, {50000, 20001}, {5000, 0}};
+/* Sub-group 0 is larger than a publication piece (8 Mi elements): staged in two pieces. */
+static const size_t SLICES[NSG][2] = {{9000000, 0}, {50000, 20001}, {5000, 0}};
 
 typedef struct {
     so_session *s;
