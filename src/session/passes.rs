@@ -491,10 +491,7 @@ impl Worker {
         let span = self.shared.tracer.span(Lane::CpuAdam, || format!("finalize sub-group {}", sg.id));
         let start = Instant::now();
         let mut done = FinalPass { kind: "unchanged", elements: 0, moments_after: None };
-        let outcome = guarded(|| {
-            let moments_may_wait = step.moments_may_wait;
-            self.final_pass(sg, group, moments_may_wait, &mut step.result, &mut done)
-        });
+        let outcome = guarded(|| self.final_pass(sg, group, step.moments_may_wait, &mut step.result, &mut done));
         let FinalPass { kind: outcome_kind, elements, moments_after } = done;
         if outcome_kind.starts_with("stepped") && elements > 0 {
             // With the moments after, what the next forward waits for is the weights pass.
@@ -648,10 +645,11 @@ impl Worker {
                     && self.shared.transport().is_some()
                     && data.grad.is_owned()
                     && kernels::can_split_update(&hp);
-                // In pieces, each staged as it is done: the next forward waits for this pass
-                // and the staging copy of its last piece only.
-                for start in (0..n).step_by(PUBLISH_PIECE) {
-                    let piece = start..(start + PUBLISH_PIECE).min(n);
+                // With a device to publish to, in pieces, each staged as it is done: the next
+                // forward waits for this pass and the staging copy of its last piece only.
+                let piece_len = if self.shared.transport().is_some() { PUBLISH_PIECE } else { n.max(1) };
+                for start in (0..n).step_by(piece_len) {
+                    let piece = start..(start + piece_len).min(n);
                     if defer {
                         kernels::update_weights(pool, &hp, buffers(&mut data, piece.clone()), factor)?;
                     } else {
