@@ -198,9 +198,9 @@ def overlap(lib, torch, args):
 
     def gpu_only():
         for k in range(L):
-            layer_work(k, args.fwd_mm)
+            layer_work(k, args.forward_matmuls)
         for k in reversed(range(L)):
-            layer_work(k, args.bwd_mm)
+            layer_work(k, args.backward_matmuls)
 
     def time_loop(body, steps):
         for _ in range(2):
@@ -236,10 +236,10 @@ def overlap(lib, torch, args):
         def train_step():
             for k in range(L):  # forward: layer k waits only for sub-group k's weights
                 s.gpu_wait(s.final_ticket(k), compute.cuda_stream)
-                layer_work(k, args.fwd_mm)
+                layer_work(k, args.forward_matmuls)
             s.begin()
             for k in reversed(range(L)):  # backward: hand each layer's gradient over as it is produced
-                g = layer_work(k, args.bwd_mm).flatten()
+                g = layer_work(k, args.backward_matmuls).flatten()
                 g.record_stream(copy_stream)
                 s.grad(k, g, compute.cuda_stream)
             if state["ticket"]:
@@ -315,22 +315,43 @@ def cpu_adam_time(lib, masters, torch):
     return statistics.median(times[1:])
 
 
+class _Renamed(argparse.Action):
+    """A flag of an earlier version: exits with the name it has now."""
+
+    def __init__(self, option_strings, dest, new, **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is now {self.new}")
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lib", required=True)
-    ap.add_argument("--json")
-    ap.add_argument("--only", choices=["copies", "overlap"])
-    ap.add_argument("--copy-reps", type=int, default=9)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--params-per-layer", type=int, default=8192 * 3072)
-    ap.add_argument("--fwd-mm", type=int, default=3)
-    ap.add_argument("--bwd-mm", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=1, help="overlap: run every mode this many times, in turn")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
+    ap.add_argument("--lib", required=True, help="path to libsuperoffload.so")
+    ap.add_argument("--json", help="write the results as JSON here")
+    ap.add_argument("--only", choices=["copies", "overlap"], help="run only this benchmark (default: both)")
+    ap.add_argument("--copy-reps", type=int, default=9, help="copies: timed repetitions (default 9)")
+    ap.add_argument("--layers", type=int, default=8, help="overlap: layers, one sub-group each (default 8)")
+    ap.add_argument("--params-per-layer", type=int, default=8192 * 3072,
+                    help="overlap: parameters per layer (default 25165824)")
+    ap.add_argument("--forward-matmuls", type=int, default=3,
+                    help="overlap: GPU work per layer in the forward, in 8192 x 8192 bf16 matmuls (default 3)")
+    ap.add_argument("--backward-matmuls", type=int, default=6,
+                    help="overlap: GPU work per layer in the backward, in 8192 x 8192 bf16 matmuls (default 6)")
+    ap.add_argument("--steps", type=int, default=8, help="overlap: timed steps per mode (default 8)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="overlap: run every mode this many times, in turn; report the median (default 1)")
     ap.add_argument("--modes", type=lambda s: s.split(","), default=None,
-                    help="comma-separated overlap modes to run (default: all)")
+                    help="overlap: comma list of the modes to run, of auto, auto_clip_every_step, on, "
+                         "on_clip_every_step, after_backward, after_backward_clip, auto_split, auto_split_clip "
+                         "(default: all)")
     ap.add_argument("--cores", type=lambda s: [int(c) for c in s.split(",")] if s else None, default=None,
-                    help="comma-separated cores for the session's pool (default: the default pool)")
+                    help="comma list of cores for the session's pool (default: the default pool)")
+    # Names of earlier versions: refused with the new name.
+    for old, new in (("--fwd-mm", "--forward-matmuls"), ("--bwd-mm", "--backward-matmuls")):
+        ap.add_argument(old, nargs="?", action=_Renamed, new=new, help=argparse.SUPPRESS)
     args = ap.parse_args()
     import torch
     if not torch.cuda.is_available():

@@ -6,10 +6,12 @@ exposed wait of the next forward, per mode.
 
   python3 bench/overlap_table.py out/cuda_balanced.json [more.json ...]
 """
+import argparse
 import json
-import sys
 
-for path in sys.argv[1:]:
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("json", nargs="+", help="a --json file of bench/cuda_bench.py")
+for path in ap.parse_args().json:
     d = json.load(open(path))["overlap"]
     print(f"\n{path}: GPU forward+backward {d['gpu_fwd_bwd_ms']} ms, CPU Adam {d['cpu_adam_ms']} ms\n")
     print("| mode | step (ms) | x max(GPU, CPU Adam) | elements after step() | forward wait (ms) | "

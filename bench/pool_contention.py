@@ -44,10 +44,10 @@ def busy(cores):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--numel", type=int, default=1 << 25)
+    ap.add_argument("--numel", type=int, default=1 << 25, help="elements of the update (default 33554432)")
     ap.add_argument("--cores", default="2-15", help="the pool's cores, a-b (default 2-15)")
-    ap.add_argument("--reps", type=int, default=12)
-    ap.add_argument("--json")
+    ap.add_argument("--reps", type=int, default=12, help="timed updates per condition (default 12)")
+    ap.add_argument("--json", help="write the results as JSON here")
     ap.add_argument("--copy-loop", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.copy_loop:

@@ -49,11 +49,11 @@ def summary(events):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace")
-    ap.add_argument("png")
-    ap.add_argument("--from-ms", type=float)
-    ap.add_argument("--to-ms", type=float)
-    ap.add_argument("--title", default="superoffload session timeline")
+    ap.add_argument("trace", help="the trace, Chrome trace JSON (so_session_trace_save)")
+    ap.add_argument("png", help="the image to write (needs matplotlib; without it only the summary is printed)")
+    ap.add_argument("--from-ms", type=float, help="draw from this time, ms after the first event")
+    ap.add_argument("--to-ms", type=float, help="draw up to this time, ms after the first event")
+    ap.add_argument("--title", default="superoffload session timeline", help="the image's title")
     args = ap.parse_args()
     data = json.load(open(args.trace))
     events = [e for e in data["traceEvents"] if e.get("ph") == "X"]

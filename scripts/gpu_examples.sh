@@ -43,7 +43,7 @@ if so_want overlap; then
   so_step "overlap benchmark, backward longer than forward"
   cores=$(seq -s, 2 $((threads - 1)))
   timeout 240 python3 bench/cuda_bench.py --lib "$prefix/lib/libsuperoffload.so" --cores "$cores" --only overlap \
-    --fwd-mm 1 --bwd-mm 6 --json "$out/cuda_long_backward.json" > "$out/cuda_long_backward.txt" 2>&1
+    --forward-matmuls 1 --backward-matmuls 6 --json "$out/cuda_long_backward.json" > "$out/cuda_long_backward.txt" 2>&1
   tail -60 "$out/cuda_long_backward.txt"
 fi
 if so_want host; then

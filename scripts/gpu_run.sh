@@ -41,7 +41,7 @@ cores=$(seq -s, 2 $((threads - 1)))
 python3 bench/cuda_bench.py --lib "$prefix/lib/libsuperoffload.so" --cores "$cores" --json "$out/cuda.json" 2>&1 |
   tee "$out/cuda.txt"
 python3 bench/cuda_bench.py --lib "$prefix/lib/libsuperoffload.so" --cores "$cores" --only overlap \
-  --fwd-mm 1 --bwd-mm 2 --json "$out/cuda_balanced.json" 2>&1 | tee "$out/cuda_balanced.txt"
+  --forward-matmuls 1 --backward-matmuls 2 --json "$out/cuda_balanced.json" 2>&1 | tee "$out/cuda_balanced.txt"
 python3 bench/cuda_bench.py --lib "$prefix/lib/libsuperoffload.so" --cores "$cores" --only overlap \
-  --bwd-mm 6 --fwd-mm 1 --json "$out/cuda_long_backward.json" 2>&1 | tee "$out/cuda_long_backward.txt"
+  --forward-matmuls 1 --backward-matmuls 6 --json "$out/cuda_long_backward.json" 2>&1 | tee "$out/cuda_long_backward.txt"
 fi

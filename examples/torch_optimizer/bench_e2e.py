@@ -18,7 +18,8 @@ by side:
   h  ours, the default, with the first --gpu-fraction of the parameters (forward order: the
      embedding and first layers) GPU-resident (SuperOffload's ratio < 1); one run per fraction
 
-each with clipping triggering on every step (max_grad_norm tiny, --clip) and without (0).
+each without clipping (max_grad_norm 0) and with clipping triggering on every step (max_grad_norm
+--clip-max-norm, tiny; --clipped-only runs only these).
 Reported per run: s/step (median of --steps timed steps after --warmup), tokens/s, TFLOPS
 (6 * N * tokens / time), for ours the fraction of the CPU Adam time hidden
 (1 - max(0, t - t_e) / t_cpu_adam, t_cpu_adam measured once with the library's kernel alone on the
@@ -30,6 +31,7 @@ of our runs (trace_<run>.json, e.g. trace_a_clip.json) and renders it with bench
 
   python3 bench_e2e.py [--layers 22 --hidden 2048 ...] [--seq 2048 --batch 16] [--modes e,d,a,x,h,s,b,c]
   python3 bench_e2e.py --smoke       # tiny model on the CPU: exercises the code paths, no numbers
+  scripts/bench.sh e2e [flags]       # the same, from the repository root
 
 Outputs go to --out (default $OUT, else bench-out/). Needs the superoffload package.
 """
@@ -64,7 +66,7 @@ def build_model(args, device):
         model = LlamaForCausalLM(cfg)
     model = model.to(dtype=args.dtype)
     model.config.use_cache = False
-    if not args.no_ckpt:
+    if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
@@ -310,6 +312,17 @@ def mode_no_optimizer(model, batch, args, timer, results, n_params, tokens):
     results["e_fwd_bwd_only"] = summarise("e_fwd_bwd_only", times, window, losses, n_params, tokens)
 
 
+class _Renamed(argparse.Action):
+    """A flag of an earlier version: exits with the name it has now."""
+
+    def __init__(self, option_strings, dest, new, **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is now {self.new}")
+
+
 def parse_cores(s):
     if s in (None, "", "none"):
         return None
@@ -324,30 +337,50 @@ def parse_cores(s):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=22)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--inter", type=int, default=5632)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--modes", default="e,d,a,x,h,b,c")
-    ap.add_argument("--clip", type=float, default=1e-3, help="max_grad_norm of the clipped runs (tiny: every step)")
-    ap.add_argument("--no-clip-runs", action="store_true", help="only the clipped runs")
-    ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--sub-group-numel", type=int, default=1 << 25)
-    ap.add_argument("--gpu-fraction", default="0.33", help="mode h: comma list of GPU-resident fractions")
-    ap.add_argument("--gpu-budget-gib", default=None,
-                    help="mode x: GPU memory for the automatic split (default: 4 bytes per parameter)")
-    ap.add_argument("--cores", default="auto", help='session cores: "auto" (all but the first two), "none", or 2-15')
-    ap.add_argument("--no-ckpt", action="store_true", help="no activation checkpointing")
-    ap.add_argument("--no-trace", dest="trace", action="store_false")
-    ap.add_argument("--out", default=os.environ.get("OUT") or "bench-out")
-    ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (f32, host mode): code paths only")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
+    model = ap.add_argument_group("model (default: TinyLlama-1.1B's shape)")
+    model.add_argument("--layers", type=int, default=22, help="decoder layers (default 22)")
+    model.add_argument("--hidden", type=int, default=2048, help="hidden size (default 2048)")
+    model.add_argument("--inter", type=int, default=5632, help="MLP intermediate size (default 5632)")
+    model.add_argument("--heads", type=int, default=32, help="attention heads (default 32)")
+    model.add_argument("--kv-heads", type=int, default=4, help="key/value heads (default 4)")
+    model.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
+    model.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false",
+                       help="keep every activation instead of recomputing them in backward")
+    run = ap.add_argument_group("runs")
+    run.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    run.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    run.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
+    run.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed ones (default 2)")
+    run.add_argument("--modes", default="e,d,a,x,h,b,c",
+                     help="comma list of the modes above, run in this order (default e,d,a,x,h,b,c)")
+    run.add_argument("--clip-max-norm", type=float, default=1e-3,
+                     help="max_grad_norm of the clipped runs (default 1e-3: tiny, so every step clips)")
+    run.add_argument("--clipped-only", action="store_true",
+                     help="run each mode with clipping only (default: without clipping, then with it)")
+    run.add_argument("--lr", type=float, default=1e-5, help="learning rate of every optimizer (default 1e-5)")
+    run.add_argument("--smoke", action="store_true",
+                     help="a tiny model on the CPU (f32, host mode): exercises the code paths, no numbers")
+    ours = ap.add_argument_group("our optimizer")
+    ours.add_argument("--sub-group-numel", type=int, default=1 << 25,
+                      help="elements per sub-group (default 33554432)")
+    ours.add_argument("--gpu-fraction", default="0.33",
+                      help="mode h: comma list of GPU-resident fractions, one run each (default 0.33)")
+    ours.add_argument("--gpu-budget-gib", default=None,
+                      help="mode x: GPU memory for the automatic split, GiB (default: 4 bytes per parameter)")
+    ours.add_argument("--cores", default="auto",
+                      help='session pool cores: "auto" (all but the first two), "none" (default pool), or a '
+                           "list like 2-15")
+    out = ap.add_argument_group("output")
+    out.add_argument("--no-trace", dest="trace", action="store_false",
+                     help="skip the traced extra step of each of our runs (trace_<run>.json and .png)")
+    out.add_argument("--out", default=os.environ.get("OUT") or "bench-out",
+                     help="output directory (default: $OUT, else bench-out)")
+    # Names of earlier versions: refused with the new name, never taken with another meaning.
+    for old, new in (("--no-clip-runs", "--clipped-only"), ("--clip", "--clip-max-norm"),
+                     ("--no-ckpt", "--no-activation-checkpointing")):
+        ap.add_argument(old, nargs="?", action=_Renamed, new=new, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.smoke:
@@ -369,12 +402,12 @@ def main():
     tokens = args.seq * args.batch
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
-    clips = [args.clip] if args.no_clip_runs else [0.0, args.clip]
+    clips = [args.clip_max_norm] if args.clipped_only else [0.0, args.clip_max_norm]
     header = {"device": torch.cuda.get_device_name(device) if cuda else "cpu (smoke)", "torch": torch.__version__,
               "superoffload": superoffload.__version__, "params": n_params,
               "tokens_per_step": tokens, "seq": args.seq, "batch": args.batch, "layers": args.layers,
-              "hidden": args.hidden, "activation_checkpointing": not args.no_ckpt, "session_cores": args.cores,
-              "cpus": os.cpu_count(), "clip": args.clip, "steps": args.steps, "warmup": args.warmup}
+              "hidden": args.hidden, "activation_checkpointing": args.activation_checkpointing, "session_cores": args.cores,
+              "cpus": os.cpu_count(), "clip": args.clip_max_norm, "steps": args.steps, "warmup": args.warmup}
     log(json.dumps(header))
     results = {"config": header}
 
