@@ -9,26 +9,16 @@
 # the example's ctypes structs): install it (`pip install .` at the root, or the wheel).
 # Environment: PYTHON, BUILD_DIR (default: build/ next to this script).
 set -euo pipefail
-if [ $# -lt 1 ]; then
-    echo "usage: $0 <superoffload-prefix> [train_mlp.py flags...]" >&2
-    exit 2
-fi
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-prefix="$(cd "$1" && pwd)" || { echo "run.sh: no such prefix: $1" >&2; exit 2; }
+. "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+example_prefix "[train_mlp.py flags...]" "$@"
 shift
-[ -f "$prefix/lib/cmake/SuperOffload/SuperOffloadConfig.cmake" ] ||
-    { echo "run.sh: $prefix has no lib/cmake/SuperOffload (install superoffload there first)" >&2; exit 2; }
-py="${PYTHON:-python3}"
-build="${BUILD_DIR:-$here/build}"
-inc="$("$py" -c 'import jax; print(jax.ffi.include_dir())')" ||
-    { echo "run.sh: '$py' cannot import jax; set PYTHON to an interpreter that can" >&2; exit 2; }
+example_require_module jax "set PYTHON to an interpreter that can"
+example_require_module superoffload "pip install . (or the wheel) first"
 backend="$("$py" -c 'import jax; print(jax.default_backend())')"
-"$py" -c 'import superoffload' ||
-    { echo "run.sh: '$py' cannot import the superoffload package; pip install . (or the wheel) first" >&2; exit 2; }
 echo "run.sh: jax $("$py" -c 'import jax; print(jax.__version__)'), default backend $backend"
 
-cmake -S "$here" -B "$build" -DCMAKE_BUILD_TYPE=Release "-DJAX_FFI_INCLUDE_DIR=$inc" "-DCMAKE_PREFIX_PATH=$prefix"
-cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)"
+example_cmake_build "-DJAX_FFI_INCLUDE_DIR=$("$py" -c 'import jax; print(jax.ffi.include_dir())')" \
+    "-DCMAKE_PREFIX_PATH=$prefix"
 lib="$build/libso_jax_ffi.so"
 
 platforms=(auto)
@@ -36,12 +26,9 @@ if [ "$backend" = "gpu" ]; then platforms+=(cpu); fi
 status=0
 for platform in "${platforms[@]}"; do
     for variant in "--max-norm 1.0" "--max-norm 0" "--max-norm 1.0 --no-speculation"; do
-        echo
-        echo "==== platform $platform, $variant"
+        example_step "platform $platform, $variant"
         # shellcheck disable=SC2086
         "$py" "$here/train_mlp.py" --lib "$lib" --platform "$platform" $variant "$@" || status=1
     done
 done
-echo
-if [ "$status" -eq 0 ]; then echo "run.sh: all runs passed"; else echo "run.sh: FAILED"; fi
-exit "$status"
+example_exit "$status"

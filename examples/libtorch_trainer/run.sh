@@ -12,19 +12,11 @@
 # (default: build/ next to this script), SO_CUDA_EXTRA_INCLUDE (CUDA headers for a CUDA build
 # of torch on a machine without a CUDA toolkit; see CMakeLists.txt).
 set -euo pipefail
-if [ $# -lt 1 ]; then
-    echo "usage: $0 <superoffload-prefix> [trainer flags...]" >&2
-    exit 2
-fi
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-prefix="$(cd "$1" && pwd)" || { echo "run.sh: no such prefix: $1" >&2; exit 2; }
+. "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+example_prefix "[trainer flags...]" "$@"
 shift
-[ -f "$prefix/lib/cmake/SuperOffload/SuperOffloadConfig.cmake" ] ||
-    { echo "run.sh: $prefix has no lib/cmake/SuperOffload (install superoffload there first)" >&2; exit 2; }
-py="${PYTHON:-python3}"
-build="${BUILD_DIR:-$here/build}"
-torch_cmake="$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)')" ||
-    { echo "run.sh: '$py' cannot import torch; set PYTHON to an interpreter that can" >&2; exit 2; }
+example_require_module torch "set PYTHON to an interpreter that can"
+torch_cmake="$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 torch_cuda="$("$py" -c 'import torch; print(torch.version.cuda or "")')"
 
 extra=()
@@ -49,17 +41,14 @@ if [ -n "$torch_cuda" ]; then
     fi
 fi
 
-cmake -S "$here" -B "$build" -DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=$torch_cmake;$prefix" ${extra[@]+"${extra[@]}"}
-cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)"
+example_cmake_build "-DCMAKE_PREFIX_PATH=$torch_cmake;$prefix" ${extra[@]+"${extra[@]}"}
 bin="$build/so_torch_trainer"
 
 status=0
-echo
-echo "==== in-process checks"
+example_step "in-process checks"
 "$bin" --ckpt "$build/ckpt" "$@" || status=$?
 
-echo
-echo "==== resume across processes"
+example_step "resume across processes"
 rm -rf "$build/xckpt"
 if "$bin" --save-at half --ckpt "$build/xckpt" --losses-out "$build/losses_full.txt" --log-every 1000 "$@" &&
    "$bin" --resume "$build/xckpt" --losses-out "$build/losses_resumed.txt" --log-every 1000 "$@" &&
@@ -69,7 +58,4 @@ else
     echo "resume across processes: FAIL"
     status=1
 fi
-
-echo
-if [ "$status" -eq 0 ]; then echo "run.sh: all checks passed"; else echo "run.sh: FAILED (status $status)"; fi
-exit "$status"
+example_exit "$status"

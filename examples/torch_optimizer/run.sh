@@ -16,7 +16,7 @@
 # Outputs (logs, JSON, the trace PNG) go to $OUT if set, else examples/torch_optimizer/out/.
 # Environment: PYTHON (default python3). Exits non-zero if any check fails.
 set -uo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+. "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 bench=0 tests=1 bench_args=() wheel=""
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -29,7 +29,6 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
-py="${PYTHON:-python3}"
 out="${OUT:-$here/out}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -40,9 +39,7 @@ if [ -n "$wheel" ]; then
 fi
 cd "$here"
 status=0
-step() { printf '\n==== %s\n' "$1"; }
-
-step "environment"
+example_step "environment"
 "$py" - <<'PY' 2>&1 | tee "$out/environment.txt"
 import os, platform, sys
 import torch, superoffload
@@ -56,7 +53,7 @@ gpu="$("$py" -c 'import torch; print(int(torch.cuda.is_available()))')"
 
 run() {  # name, command...
     local name="$1"; shift
-    step "$name"
+    example_step "$name"
     "$@" 2>&1 | tee "$out/$name.txt"
     local rc="${PIPESTATUS[0]}"
     if [ "$rc" -ne 0 ]; then echo "run.sh: $name FAILED (exit $rc)"; status=1; fi
@@ -79,6 +76,4 @@ if [ "$bench" -eq 1 ]; then
     fi
 fi
 
-echo
-if [ "$status" -eq 0 ]; then echo "run.sh: all checks passed (outputs in $out)"; else echo "run.sh: FAILED (outputs in $out)"; fi
-exit "$status"
+example_exit "$status" "outputs in $out"
