@@ -26,6 +26,7 @@
 #   SO_BENCH_OUT      where the JSON results go (default: out/session_bench)
 # Timings on a machine shared with other work are noisy: read medians, repeat runs.
 set -euo pipefail
+shopt -s inherit_errexit # a failed build inside $(...) stops the script
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 py="${PYTHON:-python3}"
@@ -125,7 +126,10 @@ name="$1"
 shift
 entry="$(benchmarks | awk -F'|' -v n="$name" '$1 == n { print $2 }')"
 case "$entry" in
-    rust:*) exec "$(rust_program "${entry#rust:}")" "$@" ;;
+    rust:*)
+        program="$(rust_program "${entry#rust:}")"
+        exec "$program" "$@"
+        ;;
     py:*) exec "$py" "${entry#py:}" "$@" ;;
     set)
         if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
