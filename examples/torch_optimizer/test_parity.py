@@ -205,7 +205,7 @@ def test_gpu_resident(args, report, device, dtype, data):
     d = rel_diffs(la, lb)
     mean_rel = sum(d) / len(d)
     clipped = sum(1 for r in results if r["clip_coef"] < 1.0)
-    gpu_stepped = all(r["gpu_resident_stepped"] > 0 for r in results)
+    gpu_stepped = all(r["device_stepped"] > 0 for r in results)
     opt.close()
 
     buf.seek(0)

@@ -4,7 +4,7 @@ gradient clipping, over libsuperoffload's C ABI (bundled in this package, reache
     import superoffload
     superoffload.__version__          # the library's version (so_version_string())
     from superoffload.torch import SuperOffloadAdamW
-    from superoffload.hf import SuperOffloadTrainer, superoffload_optimizers
+    from superoffload.hf import SuperOffloadTrainer
 
 Layers: `superoffload.Session` / `superoffload.Pool` (the C ABI, addresses as integers; no torch
 needed), `superoffload.torch` (the torch.optim optimizer), `superoffload.hf` (Hugging Face

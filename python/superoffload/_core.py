@@ -72,11 +72,6 @@ def lib():
     return _LIB
 
 
-def has(name):
-    """Whether the loaded library exports `name` (for functions of a newer ABI)."""
-    return hasattr(lib(), name)
-
-
 def last_error_message():
     buf = C.create_string_buffer(4096)
     n = lib().so_last_error_message(buf, len(buf))
@@ -260,7 +255,7 @@ class Session:
                 setattr(ls, k, v)
             self._keep_opts.append(ls)
             o.loss_scaler = C.pointer(ls)
-        for k, v in extra.items():  # fields of a newer ABI (e.g. gpu_budget_bytes)
+        for k, v in extra.items():  # any other so_session_options field by name (e.g. gpu_budget_bytes)
             if k not in o.field_names():
                 raise TypeError(f"Session(): this library's so_session_options has no field {k!r}")
             setattr(o, k, v)
@@ -339,7 +334,7 @@ class Session:
     def add_subgroup(self, group, master, numel, slices, *, master_dtype="f32", grad=0, device_param=0,
                      device_param_dtype="f32", keep=None, **extra):
         """Registers a sub-group; `slices` = [(name, offset, numel)]. Returns (id, [slice ids]).
-        `extra`: fields of a newer so_subgroup_desc (placement, exp_avg, exp_avg_sq)."""
+        `extra`: other so_subgroup_desc fields by name (exp_avg, exp_avg_sq, placement)."""
         L = lib()
         d = L.so_subgroup_desc_default()
         d.group, d.master, d.master_dtype, d.numel = int(group), int(master), dtype(master_dtype), int(numel)
@@ -512,7 +507,7 @@ class Session:
     def save_trace(self, path):
         check(lib().so_session_trace_save(self.handle, os.fsencode(path)), "so_session_trace_save")
 
-    # -- newer ABI (present when the library has them)
+    # -- state in place, placement
     def get_subgroup_state(self, sg):
         """so_session_get_subgroup_state as a dict (addresses as integers)."""
         L = lib()

@@ -10,7 +10,8 @@ What it does:
 - builds `SuperOffloadAdamW` from `TrainingArguments`: learning_rate, adam_beta1/2, adam_epsilon,
   weight_decay (Trainer's decay / no-decay split), `max_grad_norm` (the optimizer clips exactly,
   with speculative steps during backward) and `gradient_accumulation_steps`; Trainer's own
-  clipping is turned off (`args.max_grad_norm = 0`), which it says once in the log;
+  clipping is turned off in the Trainer's copy of the arguments (`trainer.args.max_grad_norm`
+  is 0; the `TrainingArguments` passed in keep their value), which it says once in the log;
 - logs the session's global norm as Trainer's `grad_norm`, plus `clip_coef` and
   `optimizer_exposed_s` (seconds the training loop spent in the optimizer's hand-offs, step()
   and waits since the step before) and, on a skipped step, `optimizer_skipped`;
@@ -32,6 +33,7 @@ finalization).
 
 transformers and accelerate are optional dependencies: `pip install superoffload[hf]`.
 """
+import copy
 import logging
 import os
 
@@ -58,7 +60,7 @@ def unwrap_optimizer(opt):
 def synchronize(trainer, host=True):
     """Makes the latest step's weights final for direct reads (see the module docstring)."""
     opt = unwrap_optimizer(getattr(trainer, "optimizer", None))
-    if opt is not None and not opt._closed:
+    if opt is not None and not opt.closed:
         opt.synchronize(host=host)
 
 
@@ -119,8 +121,10 @@ class SuperOffloadTrainer(Trainer):
         self.superoffload_max_grad_norm = float(self.args.max_grad_norm or 0.0)
         if self.superoffload_max_grad_norm > 0:
             logger.warning("SuperOffloadTrainer: gradient clipping (max_grad_norm=%g) is done exactly by "
-                           "SuperOffloadAdamW; Trainer's own clipping is turned off (args.max_grad_norm = 0)",
-                           self.superoffload_max_grad_norm)
+                           "SuperOffloadAdamW; Trainer's own clipping is turned off (trainer.args.max_grad_norm "
+                           "= 0, in the Trainer's copy of the arguments)", self.superoffload_max_grad_norm)
+        # A copy: the caller's TrainingArguments may serve another Trainer, which must still clip.
+        self.args = copy.copy(self.args)
         self.args.max_grad_norm = 0.0
         self.callback_handler.callbacks.insert(0, SuperOffloadCallback(self, sync_every_step))
 
@@ -142,7 +146,7 @@ class SuperOffloadTrainer(Trainer):
 
     def log(self, logs, *args, **kwargs):
         opt = self.superoffload_optimizer
-        if opt is not None and "loss" in logs and not opt._closed:
+        if opt is not None and "loss" in logs and not opt.closed:
             m = opt.metrics()
             if m:
                 logs["grad_norm"] = m["global_norm"]

@@ -18,7 +18,9 @@ CUDA mode, SuperOffloadAdamW on a tiny GPT (python/tests/_models.py), determinis
 Hugging Face Trainer on a LlamaConfig-built model (f32 parameters, bf16 autocast, full_determinism):
   trainer_parity       SuperOffloadTrainer vs Trainer's AdamW, max_grad_norm active, >= 30 steps:
                        mean relative loss difference <= 1e-3
-  trainer_grad_norm    the logged grad_norm equals the session's global norm at every step
+  trainer_grad_norm    at every step, the logged grad_norm is the library's global norm of that step, which
+                       equals the norm of the gradients backward handed over (summed by hooks that run
+                       before the optimizer's), and the logged clip_coef is torch's for that norm
   trainer_resume       checkpoint at step 15 + resume_from_checkpoint == the uninterrupted run
   trainer_final        weights read right after trainer.train() equal the optimizer's masters
   trainer_accumulation gradient_accumulation_steps=2 vs Trainer's AdamW
@@ -190,7 +192,7 @@ def torch_checks(dev):
         ok_resume = resume(gpu_fraction=0.3)
         check("cuda_gpu_fraction", sum(d) / len(d) <= 1e-3 and n_gpu > 0 and ok_resume,
               gpu_resident=n_gpu, mean_rel_loss_diff=f"{sum(d) / len(d):.3e}", resume_bit_identical=ok_resume,
-              gpu_stepped=res[-1]["gpu_resident_stepped"])
+              device_stepped=res[-1]["device_stepped"])
 
     def bf16_moments():
         m = make_model(0, dev, dt)
@@ -211,10 +213,10 @@ def torch_checks(dev):
         loss_fn(m, x, y).backward()
         opt.step()
         opt.synchronize()
-        ws = [p.detach().float().cpu() for p in m.parameters()]  # on the current stream, after the wait
-        masters = {i.name: sg.master[i.offset:i.offset + i.numel] for sg in opt._subgroups for i in sg.params}
-        names = [n for n, _ in m.named_parameters()]
-        same = all(torch.equal(w.reshape(-1), masters[n].to(torch.bfloat16).float()) for n, w in zip(names, ws))
+        ws = {n: p.detach().float().cpu() for n, p in m.named_parameters()}  # on the current stream, after the wait
+        sd = opt.state_dict()
+        masters = {sd["superoffload"]["names"][i]: st["master"] for i, st in sd["state"].items()}
+        same = all(torch.equal(ws[n], masters[n].to(torch.bfloat16).float()) for n in masters)
         check("cuda_direct_read", same, params_equal_published_masters=same)
         opt.close()
 
@@ -246,7 +248,7 @@ def trainer_checks(dev, steps):
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
     from superoffload.hf import SuperOffloadTrainer, unwrap_optimizer
 
-    vocab, seq = 256, 64
+    vocab, seq, CLIP = 256, 64, 0.5
 
     def model():
         torch.manual_seed(0)
@@ -267,20 +269,38 @@ def trainer_checks(dev, steps):
 
     def args(out, **kw):
         base = dict(output_dir=out, per_device_train_batch_size=8, max_steps=steps, learning_rate=2e-3,
-                    max_grad_norm=0.5, weight_decay=0.1, warmup_steps=3, logging_steps=1, save_strategy="no",
+                    max_grad_norm=CLIP, weight_decay=0.1, warmup_steps=3, logging_steps=1, save_strategy="no",
                     report_to=[], seed=0, data_seed=0, bf16=True, full_determinism=True, disable_tqdm=True,
                     dataloader_num_workers=0)
         base.update(kw)
         return TrainingArguments(**base)
 
-    class Norms(TrainerCallback):
+    class StepResults(TrainerCallback):
+        """The optimizer's step result at each on_log, by Trainer's step."""
+
         def __init__(self):
-            self.trainer, self.seen = None, []
+            self.trainer, self.by_step = None, {}
 
         def on_log(self, a, state, control, logs=None, **kw):
             opt = unwrap_optimizer(self.trainer.optimizer)
             if logs and "loss" in logs and opt is not None:
-                self.seen.append(opt.last_step_result(wait=False)["global_norm"])
+                self.by_step[state.global_step] = opt.last_step_result(wait=False)
+
+    class GradNorms(TrainerCallback):
+        """The norm of the gradients backward produced in each step, from post-accumulate-grad
+        hooks registered before the optimizer's own (which takes p.grad)."""
+
+        def __init__(self, m):
+            self.sumsq, self.by_step = 0.0, {}
+            for p in m.parameters():
+                p.register_post_accumulate_grad_hook(self.add)
+
+        def add(self, p):
+            self.sumsq = self.sumsq + p.grad.detach().double().square().sum()
+
+        def on_step_end(self, a, state, control, **kw):
+            self.by_step[state.global_step] = math.sqrt(float(self.sumsq))
+            self.sumsq = 0.0
 
     def logs(t):
         return [h for h in t.state.log_history if "loss" in h]
@@ -289,16 +309,18 @@ def trainer_checks(dev, steps):
     try:
         ref = Trainer(model=model(), args=args(f"{tmp}/ref"), train_dataset=ds)
         ref.train()
-        norms = Norms()
-        ours = SuperOffloadTrainer(model=model(), args=args(f"{tmp}/ours"), train_dataset=ds, callbacks=[norms],
-                                   superoffload_kwargs=dict(sub_group_numel=1 << 18))
-        norms.trainer = ours
+        results = StepResults()
+        ours_model = model()
+        grads = GradNorms(ours_model)
+        ours = SuperOffloadTrainer(model=ours_model, args=args(f"{tmp}/ours"), train_dataset=ds,
+                                   callbacks=[results, grads], superoffload_kwargs=dict(sub_group_numel=1 << 18))
+        results.trainer = ours
         ours.train()
         opt = unwrap_optimizer(ours.optimizer)
-        # weights right after train(): a direct read, as a user would
+        # weights right after train(): a direct read, as a user would; then the masters
         ws = {n: p.detach().cpu().clone() for n, p in ours.model.named_parameters()}
-        opt.session.wait(opt._ticket)
-        masters = {i.name: sg.master[i.offset:i.offset + i.numel].clone() for sg in opt._subgroups for i in sg.params}
+        sd = opt.state_dict()
+        masters = {sd["superoffload"]["names"][i]: st["master"].reshape(-1) for i, st in sd["state"].items()}
         final = all(torch.equal(ws[n].reshape(-1).to(masters[n].dtype), masters[n]) for n in masters)
         a, b = logs(ours), logs(ref)
         d = rel([x["loss"] for x in a], [x["loss"] for x in b])
@@ -306,10 +328,16 @@ def trainer_checks(dev, steps):
         check("trainer_parity", len(d) >= 30 and sum(d) / len(d) <= 1e-3 and clipped > 0, steps=len(d),
               mean_rel_loss_diff=f"{sum(d) / len(d):.3e}", clipped_steps=clipped,
               first_loss=round(a[0]["loss"], 4), last_loss=round(a[-1]["loss"], 4))
-        gn = [x["grad_norm"] for x in a]
-        dn = rel(gn, [x["grad_norm"] for x in b])
-        check("trainer_grad_norm", gn == norms.seen and max(dn) <= 1e-2, equal_to_session=gn == norms.seen,
-              max_rel_diff_vs_trainer_adamw=f"{max(dn):.3e}")
+        logged_is_library = all(
+            results.by_step.get(x["step"]) is not None and results.by_step[x["step"]]["step"] == x["step"]
+            and x["grad_norm"] == results.by_step[x["step"]]["global_norm"]
+            and x["clip_coef"] == results.by_step[x["step"]]["clip_coef"] for x in a)
+        dn = [abs(x["grad_norm"] - grads.by_step[x["step"]]) / grads.by_step[x["step"]] for x in a]
+        dc = [abs(x["clip_coef"] - min(1.0, CLIP / (grads.by_step[x["step"]] + 1e-6))) for x in a]
+        check("trainer_grad_norm", len(a) == steps and logged_is_library and max(dn) <= 1e-5 and max(dc) <= 1e-5
+              and clipped > 0, logged_steps=len(a), logged_is_library_result_of_that_step=logged_is_library,
+              max_rel_diff_vs_handed_over_gradients=f"{max(dn):.3e}", max_clip_coef_diff_vs_torch=f"{max(dc):.3e}",
+              clipped_steps=clipped)
         check("trainer_final", final, weights_equal_masters_after_train=final)
 
         k = steps // 2

@@ -73,12 +73,13 @@ def test_trainer_parity_grad_norm_and_log_line(tmp_path, caplog):
     ref = Trainer(model=model(), args=args(tmp_path / "ref"), train_dataset=ds)
     ref.train()
     norms = Norms()
+    user_args = args(tmp_path / "ours")
     with caplog.at_level(logging.WARNING, logger="superoffload"):
-        ours = SuperOffloadTrainer(model=model(), args=args(tmp_path / "ours"), train_dataset=ds,
+        ours = SuperOffloadTrainer(model=model(), args=user_args, train_dataset=ds,
                                    callbacks=[norms], superoffload_kwargs=dict(sub_group_numel=4096))
     norms.trainer = ours
     assert any("clipping" in r.message and "turned off" in r.message for r in caplog.records)
-    assert ours.args.max_grad_norm == 0.0
+    assert ours.args.max_grad_norm == 0.0 and user_args.max_grad_norm == 0.5  # the caller's arguments unchanged
     ours.train()
     a, b = train_logs(ours), train_logs(ref)
     assert len(a) == len(b) == 12
@@ -90,6 +91,7 @@ def test_trainer_parity_grad_norm_and_log_line(tmp_path, caplog):
     dn = rel([x["grad_norm"] for x in a], [x["grad_norm"] for x in b])
     assert max(dn) <= 1e-3, dn
     assert all("optimizer_exposed_s" in x for x in a)
+    assert unwrap_optimizer(ours.optimizer).max_grad_norm == 0.5
 
 
 def _weights(m):

@@ -133,6 +133,12 @@ def test_state_dict_is_torch_shaped_and_resumes_bit_for_bit(data, kw):
     lb, _ = train(m2, opt2, s2, data[half:16])
     assert la == lb
     assert all(torch.equal(a, b) for a, b in zip(wa, weights(m2)))
+    sd2 = opt2.state_dict()
+    params2 = [p for g in opt2.param_groups for p in g["params"]]
+    assert len(opt2.state) == len(params2)
+    for i, p in enumerate(params2):  # optimizer.state views the state that the state dict holds
+        assert set(opt2.state[p]) == {"exp_avg", "exp_avg_sq", "master"}
+        assert all(torch.equal(t, sd2["state"][i][k]) for k, t in opt2.state[p].items())
     opt2.close()
 
 
@@ -230,7 +236,10 @@ def test_logging_and_metrics(data, caplog, capfd):
               "forward_wait_s", "pinned_bytes", "host_bytes", "device_bytes"):
         assert k in mt, k
     assert mt["global_norm"] > 0 and mt["host_bytes"] > 0
+    result = opt.last_step_result()
+    assert {k: mt[k] for k in result} == result  # the library's fields under the library's names
     opt.close()
+    assert opt.closed
     assert capfd.readouterr().err == ""  # nothing printed to stderr
 
 

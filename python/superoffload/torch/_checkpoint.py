@@ -7,9 +7,9 @@ is the library's (a 64-bit multiply-rotate over every tensor's name and bytes, t
 metadata entry but the checksum, in name order); `tests/test_layer.py` checks it against files
 the library wrote.
 
-Used with libraries of ABI 1, where the session owns the moments and a checkpoint file is the only
-way in or out; with caller-owned moment buffers (ABI 2) the optimizer reads and writes the
-buffers directly.
+SuperOffloadAdamW's state dict goes through such a file when the dynamic loss scaler is on, whose
+state the session keeps and only a checkpoint file carries; otherwise it reads and writes the
+master and moment buffers directly.
 """
 import json
 import os

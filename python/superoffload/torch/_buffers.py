@@ -1,0 +1,118 @@
+"""The sub-groups' buffers and their registration with the session: f32 master weights in one
+page-aligned host arena, moment buffers (torch tensors the session steps in place, so the state
+dict can view them), and in CUDA mode one flat device buffer per sub-group that the model's
+parameters are re-pointed into, which is where the library publishes. In host mode the
+parameters are re-pointed into the master weights themselves."""
+import os
+
+import torch
+
+from .. import _abi, _core
+from ._params import DTYPE_NAMES, TORCH_DTYPES, local, round_up
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+TOUCH_CHUNK = 1 << 22
+
+
+@torch.no_grad()
+def first_touch(bufs, pool):
+    """First touch of freshly allocated host buffers by the pool's threads: one so_adam_update
+    pass with lr 0 over them (param = bufs[0], moments = bufs[1:] or scratch), chunk by chunk;
+    the values are overwritten afterwards. Linux places a page on the NUMA node of the thread
+    that first writes it, so the state lands where the pool updates it."""
+    if bufs[0].numel() == 0:
+        return
+    n = bufs[0].numel()
+    ch = min(n, TOUCH_CHUNK)
+    grad = torch.zeros(ch, dtype=torch.bfloat16)
+    mdt = bufs[-1].dtype if len(bufs) > 1 else torch.float32
+    scratch = [torch.empty(ch, dtype=mdt) for _ in range(3 - len(bufs))]
+    for start in range(0, n, ch):
+        k = min(ch, n - start)
+        p, m, v = [b[start:start + k] for b in bufs] + [t[:k] for t in scratch]
+        _core.adam_update(p.data_ptr(), grad.data_ptr(), m.data_ptr(), v.data_ptr(), k, lr=0.0, beta1=0.5,
+                          beta2=0.5, weight_decay=0.0, pool=pool, param_dtype=DTYPE_NAMES[p.dtype],
+                          grad_dtype="bf16", moment_dtype=DTYPE_NAMES[m.dtype])
+
+
+@torch.no_grad()
+def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, align_bytes, pool, touch):
+    """Lays out every sub-group's slices, allocates and fills its buffers, registers it with the
+    session and re-points the parameters; returns the master arena (None when host FSDP shards
+    are their own masters). `touch`: first-touch the host buffers with `pool` (NUMA placement)."""
+    cuda = device.type == "cuda"
+    el = torch.tensor([], dtype=param_dtype).element_size()
+    dev_align = max(1, align_bytes // el)
+    host_align = max(1, 64 // 4)
+    borrow = fsdp and not cuda  # host FSDP: the f32 shards themselves are the masters
+    for sg in subgroups:
+        off = 0
+        align = dev_align if cuda else host_align
+        for info in sg.params:
+            off = round_up(off, align)
+            info.offset = off
+            off += info.numel
+        sg.numel = off
+    page_el = PAGE_BYTES // 4
+    arena = None
+    if not borrow:
+        total = sum(round_up(sg.numel, page_el) for sg in subgroups) + page_el
+        arena = torch.empty(total, dtype=torch.float32)
+        if touch:
+            first_touch([arena], pool)
+        base = (-(arena.data_ptr() // 4)) % page_el  # first page boundary
+    dev_arena = None
+    if cuda and not fsdp:
+        dev_arena = torch.zeros(sum(round_up(sg.numel, dev_align) for sg in subgroups), dtype=param_dtype,
+                                device=device)
+    host_pos, dev_pos = (base if arena is not None else 0), 0
+    mdt = TORCH_DTYPES[moment_dtype]
+    for sg in subgroups:
+        if borrow:
+            sg.master = _contiguous_shard(sg.params[0])
+        else:
+            sg.master = arena[host_pos:host_pos + sg.numel]
+            host_pos += round_up(sg.numel, page_el)
+            sg.master.zero_()
+            for info in sg.params:
+                sg.master[sg.span(info)].copy_(local(info.param).reshape(-1))
+        sg.exp_avg = torch.empty(sg.numel, dtype=mdt)
+        sg.exp_avg_sq = torch.empty(sg.numel, dtype=mdt)
+        if touch:
+            first_touch([sg.exp_avg, sg.exp_avg_sq], pool)
+        sg.exp_avg.zero_()
+        sg.exp_avg_sq.zero_()
+        keep = [sg.master, sg.exp_avg, sg.exp_avg_sq]
+        if cuda:
+            if fsdp:
+                sg.device_param = _contiguous_shard(sg.params[0])
+            else:
+                sg.device_param = dev_arena[dev_pos:dev_pos + sg.numel]
+                dev_pos += round_up(sg.numel, dev_align)
+                for info in sg.params:
+                    view = sg.device_param[sg.span(info)]
+                    view.copy_(info.param.data.reshape(-1))
+                    info.param.data = view.view(info.param.shape)
+            keep.append(sg.device_param)
+        elif not borrow:
+            for info in sg.params:  # host mode: the parameter is its master slice
+                info.param.data = sg.master[sg.span(info)].view(info.param.shape)
+        slices = [(info.name, info.offset, info.numel) for info in sg.params]
+        sg.id, slice_ids = session.add_subgroup(
+            sg.group, sg.master.data_ptr(), sg.numel, slices, master_dtype="f32",
+            device_param=sg.device_param.data_ptr() if sg.device_param is not None else 0,
+            device_param_dtype=DTYPE_NAMES[param_dtype], keep=keep, exp_avg=sg.exp_avg.data_ptr(),
+            exp_avg_sq=sg.exp_avg_sq.data_ptr(),
+            placement=int(_abi.Placement.DEVICE if sg.device_placed else _abi.Placement.HOST))
+        for info, sid in zip(sg.params, slice_ids):
+            info.sg, info.slice = sg.id, sid
+    if cuda:
+        torch.cuda.current_stream(device).synchronize()
+    return arena
+
+
+def _contiguous_shard(info):
+    shard = local(info.param)
+    if not shard.is_contiguous():
+        raise ValueError(f"SuperOffloadAdamW: the local shard of {info.name} is not contiguous")
+    return shard.view(-1)
