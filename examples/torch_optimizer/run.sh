@@ -9,8 +9,9 @@
 #   1. test_parity.py: ours vs torch.optim.AdamW on f32 masters, speculative vs not bit for bit,
 #      state_dict resume bit for bit, accumulation, GPU-resident part, errors (CUDA mode with bf16
 #      parameters when torch sees a GPU, host mode otherwise);
-#   2. test_fsdp.py under FSDP2, world size 1 (nccl on a GPU, gloo on the CPU), and 2 ranks with
-#      gloo on the CPU (host mode; torchrun), which any machine can run;
+#   2. the package tests' FSDP2 worker (python/tests/fsdp_worker.py), world size 1 (nccl on a GPU,
+#      gloo on the CPU), and 2 ranks with gloo on the CPU (host mode; torchrun), which any machine
+#      can run;
 #   3. with --bench: bench_e2e.py (GPU machine; on a machine without a GPU, its --smoke run);
 #      --bench-only: the benchmark, no tests.
 # Outputs (logs, JSON, the trace PNG) go to $OUT if set, else examples/torch_optimizer/out/.
@@ -38,6 +39,7 @@ if [ -n "$wheel" ]; then
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 cd "$here"
+fsdp_worker="$here/../../python/tests/fsdp_worker.py"
 status=0
 example_step "environment"
 "$py" - <<'PY' 2>&1 | tee "$out/environment.txt"
@@ -61,10 +63,10 @@ run() {  # name, command...
 
 if [ "$tests" -eq 1 ]; then
     run test_parity "$py" test_parity.py --json "$out/parity.json"
-    run test_fsdp_world1 "$py" test_fsdp.py --json "$out/fsdp_world1.json"
+    run test_fsdp_world1 "$py" "$fsdp_worker" --json "$out/fsdp_world1.json"
     port=$(( 20000 + RANDOM % 20000 ))
     run test_fsdp_gloo_2ranks "$py" -m torch.distributed.run --nproc_per_node 2 --master_port "$port" \
-        test_fsdp.py --device cpu --json "$out/fsdp_gloo_2ranks.json"
+        "$fsdp_worker" --device cpu --json "$out/fsdp_gloo_2ranks.json"
 fi
 
 if [ "$bench" -eq 1 ]; then

@@ -28,11 +28,13 @@ import sys
 import time
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (CUDA mode)
+# The tiny GPT, data and reference AdamW are the package tests' own.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python", "tests"))
 
 import torch  # noqa: E402
 
-from common import (MasterAdamW, loss_fn, lr_lambda, make_data, make_model, param_groups, rel_diffs,  # noqa: E402
-                    train_reference)
+from _models import (MasterAdamW, loss_fn, lr_lambda, make_data, make_model, param_groups, rel_diffs,  # noqa: E402
+                     train_reference)
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 

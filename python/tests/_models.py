@@ -1,13 +1,11 @@
-"""Shared pieces of the tests: a tiny GPT (explicit attention, so the CUDA backward can be made
-deterministic), synthetic data, param groups, and the reference AdamW on f32 master weights."""
+"""Shared pieces of the tests and of examples/torch_optimizer: a tiny GPT (explicit attention, so
+the CUDA backward can be made deterministic), synthetic data, param groups, and the reference
+AdamW on f32 master weights."""
 import math
-import os
-import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 
 
 class Block(nn.Module):

@@ -1,5 +1,6 @@
-"""FSDP2 (fully_shard) with 2 ranks, gloo on the CPU: parity, torch.distributed.checkpoint
-save/load resuming bit for bit, per-rank core shares (fsdp_worker.py does the work)."""
+"""FSDP2 (fully_shard) with 2 ranks, gloo on the CPU: parity, resuming bit for bit from a rank-local
+state_dict() and through torch.distributed.checkpoint, per-rank core shares (fsdp_worker.py does
+the work)."""
 import json
 import os
 import socket
@@ -23,9 +24,9 @@ def test_fsdp2_two_ranks_gloo_dcp(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([HERE] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
-           os.path.join(HERE, "fsdp_worker.py"), "--json", str(out)]
+           os.path.join(HERE, "fsdp_worker.py"), "--device", "cpu", "--json", str(out)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     print(r.stdout[-4000:], r.stderr[-4000:])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["pass"] and set(report["checks"]) == {"cores", "parity", "dcp_resume"}
+    assert report["pass"] and set(report["checks"]) == {"cores", "parity", "resume", "dcp_resume"}
