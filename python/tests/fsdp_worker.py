@@ -121,8 +121,8 @@ def main():
         nonlocal ok
         ok &= bool(good)
         report["checks"][name] = {"pass": bool(good), **detail}
-        print(f"[rank {rank}] [{'PASS' if good else 'FAIL'}] {name}: " + ", ".join(f"{k}={v}" for k, v in detail.items()),
-              flush=True)
+        shown = ", ".join(f"{k}={v}" for k, v in detail.items())
+        print(f"[rank {rank}] [{'PASS' if good else 'FAIL'}] {name}: {shown}", flush=True)
 
     try:
         model = sharded(0, device, dtype, mesh)

@@ -153,7 +153,7 @@ class StateDictMixin:
         so = state_dict.get("superoffload") if isinstance(state_dict, dict) else None
         if isinstance(so, dict) and so.get("format") != STATE_DICT_FORMAT:
             raise ValueError(f"state dict format {so.get('format')!r}: this version loads format "
-                             f"{STATE_DICT_FORMAT} (save it again with superoffload 0.2)")
+                             f"{STATE_DICT_FORMAT} (its own state_dict()) or a torch.optim.AdamW state dict")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(len(a["params"]) != len(b["params"])
                                                         for a, b in zip(groups, self.param_groups)):
