@@ -262,12 +262,7 @@ static void free_buffers(case_buffers *b) {
 }
 
 static so_adam_buffers api_buffers(const test_case *c, const case_buffers *b) {
-    so_adam_buffers ab = so_adam_buffers_default();
-    ab.numel = c->n;
-    ab.param = b->param;
-    ab.grad = b->grad;
-    ab.exp_avg = b->m;
-    ab.exp_avg_sq = b->v;
+    so_adam_buffers ab = so_test_adam_buffers(c->n, b->param, b->grad, b->m, b->v);
     ab.param_copy = b->copy;
     ab.param_dtype = c->param_dtype;
     ab.grad_dtype = c->grad_dtype;
@@ -278,10 +273,8 @@ static so_adam_buffers api_buffers(const test_case *c, const case_buffers *b) {
 
 static double run_update(so_pool *pool, const test_case *c, case_buffers *b) {
     so_adam_buffers ab = api_buffers(c, b);
-    so_update_options opts = so_update_options_default();
-    opts.grad_scale = c->grad_scale;
     double sumsq = -1.0;
-    CHECK_OK(so_adam_update(pool, &c->hp, &ab, &opts, &sumsq));
+    so_test_adam_step(pool, &c->hp, &ab, c->grad_scale, &sumsq);
     return sumsq;
 }
 

@@ -65,15 +65,7 @@ static void arena_init(void) {
 /* Puts the arena back after a call that was meant to succeed. */
 static void arena_restore(void) { memcpy(arena, snapshot, ARENA_SIZE); }
 
-static so_adam_buffers base_buffers(void) {
-    so_adam_buffers b = so_adam_buffers_default();
-    b.numel = N;
-    b.param = P();
-    b.grad = G();
-    b.exp_avg = M();
-    b.exp_avg_sq = V();
-    return b;
-}
+static so_adam_buffers base_buffers(void) { return so_test_adam_buffers(N, P(), G(), M(), V()); }
 
 /* Buffers with a bf16 copy-out, so that all five buffers take part. */
 static so_adam_buffers base_buffers_with_copy(void) {

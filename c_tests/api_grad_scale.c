@@ -17,12 +17,7 @@ typedef struct state {
 
 static void step(so_pool *pool, const so_adam_hparams *hp, size_t n, uint32_t pd, uint32_t md, uint32_t cd,
                  const void *grad, uint32_t gd, float scale, bool check_finite, const state *st, double *sumsq) {
-    so_adam_buffers b = so_adam_buffers_default();
-    b.numel = n;
-    b.param = st->p;
-    b.grad = grad;
-    b.exp_avg = st->m;
-    b.exp_avg_sq = st->v;
+    so_adam_buffers b = so_test_adam_buffers(n, st->p, grad, st->m, st->v);
     b.param_copy = st->copy;
     b.param_dtype = pd;
     b.grad_dtype = gd;

@@ -81,12 +81,7 @@ static bool state_same(const state *a, const state *b, size_t n) {
 }
 
 static so_adam_buffers buffers_of(state *s, size_t n, const void *grad, uint32_t gd) {
-    so_adam_buffers b = so_adam_buffers_default();
-    b.numel = n;
-    b.param = s->p;
-    b.grad = grad;
-    b.exp_avg = s->m;
-    b.exp_avg_sq = s->v;
+    so_adam_buffers b = so_test_adam_buffers(n, s->p, grad, s->m, s->v);
     b.grad_dtype = gd;
     return b;
 }
@@ -94,9 +89,7 @@ static so_adam_buffers buffers_of(state *s, size_t n, const void *grad, uint32_t
 static void do_update(so_pool *pool, const so_adam_hparams *hp, state *s, size_t n, const void *g, uint32_t gd,
                       float scale) {
     so_adam_buffers b = buffers_of(s, n, g, gd);
-    so_update_options o = so_update_options_default();
-    o.grad_scale = scale;
-    CHECK_OK(so_adam_update(pool, hp, &b, &o, NULL));
+    so_test_adam_step(pool, hp, &b, scale, NULL);
 }
 
 static void do_rescale(so_pool *pool, const so_adam_hparams *hp, state *s, size_t n, const void *g, uint32_t gd,
@@ -524,12 +517,7 @@ static void test_refusals(so_pool *pool) {
     so_adam_hparams hp = so_adam_hparams_default();
     for (int c = 0; c < 5; c++) {
         for (int empty = 0; empty < 2; empty++) {
-            so_adam_buffers b = so_adam_buffers_default();
-            b.numel = empty ? 0 : n;
-            b.param = p;
-            b.grad = g;
-            b.exp_avg = m;
-            b.exp_avg_sq = v;
+            so_adam_buffers b = so_test_adam_buffers(empty ? 0 : n, p, g, m, v);
             b.param_dtype = combos[c].pd;
             b.moment_dtype = combos[c].md;
             CHECK_STATUS(so_adam_rollback(pool, &hp, &b, 1.0f), SO_STATUS_UNSUPPORTED);
@@ -539,12 +527,7 @@ static void test_refusals(so_pool *pool) {
             CHECK(strstr(so_test_last_error(), "rescale") != NULL);
         }
     }
-    so_adam_buffers b = so_adam_buffers_default();
-    b.numel = n;
-    b.param = p;
-    b.grad = g;
-    b.exp_avg = m;
-    b.exp_avg_sq = v;
+    so_adam_buffers b = so_test_adam_buffers(n, p, g, m, v);
     so_adam_hparams bad = hp;
     bad.beta1 = 0.0f;
     CHECK_STATUS(so_adam_rollback(pool, &bad, &b, 1.0f), SO_STATUS_INVALID_ARGUMENT);

@@ -61,15 +61,8 @@ static fixture setup(so_pool *pool) {
 static void plain_step(float *p, float *m, float *v, const float *grad, float factor, uint64_t step) {
     so_adam_hparams hp = so_adam_hparams_default();
     hp.step = step;
-    so_adam_buffers b = so_adam_buffers_default();
-    b.numel = N;
-    b.param = p;
-    b.grad = grad;
-    b.exp_avg = m;
-    b.exp_avg_sq = v;
-    so_update_options o = so_update_options_default();
-    o.grad_scale = factor;
-    CHECK_OK(so_adam_update(NULL, &hp, &b, &o, NULL));
+    so_adam_buffers b = so_test_adam_buffers(N, p, grad, m, v);
+    so_test_adam_step(NULL, &hp, &b, factor, NULL);
 }
 
 /* The fixture's first plain step of its gradient times `factor`, on the reference copy. */

@@ -488,11 +488,8 @@ static void step_misuse(so_st_model *A, so_st_model *B) {
     EXPECT_REFUSED(so_ticket_query(s, 1000000), SO_STATUS_NOT_FOUND, "so_ticket_query", "never issued");
     EXPECT_REFUSED(so_ticket_wait(s, ta + 1, -1), SO_STATUS_NOT_FOUND, "so_ticket_wait", "never issued");
     EXPECT_REFUSED(so_ticket_wait_all(s, ta + 1, 0), SO_STATUS_NOT_FOUND, "so_ticket_wait_all", "never issued");
-    CHECK_OK(so_session_step_result(s, ta, -1, &r));
-    so_step_result rb;
-    memset(&rb, 0, sizeof rb);
-    rb.struct_size = sizeof rb;
-    CHECK_OK(so_session_step_result(B->session, tb, -1, &rb));
+    r = so_test_step_result(s, ta);
+    const so_step_result rb = so_test_step_result(B->session, tb);
     CHECK(r.serial == 1 && rb.serial == 1 && r.grad_factor == rb.grad_factor && r.clip_coef < 1.0);
     CHECK(r.stepped == NUM_SG && rb.stepped == NUM_SG && r.speculative == 0 && r.kept == 0);
 }
@@ -552,10 +549,7 @@ static void memory_limit(void) {
     CHECK(bytes == 1200);
     so_ticket t = 0;
     CHECK_OK(so_session_step(s, NULL, &t));
-    so_step_result r;
-    memset(&r, 0, sizeof r);
-    r.struct_size = sizeof r;
-    CHECK_OK(so_session_step_result(s, t, -1, &r));
+    so_step_result r = so_test_step_result(s, t);
     /* The speculative step ran and was kept, or had not started and was cancelled. */
     CHECKF(r.late_gradients == 0 && r.kept + r.cancelled == 1 && r.redone == 0, "late %u kept %u redone %u",
            r.late_gradients, r.kept, r.redone);
@@ -585,7 +579,7 @@ static void memory_limit(void) {
     EXPECT_REFUSED(so_session_grad_written(s, 1, &t), SO_STATUS_INVALID_STATE, "so_session_grad_written", "already");
     CHECK(strstr(so_test_last_error(), "grad_copy") != NULL); /* says what to do instead */
     CHECK_OK(so_session_step(s, NULL, &t));
-    CHECK_OK(so_session_step_result(s, t, -1, &r));
+    r = so_test_step_result(s, t);
     CHECK(r.kept + r.cancelled == 1 && !r.skipped);
     so_session_destroy(s);
 }

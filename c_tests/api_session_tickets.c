@@ -31,14 +31,6 @@ static void *wait_in_thread(void *arg) {
     return NULL;
 }
 
-static so_step_result result_of(so_session *s, so_ticket t) {
-    so_step_result r;
-    memset(&r, 0, sizeof r);
-    r.struct_size = sizeof r;
-    CHECK_OK(so_session_step_result(s, t, -1, &r));
-    return r;
-}
-
 int main(void) {
     so_pool *pool = so_test_pool(SO_ISA_PORTABLE, 1);
     CHECK(pool != NULL);
@@ -164,7 +156,7 @@ int main(void) {
     CHECK_OK(so_ticket_wait(s, fin[0], -1));
     CHECK_OK(so_ticket_wait(s, fin[1], -1));
     CHECK_OK(so_ticket_wait(s, fin[2], -1));
-    r = result_of(s, st);
+    r = so_test_step_result(s, st);
     CHECKF(r.skipped && r.speculative == 3 && r.rolled_back == 2 && r.kept == 0 && r.stepped == 0,
            "skipped %d speculative %u rolled back %u", (int)r.skipped, r.speculative, r.rolled_back);
     for (uint32_t sg = 0; sg < 3; sg++) {
@@ -184,7 +176,7 @@ int main(void) {
     so_ticket st2 = 0;
     CHECK_OK(so_session_step(s, NULL, &st2));
     CHECK(st2 > st);
-    r = result_of(s, st2);
+    r = so_test_step_result(s, st2);
     /* The big sub-group completed last: its speculative step was kept, or cancelled at step()
      * and folded into its final pass. */
     CHECKF(!r.skipped && r.serial == 2 && r.kept + r.cancelled == 3, "kept %u cancelled %u", r.kept, r.cancelled);

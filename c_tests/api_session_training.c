@@ -133,15 +133,8 @@ static so_adam_hparams adam_hparams(so_group_hparams g, uint64_t step) {
 static void ref_update(so_group_hparams g, uint64_t step, float *p, float *m, float *v, const float *grad, size_t n,
                        float factor) {
     so_adam_hparams hp = adam_hparams(g, step);
-    so_adam_buffers b = so_adam_buffers_default();
-    b.numel = n;
-    b.param = p;
-    b.grad = grad;
-    b.exp_avg = m;
-    b.exp_avg_sq = v;
-    so_update_options o = so_update_options_default();
-    o.grad_scale = factor;
-    CHECK_OK(so_adam_update(ref_pool, &hp, &b, &o, NULL));
+    so_adam_buffers b = so_test_adam_buffers(n, p, grad, m, v);
+    so_test_adam_step(ref_pool, &hp, &b, factor, NULL);
 }
 
 /* ------------------------------------------------------------------- error bounds
@@ -438,10 +431,7 @@ int main(void) {
         so_ticket st = 0;
         CHECK_OK(so_session_step(s, &args, &st));
         CHECK(st > last_ticket);
-        so_step_result r;
-        memset(&r, 0, sizeof r);
-        r.struct_size = sizeof r;
-        CHECK_OK(so_session_step_result(s, st, -1, &r));
+        const so_step_result r = so_test_step_result(s, st);
         /* Final tickets: one per sub-group, in registration order, after the speculative
          * steps and before the step's ticket. */
         so_ticket prev = last_ticket;

@@ -13,12 +13,7 @@ int main(int argc, char **argv) {
      * denom = 0.5 + 1e-8 and p = 1 * (1 - 1e-5) - (1e-3 / 0.1) * 0.05 / denom. */
     float p[3] = {1.0f, 1.0f, 1.0f}, g[3] = {0.5f, 0.5f, 0.5f}, m[3] = {0, 0, 0}, v[3] = {0, 0, 0};
     so_adam_hparams hp = so_adam_hparams_default();
-    so_adam_buffers b = so_adam_buffers_default();
-    b.numel = 3;
-    b.param = p;
-    b.grad = g;
-    b.exp_avg = m;
-    b.exp_avg_sq = v;
+    so_adam_buffers b = so_test_adam_buffers(3, p, g, m, v);
     CHECK_OK(so_adam_update(NULL, &hp, &b, NULL, NULL));
     double want = (1.0 - 1e-5) - 1e-2 * 0.05 / (0.5 + 1e-8);
     for (int i = 0; i < 3; i++) {

@@ -70,11 +70,7 @@ static so_step_result step(one *o, const void *g, double max_norm) {
     a.max_norm = max_norm;
     so_ticket t = 0;
     CHECK_OK(so_session_step(o->s, &a, &t));
-    so_step_result r;
-    memset(&r, 0, sizeof r);
-    r.struct_size = sizeof r;
-    CHECK_OK(so_session_step_result(o->s, t, -1, &r));
-    return r;
+    return so_test_step_result(o->s, t);
 }
 
 static so_subgroup_state state(one *o) {
@@ -115,22 +111,14 @@ static void kernel_matches_cpu(so_pool *pool) {
                         hp.mode = modes[di];
                         hp.weight_decay = 0.05;
                         hp.step = (uint64_t)s;
-                        so_adam_buffers b = so_adam_buffers_default();
-                        b.numel = N;
-                        b.param = ref_p;
-                        b.grad = g;
-                        b.exp_avg = ref_m;
-                        b.exp_avg_sq = ref_v;
-                        b.param_dtype = SO_DTYPE_F32;
+                        so_adam_buffers b = so_test_adam_buffers(N, ref_p, g, ref_m, ref_v);
                         b.grad_dtype = grads[gi];
                         b.moment_dtype = moments[mi];
                         if (params[pi] != SO_DTYPE_F32) {
                             b.param_copy = ref_copy;
                             b.param_copy_dtype = params[pi];
                         }
-                        so_update_options uo = so_update_options_default();
-                        uo.grad_scale = r.grad_factor;
-                        CHECK_OK(so_adam_update(pool, &hp, &b, &uo, NULL));
+                        so_test_adam_step(pool, &hp, &b, r.grad_factor, NULL);
                         const so_subgroup_state st = state(&o);
                         CHECK(st.placement == SO_PLACEMENT_DEVICE && st.step_count == (uint64_t)s);
                         CU_CHECK(cu.dtoh(readback, o.d_param, N * dsize(params[pi])));

@@ -73,13 +73,8 @@ int main(int argc, char **argv) {
     so_adam_hparams ahp = so_adam_hparams_default();
     ahp.step = 1;
     float *m = (float *)calloc(NUMEL, 4), *v = (float *)calloc(NUMEL, 4);
-    so_adam_buffers b = so_adam_buffers_default();
-    b.numel = NUMEL;
-    b.param = master_ref;
-    b.grad = grad_src;
+    so_adam_buffers b = so_test_adam_buffers(NUMEL, master_ref, grad_src, m, v);
     b.grad_dtype = SO_DTYPE_BF16;
-    b.exp_avg = m;
-    b.exp_avg_sq = v;
     CHECK_OK(so_adam_update(NULL, &ahp, &b, NULL, NULL));
     int stepped_right = spec_status == SO_STATUS_OK && memcmp(master, master_ref, NUMEL * 4) == 0;
 

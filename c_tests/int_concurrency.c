@@ -49,20 +49,13 @@ static so_adam_hparams hparams_for(const worker *w, size_t call) {
 static void one_update(so_pool *pool, const worker *w, void *p, void *m, void *v, void *copy, size_t call,
                        double *sumsq) {
     so_adam_hparams hp = hparams_for(w, call);
-    so_adam_buffers b = so_adam_buffers_default();
-    b.numel = w->n;
-    b.param = p;
-    b.grad = w->g;
-    b.exp_avg = m;
-    b.exp_avg_sq = v;
+    so_adam_buffers b = so_test_adam_buffers(w->n, p, w->g, m, v);
     b.param_copy = copy;
     b.param_dtype = w->pd;
     b.grad_dtype = w->gd;
     b.moment_dtype = w->md;
     b.param_copy_dtype = w->cd;
-    so_update_options o = so_update_options_default();
-    o.grad_scale = 0.5f + (float)(call % 3);
-    CHECK_OK(so_adam_update(pool, &hp, &b, &o, sumsq));
+    so_test_adam_step(pool, &hp, &b, 0.5f + (float)(call % 3), sumsq);
 }
 
 static void *run_worker(void *arg) {

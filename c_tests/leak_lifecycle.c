@@ -24,12 +24,7 @@ static void updates_on(so_pool *pool) {
         v[i] = 0.0f;
     }
     so_adam_hparams hp = so_adam_hparams_default();
-    so_adam_buffers b = so_adam_buffers_default();
-    b.numel = N;
-    b.param = p;
-    b.grad = g;
-    b.exp_avg = m;
-    b.exp_avg_sq = v;
+    so_adam_buffers b = so_test_adam_buffers(N, p, g, m, v);
     const uint32_t copies[3] = {SO_DTYPE_NONE, SO_DTYPE_BF16, SO_DTYPE_F16};
     for (int k = 0; k < 3; k++) {
         b.param_copy = copies[k] == SO_DTYPE_NONE ? NULL : copy;

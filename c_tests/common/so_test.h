@@ -1,6 +1,6 @@
 /* Helpers shared by the c_tests programs: checks that print file:line and exit 1, a
  * reproducible RNG, bf16/f16 conversions written independently of the library, typed
- * buffers and status checks.
+ * buffers, status checks and the Adam and session step calls the tests share.
  *
  * Everything is `static inline` so that a test uses what it needs without -Wunused
  * warnings. The code is the common subset of C11 and C++17: every test built from a .c
@@ -212,17 +212,24 @@ static inline const char *so_dtype_name(uint32_t dtype) {
     }
 }
 
-/* Element i as the kernels load it (exactly, into f32). */
-static inline float so_load(const void *buf, uint32_t dtype, size_t i) {
+/* The raw bits of element i (for bit-exact comparisons). */
+static inline uint32_t so_raw(const void *buf, uint32_t dtype, size_t i) {
     const unsigned char *b = (const unsigned char *)buf;
     if (dtype == SO_DTYPE_F32) {
-        float f;
-        memcpy(&f, b + 4 * i, 4);
-        return f;
+        uint32_t u;
+        memcpy(&u, b + 4 * i, 4);
+        return u;
     }
     uint16_t h;
     memcpy(&h, b + 2 * i, 2);
-    return dtype == SO_DTYPE_BF16 ? so_bf16_to_f32(h) : so_f16_to_f32(h);
+    return h;
+}
+
+/* Element i as the kernels load it (exactly, into f32). */
+static inline float so_load(const void *buf, uint32_t dtype, size_t i) {
+    uint32_t bits = so_raw(buf, dtype, i);
+    if (dtype == SO_DTYPE_F32) return so_bits_to_f32(bits);
+    return dtype == SO_DTYPE_BF16 ? so_bf16_to_f32((uint16_t)bits) : so_f16_to_f32((uint16_t)bits);
 }
 
 /* Stores x (first rounded to f32) as element i, rounding to nearest even. */
@@ -237,19 +244,6 @@ static inline void so_store(void *buf, uint32_t dtype, size_t i, double x) {
     memcpy(b + 2 * i, &h, 2);
 }
 
-/* The raw bits of element i (for bit-exact comparisons). */
-static inline uint32_t so_raw(const void *buf, uint32_t dtype, size_t i) {
-    const unsigned char *b = (const unsigned char *)buf;
-    if (dtype == SO_DTYPE_F32) {
-        uint32_t u;
-        memcpy(&u, b + 4 * i, 4);
-        return u;
-    }
-    uint16_t h;
-    memcpy(&h, b + 2 * i, 2);
-    return h;
-}
-
 /* Half an ulp of the storage type at x: what rounding x to `dtype` may add. */
 static inline double so_store_halfulp(uint32_t dtype, double x) {
     double a = fabs(x);
@@ -258,6 +252,39 @@ static inline double so_store_halfulp(uint32_t dtype, double x) {
     case SO_DTYPE_F16: return fmax(a * 0x1p-11, 0x1p-25);
     default: return 0.0;
     }
+}
+
+/* ------------------------------------------------------------------------------- steps */
+
+/* Plain Adam buffers over (param, grad, exp_avg, exp_avg_sq), f32 and without a copy-out
+ * unless the caller sets the dtype fields after. */
+static inline so_adam_buffers so_test_adam_buffers(size_t numel, void *param, const void *grad, void *exp_avg,
+                                                   void *exp_avg_sq) {
+    so_adam_buffers b = so_adam_buffers_default();
+    b.numel = numel;
+    b.param = param;
+    b.grad = grad;
+    b.exp_avg = exp_avg;
+    b.exp_avg_sq = exp_avg_sq;
+    return b;
+}
+
+/* One so_adam_update of `b` with the gradient times `grad_scale`, which must succeed; the
+ * gradient's sum of squares goes to `sumsq` unless it is NULL. */
+static inline void so_test_adam_step(const so_pool *pool, const so_adam_hparams *hp, const so_adam_buffers *b,
+                                     float grad_scale, double *sumsq) {
+    so_update_options o = so_update_options_default();
+    o.grad_scale = grad_scale;
+    CHECK_OK(so_adam_update(pool, hp, b, &o, sumsq));
+}
+
+/* The result of the session step `t`, waiting for it. */
+static inline so_step_result so_test_step_result(so_session *s, so_ticket t) {
+    so_step_result r;
+    memset(&r, 0, sizeof r);
+    r.struct_size = sizeof r;
+    CHECK_OK(so_session_step_result(s, t, -1, &r));
+    return r;
 }
 
 /* --------------------------------------------------------------------------- the ISAs */
