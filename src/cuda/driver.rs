@@ -11,7 +11,19 @@ use cudarc::driver::sys;
 
 use crate::error::{Error, Result, Status};
 
+#[cfg(feature = "fault-injection")]
+pub(crate) use sys::CUresult;
 pub(crate) use sys::{CUdeviceptr, CUevent, CUstream};
+
+/// A raw driver handle that may cross threads (the driver allows it; we serialise use).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Raw<T>(pub T);
+// SAFETY: CUDA stream and event handles are usable from any thread. `Raw` is crate-private and
+// wraps nothing else (`CUstream`, `CUevent`: pointers to driver objects, never dereferenced here).
+unsafe impl<T> Send for Raw<T> {}
+// SAFETY: as for `Send`: sharing a `Raw` only copies the handle, and the driver accepts the
+// same stream or event from several threads.
+unsafe impl<T> Sync for Raw<T> {}
 
 /// Checks once whether the driver library can be loaded and initialised; every other call
 /// in this module requires `Ok` from here first.
@@ -41,6 +53,12 @@ fn name(e: DriverError) -> String {
 /// Maps a driver result to ours, naming the call.
 fn check<T>(r: std::result::Result<T, DriverError>, what: &str) -> Result<T> {
     r.map_err(|e| Error::new(Status::CudaError, format!("{what} failed: {}", name(e))))
+}
+
+/// The error `call` would report had the driver returned `code` (fault injection).
+#[cfg(feature = "fault-injection")]
+pub(crate) fn failure(call: &str, code: CUresult) -> Error {
+    check::<()>(Err(DriverError(code)), call).unwrap_err()
 }
 
 /// The device's primary context (the one PyTorch and JAX use), retained for our lifetime.
@@ -193,12 +211,7 @@ pub(crate) fn host_register(ptr: *mut u8, bytes: usize) -> Result<bool> {
     if unsafe { sys::cuMemHostGetFlags(&mut flags, ptr.cast()) } == sys::CUresult::CUDA_SUCCESS {
         return Ok(false);
     }
-    if let Ok(fault) = std::env::var("SUPEROFFLOAD_DEBUG_REGISTER_LIMIT") {
-        // Fault injection (tests): refuse registrations beyond this many bytes.
-        if fault.parse::<usize>().is_ok_and(|limit| bytes > limit) {
-            return check(Err(DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)), "cuMemHostRegister");
-        }
-    }
+    super::faults::register_refused(bytes)?;
     // SAFETY: the caller guarantees the range is valid host memory.
     let r = unsafe { sys::cuMemHostRegister_v2(ptr.cast::<c_void>(), bytes, sys::CU_MEMHOSTREGISTER_PORTABLE) };
     if r == sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED {

@@ -6,7 +6,12 @@
 //! cudarc with dynamic loading: the crate builds and its host-mode tests pass without CUDA;
 //! at run time a missing driver gives `Status::CudaUnavailable`.
 
+mod device_state;
 mod driver;
+mod events;
+mod faults;
+mod gradients;
+mod memory;
 mod ptx;
 mod transport;
 

@@ -1,0 +1,139 @@
+//! Device-resident state: the master weights, moments and gradient of a device-placed
+//! sub-group, their copies to and from the host, and the GPU Adam step over them.
+
+use super::driver::{CUdeviceptr, CUstream, Kernels};
+use super::faults;
+use super::memory::DeviceBuffer;
+use super::{driver, transport::floats_mut_ptr};
+use crate::error::Result;
+use crate::kernels::{AdamHyper, DType};
+use crate::session::HostState;
+
+/// The master weights (f32), moments and gradient of a device-placed sub-group, freed on drop.
+pub(crate) struct DeviceState {
+    moment_dtype: DType,
+    master: DeviceBuffer,
+    exp_avg: DeviceBuffer,
+    exp_avg_sq: DeviceBuffer,
+    grad: DeviceBuffer,
+}
+
+/// Where the model's parameter of a device step is: the kernel writes the stepped weights
+/// there (converted to its dtype).
+pub(crate) struct Param {
+    pub(crate) ptr: CUdeviceptr,
+    pub(crate) dtype: DType,
+    pub(crate) numel: usize,
+}
+
+impl DeviceState {
+    /// `numel` elements of each, the moments in `moment`, the gradient in `grad`.
+    pub(crate) fn alloc(numel: usize, moment: DType, grad: DType) -> Result<DeviceState> {
+        Ok(DeviceState {
+            moment_dtype: moment,
+            master: DeviceBuffer::alloc(numel * 4)?,
+            exp_avg: DeviceBuffer::alloc(numel * moment.size())?,
+            exp_avg_sq: DeviceBuffer::alloc(numel * moment.size())?,
+            grad: DeviceBuffer::alloc(numel * grad.size())?,
+        })
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        [&self.master, &self.exp_avg, &self.exp_avg_sq, &self.grad].iter().map(|b| b.bytes()).sum()
+    }
+
+    pub(crate) fn master(&self) -> CUdeviceptr {
+        self.master.ptr()
+    }
+
+    /// The gradient's address `offset` bytes in.
+    pub(crate) fn grad_at(&self, offset: usize) -> CUdeviceptr {
+        self.grad.at(offset)
+    }
+
+    /// Queues the copies of the host state into this one on `stream`; the caller waits.
+    pub(crate) fn upload(&self, host: &mut HostState<'_>, stream: CUstream) -> Result<()> {
+        faults::upload_refused()?;
+        for (dst, src) in [
+            (&self.master, &mut host.master),
+            (&self.exp_avg, &mut host.exp_avg),
+            (&self.exp_avg_sq, &mut host.exp_avg_sq),
+        ] {
+            let (ptr, bytes) = floats_mut_ptr(src);
+            driver::memcpy_htod_async(dst.ptr(), ptr, bytes, stream)?;
+        }
+        Ok(())
+    }
+
+    /// Queues the copies of this state into the host state on `stream`; the caller waits.
+    pub(crate) fn download(&self, host: &mut HostState<'_>, stream: CUstream) -> Result<()> {
+        for (src, dst) in [
+            (&self.master, &mut host.master),
+            (&self.exp_avg, &mut host.exp_avg),
+            (&self.exp_avg_sq, &mut host.exp_avg_sq),
+        ] {
+            let (ptr, bytes) = floats_mut_ptr(dst);
+            driver::memcpy_dtoh_async(ptr, src.ptr(), bytes, stream)?;
+        }
+        Ok(())
+    }
+
+    /// Queues one Adam step over this state on `stream` (its gradient, in `grad_dtype`,
+    /// scaled by `factor`), writing the new weights into `param` too.
+    pub(crate) fn step(
+        &self,
+        kernels: &Kernels,
+        stream: CUstream,
+        param: &Param,
+        grad_dtype: DType,
+        hp: &AdamHyper,
+        factor: f32,
+    ) -> Result<()> {
+        let (k, l2) = hp.device_constants();
+        let (mut p, mut g, mut m, mut v, mut out) =
+            (self.master.ptr(), self.grad.ptr(), self.exp_avg.ptr(), self.exp_avg_sq.ptr(), param.ptr);
+        let mut n = param.numel as u64;
+        let (mut gd, mut md, mut od) = (dtype_code(grad_dtype), dtype_code(self.moment_dtype), dtype_code(param.dtype));
+        let mut scale = factor;
+        let [mut b1, mut omb1, mut b2, mut omb2, mut eps, mut sbc2, mut step, mut decay, mut wd] = k;
+        let mut has_l2 = u32::from(l2);
+        let blocks = param.numel.div_ceil(256).clamp(1, 132 * 16) as u32;
+        kernels.launch(
+            kernels.adam,
+            blocks,
+            256,
+            stream,
+            &mut [
+                &mut p,
+                &mut g,
+                &mut m,
+                &mut v,
+                &mut out,
+                &mut n,
+                &mut gd,
+                &mut md,
+                &mut od,
+                &mut scale,
+                &mut b1,
+                &mut omb1,
+                &mut b2,
+                &mut omb2,
+                &mut eps,
+                &mut sbc2,
+                &mut step,
+                &mut decay,
+                &mut wd,
+                &mut has_l2,
+            ],
+        )
+    }
+}
+
+/// A dtype as the device kernels take it.
+pub(crate) fn dtype_code(d: DType) -> u32 {
+    match d {
+        DType::F32 => 1,
+        DType::Bf16 => 2,
+        DType::F16 => 3,
+    }
+}

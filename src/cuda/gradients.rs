@@ -1,0 +1,203 @@
+//! Gradient copies: device gradients to the session's pinned host buffers in pieces on two
+//! copy streams (or, for a device-placed sub-group, into its device gradient), and each
+//! slice's sum of squares taken on the GPU as it arrives, its block partials copied to
+//! pinned host memory for the session to add.
+
+use std::ops::Range;
+
+use super::device_state::dtype_code;
+use super::driver::{self, CUdeviceptr, CUstream};
+use super::events::Event;
+use super::memory::{DeviceBuffer, PinnedBox};
+use super::transport::{CudaTransport, floats_mut_ptr, not_attached};
+use crate::error::{Error, Result, Status};
+use crate::kernels::DType;
+use crate::session::{HandOff, HandedSumsq};
+
+/// Elements per partial of a sum of squares (the CPU kernels' block).
+const SUMSQ_BLOCK: usize = 8192;
+
+/// The block partials of a sub-group's slices' sums of squares, on the device and in pinned
+/// host memory.
+pub(crate) struct SumsqPartials {
+    /// Per slice: its partials' indices.
+    spans: Vec<Range<usize>>,
+    dev: DeviceBuffer,
+    host: PinnedBox,
+    /// Per slice: recorded after its partials' copy to the host, until consumed.
+    ready: Vec<Option<Event>>,
+}
+
+impl SumsqPartials {
+    /// Room for the partials of `slices` (element ranges).
+    pub(crate) fn new(slices: &[Range<usize>]) -> Result<SumsqPartials> {
+        let mut spans = Vec::with_capacity(slices.len());
+        let mut total = 0;
+        for r in slices {
+            let count = r.len().div_ceil(SUMSQ_BLOCK);
+            spans.push(total..total + count);
+            total += count;
+        }
+        let dev = DeviceBuffer::alloc(total * 8)?;
+        let host = PinnedBox::zeros(total)?;
+        Ok(SumsqPartials { spans, dev, host, ready: slices.iter().map(|_| None).collect() })
+    }
+
+    pub(crate) fn host_bytes(&self) -> usize {
+        self.host.as_slice().len() * 8
+    }
+
+    /// The events of copies still unconsumed.
+    pub(crate) fn pending(&self) -> impl Iterator<Item = &Event> {
+        self.ready.iter().flatten()
+    }
+
+    /// Takes every event still unconsumed.
+    pub(crate) fn take_pending(&mut self) -> impl Iterator<Item = Event> + '_ {
+        self.ready.iter_mut().filter_map(Option::take)
+    }
+}
+
+impl CudaTransport {
+    /// Queues the copy of a device gradient into the host place the session gave it (or, for
+    /// a device-placed sub-group, into its device gradient), and its sum of squares on the
+    /// GPU when the session asks for one. The caller's `stream` is where it was produced.
+    pub fn gradient_from_device(
+        &self,
+        h: HandOff<'_>,
+        src: CUdeviceptr,
+        dtype: DType,
+        stream: CUstream,
+    ) -> Result<Option<HandedSumsq>> {
+        if h.accumulate {
+            return Err(Error::unsupported(
+                "a CUDA session takes each slice's gradient once per step, at the last micro-step (accumulate \
+                 micro-steps on the GPU, as PyTorch does in .grad); only a late gradient may follow",
+            ));
+        }
+        let mut dst = h.dst;
+        if dst.dtype() != dtype {
+            return Err(Error::unsupported(format!(
+                "a {} device gradient cannot land in a {} host buffer: in CUDA sessions the gradient dtype is the \
+                 accumulation dtype (bf16 gradients of f32 master weights cross the link once, in bf16)",
+                dtype.name(),
+                dst.dtype().name()
+            )));
+        }
+        let (dst, bytes) = floats_mut_ptr(&mut dst);
+        if src == 0 {
+            return Err(Error::new(Status::NullArgument, "the device gradient is NULL"));
+        }
+        self.enter()?;
+        driver::refuse_capturing(stream)?;
+        let mut state = self.state.lock().unwrap();
+        let dev = state.subgroups.get_mut(&h.sg).ok_or_else(|| not_attached(h.sg))?;
+        let on_device = dev.device.is_some();
+        if on_device && (h.late || h.sumsq_scale.is_none()) {
+            return Err(Error::unsupported(
+                "a device-placed sub-group takes each slice's gradient once per step, at the last micro-step \
+                 (no late gradients)",
+            ));
+        }
+        let side_used = h.sumsq_scale.is_some() || on_device;
+        {
+            let ready = self.events.record(stream)?;
+            ready.wait_in(self.d2h[0].0)?;
+            if side_used {
+                ready.wait_in(self.side.0)?;
+            }
+        }
+        let handed = match h.sumsq_scale {
+            Some(scale) => {
+                self.queue_sumsq(&mut dev.partials, h.slice, src, h.range.len(), dtype, scale)?;
+                Some(HandedSumsq::Deferred)
+            }
+            None => None,
+        };
+        if let Some(device) = &dev.device {
+            driver::memcpy_dtod_async(device.grad_at(h.range.start * dtype.size()), src, bytes, self.side.0)?;
+        }
+        if h.sumsq_scale.is_some() {
+            dev.partials.ready[h.slice] = Some(self.events.record(self.side.0)?);
+        }
+        if side_used {
+            // The copy stream ends every sequence: `record_stream` on it covers the reads of
+            // the sum of squares and of the device-gradient copy too.
+            self.events.record(self.side.0)?.wait_in(self.d2h[0].0)?;
+        }
+        if !on_device {
+            self.copy_pieces(dst, src, bytes)?;
+        }
+        dev.copies.push(self.events.record(self.d2h[0].0)?);
+        Ok(handed)
+    }
+
+    /// Queues a slice's sum of squares (of its `numel` gradient elements at `src`, times
+    /// `scale`) on the side stream: block partials on the device, then their copy to the host.
+    fn queue_sumsq(
+        &self,
+        partials: &mut SumsqPartials,
+        slice: usize,
+        src: CUdeviceptr,
+        numel: usize,
+        dtype: DType,
+        scale: f32,
+    ) -> Result<()> {
+        let span = partials.spans[slice].clone();
+        let count = span.len();
+        let (mut g, mut n, mut code, mut scale) = (src, numel as u64, dtype_code(dtype), scale);
+        let (mut out, mut blocks) = (partials.dev.at(span.start * 8), count as u64);
+        let threads = count * 8;
+        self.kernels.launch(
+            self.kernels.sumsq,
+            threads.div_ceil(256) as u32,
+            256,
+            self.side.0,
+            &mut [&mut g, &mut n, &mut code, &mut scale, &mut out, &mut blocks],
+        )?;
+        driver::memcpy_dtoh_async(partials.host.dst_at(span.start), out, count * 8, self.side.0)
+    }
+
+    /// The device-to-host copy of one gradient, in pieces alternating the two copy streams,
+    /// each waiting for the one before, the first stream ending with a wait on the last.
+    fn copy_pieces(&self, dst: *mut u8, src: CUdeviceptr, bytes: usize) -> Result<()> {
+        let pieces = bytes.div_ceil(self.piece_bytes).max(1);
+        let mut previous: Option<Event> = None;
+        for i in 0..pieces {
+            let stream = self.d2h[i % 2].0;
+            if let Some(p) = previous.take() {
+                p.wait_in(stream)?;
+            }
+            let offset = i * self.piece_bytes;
+            let len = self.piece_bytes.min(bytes - offset);
+            let dropped = self.faults.drop_last_piece && pieces > 1 && i == pieces - 1;
+            if !dropped {
+                // The session keeps `dst` alive and untouched until `gradient_ready` has
+                // waited for this copy.
+                driver::memcpy_dtoh_async(dst.wrapping_add(offset), src + offset as u64, len, stream)?;
+            }
+            previous = Some(self.events.record(stream)?);
+        }
+        let last = previous.expect("at least one piece");
+        if pieces > 1 && !self.faults.no_final_wait {
+            last.wait_in(self.d2h[0].0)?;
+        }
+        Ok(())
+    }
+
+    /// The sum of squares of a slice whose hand-off deferred it: waits for its partials and
+    /// adds them in block order, exactly as the CPU kernels add theirs.
+    pub(super) fn deferred_sumsq(&self, sg: u32, slice: usize) -> Result<f64> {
+        self.enter()?;
+        let ready = {
+            let mut state = self.state.lock().unwrap();
+            let dev = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
+            dev.partials.ready[slice].take()
+        }
+        .ok_or_else(|| Error::new(Status::Panic, format!("sub-group {sg} slice {slice}: no sum of squares queued")))?;
+        self.wait_and_free(vec![ready])?;
+        let state = self.state.lock().unwrap();
+        let partials = &state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?.partials;
+        Ok(partials.host.as_slice()[partials.spans[slice].clone()].iter().sum())
+    }
+}

@@ -1,0 +1,91 @@
+//! Owners of device memory and host registrations: what they hold is released when they are
+//! dropped, on every path, early returns included. Drop them with the transport's context
+//! current, as for every driver call.
+
+use super::driver::{self, CUdeviceptr};
+use crate::error::Result;
+
+/// Device memory (`cuMemAlloc`), freed on drop.
+pub(crate) struct DeviceBuffer {
+    ptr: CUdeviceptr,
+    bytes: usize,
+}
+
+impl DeviceBuffer {
+    pub(crate) fn alloc(bytes: usize) -> Result<DeviceBuffer> {
+        Ok(DeviceBuffer { ptr: driver::mem_alloc(bytes)?, bytes })
+    }
+
+    pub(crate) fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    /// The address `offset` bytes in.
+    pub(crate) fn at(&self, offset: usize) -> CUdeviceptr {
+        self.ptr + offset as CUdeviceptr
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        driver::mem_free(self.ptr);
+    }
+}
+
+/// A page-locked host range: registered here (unregistered on drop), or page-locked by its
+/// owner already (e.g. `tensor.pin_memory()`), which is then left alone.
+pub(crate) struct HostRegistration {
+    ptr: usize,
+    bytes: usize,
+    ours: bool,
+}
+
+impl HostRegistration {
+    /// Page-locks `bytes` of host memory at `ptr`, which must stay valid until the drop.
+    pub(crate) fn register(ptr: *mut u8, bytes: usize) -> Result<HostRegistration> {
+        let ours = driver::host_register(ptr, bytes)?;
+        Ok(HostRegistration { ptr: ptr as usize, bytes, ours })
+    }
+
+    /// The bytes this registration page-locked (0 if the owner had).
+    pub(crate) fn pinned_bytes(&self) -> usize {
+        if self.ours { self.bytes } else { 0 }
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if self.ours {
+            driver::host_unregister(self.ptr as *mut u8);
+        }
+    }
+}
+
+/// Host memory allocated and page-locked here, for device-to-host copies of small results.
+pub(crate) struct PinnedBox {
+    // Declared before `data`, so dropped first: the range is unregistered before it is freed.
+    _registration: HostRegistration,
+    data: Box<[f64]>,
+}
+
+impl PinnedBox {
+    /// `len` zeros, page-locked.
+    pub(crate) fn zeros(len: usize) -> Result<PinnedBox> {
+        let mut data = vec![0.0f64; len].into_boxed_slice();
+        let registration = HostRegistration::register(data.as_mut_ptr().cast(), len * 8)?;
+        Ok(PinnedBox { _registration: registration, data })
+    }
+
+    pub(crate) fn as_slice(&self) -> &[f64] {
+        &self.data
+    }
+
+    /// Where a copy of elements `[offset, ..)` lands.
+    pub(crate) fn dst_at(&mut self, offset: usize) -> *mut u8 {
+        self.data[offset..].as_mut_ptr().cast()
+    }
+}
