@@ -181,6 +181,44 @@ impl LaneOp for Rescale {
     }
 }
 
+/// How a speculative step is made final once the step's verdict is known.
+pub(crate) enum Undo {
+    /// The speculative step stands.
+    Keep,
+    Rollback(Rollback),
+    Rescale(Rescale),
+}
+
+/// The whole life of a speculative step over its elements in one pass: the speculative
+/// [`Update`] (where it was not applied yet), its resolution, and the update that replaces
+/// it (after a rollback for changed hyperparameters). Each stage is the operation sequence
+/// of its own pass, on the f32 values that pass would have stored, so one fused pass and
+/// the passes taken one by one write the same bits.
+pub(crate) struct Resolve {
+    pub speculative: Option<Update>,
+    pub undo: Undo,
+    pub redo: Option<Update>,
+}
+
+impl LaneOp for Resolve {
+    #[inline(always)]
+    fn apply<S: Simd>(&self, s: S, p: S::F, g: S::F, m: S::F, v: S::F) -> Lanes<S::F> {
+        let mut r = match &self.speculative {
+            Some(op) => op.apply(s, p, g, m, v),
+            None => Lanes { p, m, v, g },
+        };
+        r = match &self.undo {
+            Undo::Keep => r,
+            Undo::Rollback(op) => op.apply(s, r.p, g, r.m, r.v),
+            Undo::Rescale(op) => op.apply(s, r.p, g, r.m, r.v),
+        };
+        match &self.redo {
+            Some(op) => op.apply(s, r.p, g, r.m, r.v),
+            None => r,
+        }
+    }
+}
+
 /// Adam-shaped memory floor for benchmarks: the same loads and stores as [`Update`]
 /// (same dtypes, same copy-out) with trivial arithmetic.
 pub(crate) struct MemoryFloor {

@@ -18,7 +18,7 @@ pub use pool::{Isa, Pool, PoolOptions};
 
 use crate::error::{Error, Result, Status};
 use driver::{BLOCK, StepChunk, Stores, SumsqOut};
-use math::{LaneOp, MemoryFloor, Rescale, Rollback, StepConstants, Update};
+use math::{LaneOp, MemoryFloor, Rescale, Resolve, Rollback, StepConstants, Undo, Update};
 use simd::Simd;
 
 /// Calls `$body` with `$s` bound to the token of the pool's instruction set.
@@ -396,6 +396,72 @@ pub fn rescale(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, old_scale: f3
     }
     run_step_pass(pool, &Rescale { k: StepConstants::new(hp), old_scale, new_scale }, bufs, false, Stores::All)
         .map(drop)
+}
+
+/// How the step a speculative [`update`] took (with `hp`, on `scale · g`) is made final
+/// once the step's factor is known.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Resolution {
+    /// The step stands: the final factor is the speculative one.
+    Keep,
+    /// The step becomes the step on `factor · g` ([`rescale`]).
+    Rescale(f32),
+    /// The step is undone ([`rollback`]): the optimizer step was skipped.
+    Rollback,
+    /// The step is undone and the step with other hyperparameters taken instead.
+    Redo { hp: AdamHyper, scale: f32 },
+}
+
+/// Makes a speculative step final: `resolution` applied to the buffers after the speculative
+/// [`update`] with `hp` on `scale · g`. With `applied`, the buffers already hold that update;
+/// without, it is computed in the same pass. Either way the result is bit for bit that of
+/// [`update`] followed by the resolution's own pass ([`rescale`], [`rollback`], or
+/// [`rollback`] and [`update`]): where a speculative pass ran is a matter of timing, what the
+/// buffers end up holding is not. Needs f32 param and f32 moments.
+pub fn resolve(
+    pool: &Pool,
+    hp: &AdamHyper,
+    scale: f32,
+    resolution: Resolution,
+    applied: bool,
+    bufs: AdamBuffers<'_>,
+) -> Result<()> {
+    hp.validate()?;
+    check_scale("grad_scale", scale)?;
+    require_master_weights("resolve", &bufs)?;
+    bufs.numel()?;
+    let k = StepConstants::new(hp);
+    let (undo, redo) = match resolution {
+        Resolution::Keep => (Undo::Keep, None),
+        Resolution::Rescale(factor) => {
+            check_scale("new_scale", factor)?;
+            // A rescale to the same scale changes nothing (as `rescale` does).
+            let undo = if factor == scale {
+                Undo::Keep
+            } else {
+                Undo::Rescale(Rescale { k, old_scale: scale, new_scale: factor })
+            };
+            (undo, None)
+        }
+        Resolution::Rollback => {
+            hp.validate_invertible("rollback")?;
+            (Undo::Rollback(Rollback { k, grad_scale: scale }), None)
+        }
+        Resolution::Redo { hp: redo_hp, scale: redo_scale } => {
+            hp.validate_invertible("rollback")?;
+            redo_hp.validate()?;
+            check_scale("new_scale", redo_scale)?;
+            (
+                Undo::Rollback(Rollback { k, grad_scale: scale }),
+                Some(Update { k: StepConstants::new(&redo_hp), grad_scale: redo_scale }),
+            )
+        }
+    };
+    let speculative = (!applied).then_some(Update { k, grad_scale: scale });
+    if speculative.is_none() && matches!(undo, Undo::Keep) && redo.is_none() {
+        return Ok(());
+    }
+    run_step_pass(pool, &Resolve { speculative, undo, redo }, bufs, false, Stores::All).map(drop)
 }
 
 /// f64 sum of squares of `scale · g`, the same for every instruction set and thread count

@@ -13,9 +13,8 @@ use std::path::Path;
 
 use safetensors::tensor::{Dtype, SafeTensors, View};
 
-use super::protocol::Phase;
 use super::scaler::{LossScaler, LossScalerOptions};
-use super::{GroupHparams, Placement, Session, SgData, SgWork};
+use super::{GroupHparams, Phase, Placement, Session, SgData, SgWork};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{AdamMode, DType};
 

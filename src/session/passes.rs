@@ -7,11 +7,12 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::plans::{PreparePlan, StepPlan};
 use super::scheduler::{Job, JobKey, Lifecycle};
 use super::trace::Lane;
 use super::{
-    GroupHparams, HandedSumsq, NormSource, Placement, SgData, Shared, SkipReason, SpecRecord, StepArgs, StepResult,
-    SubGroup, Ticket, clip_coefficient, grad_factor, unscale_factor, usable_factor,
+    GroupHparams, HandedSumsq, NormSource, Placement, SgData, Shared, SkipReason, SpecRecord, StepResult, SubGroup,
+    Ticket, clip_coefficient, grad_factor, unscale_factor, usable_factor,
 };
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, AdamBuffers, AdamHyper, CopyOutMut, FloatsMut, MomentsMut, UpdateOptions};
@@ -21,39 +22,6 @@ use crate::kernels::{self, AdamBuffers, AdamHyper, CopyOutMut, FloatsMut, Moment
 pub(crate) const SPECULATION_CHUNK: usize = 1 << 22;
 /// Elements of a final pass staged for the device at a time (16 MiB of bf16 weights).
 const PUBLISH_PIECE: usize = 1 << 23;
-
-/// Zero-filling, late-gradient merging and the sums of squares the decision needs.
-pub(crate) struct PreparePlan {
-    pub serial: u64,
-    /// The unscale factor `1 / S` of this step.
-    pub scale: f32,
-    pub entries: Vec<PrepareEntry>,
-}
-
-pub(crate) struct PrepareEntry {
-    pub sg: Arc<SubGroup>,
-    /// Indices (within the sub-group) of slices that received no gradient this step: they
-    /// become zeros.
-    pub unseen: Vec<usize>,
-}
-
-/// What `step()` hands the CPU-Adam thread.
-pub(crate) struct StepPlan {
-    pub serial: u64,
-    pub loss_scale: f32,
-    pub args: StepArgs,
-    /// Hyperparameters of every group as of `step()`.
-    pub groups: Vec<GroupHparams>,
-    /// Sub-groups in forward order, each with its final ticket.
-    pub subgroups: Vec<(Arc<SubGroup>, Ticket)>,
-    pub decide_ticket: Ticket,
-    pub step_ticket: Ticket,
-    /// `None` when `local_grad_sumsq` already ran the preparation.
-    pub prepare: Option<PreparePlan>,
-    pub speculative: u32,
-    pub late_gradients: u32,
-    pub forward_wait_s: f64,
-}
 
 /// The step being finalized.
 struct StepInFlight {
@@ -675,5 +643,13 @@ impl Worker {
             Some(t) => t.publish(sg.id),
             None => Ok(()),
         }
+    }
+}
+
+/// The CPU-Adam thread's loop.
+pub(crate) fn run_thread(shared: Arc<Shared>) {
+    let mut worker = Worker::new(shared.clone());
+    while let Some((key, job)) = shared.sched.pop(&|sg| shared.gradient_landed(sg)) {
+        worker.run(key, job);
     }
 }

@@ -6,65 +6,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::buffers::HostBuf;
-use super::passes::{PrepareEntry, PreparePlan, StepPlan};
-use super::registry::Registry;
+use super::plans::{PrepareEntry, PreparePlan, StepPlan};
 use super::trace::Lane;
 use super::{
-    HandOff, HandedSumsq, LateGrads, NormSource, Placement, STEP_LANE, Session, StepArgs, SubGroup, Ticket,
-    check_loss_scale, state_error, subgroup_lane, unscale_factor,
+    HandOff, HandedSumsq, LateGrads, NormSource, Phase, Placement, STEP_LANE, Session, StepArgs, SubGroup, Ticket,
+    Tracking, check_loss_scale, state_error, subgroup_lane, unscale_factor,
 };
 use crate::error::{Error, Result};
 use crate::kernels::{self, Floats};
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) enum Phase {
-    /// Between steps.
-    Idle,
-    /// Gradients arriving.
-    Backward { micro: u32, micro_steps: u32 },
-    /// `local_grad_sumsq` ran the preparation; only `step()` may follow.
-    Prepared,
-}
-
-/// Everything under the session's caller lock: the registry and the step in progress.
-pub(crate) struct Tracking {
-    pub reg: Registry,
-    pub phase: Phase,
-    serial: u64,
-    loss_scale: f32,
-    /// Per slice: micro-step index + 1 of its latest gradient this step, 0 for none.
-    slice_seen: Vec<u32>,
-    /// Per sub-group: slices with a gradient in the last micro-step.
-    slices_done: Vec<usize>,
-    speculative: u32,
-    late_gradients: u32,
-    decide_ticket: Ticket,
-    /// The callers' ticket-wait total at the previous `step()`.
-    wait_mark_ns: u64,
-}
-
-impl Tracking {
-    pub(crate) fn new(loss_scale: f32) -> Tracking {
-        Tracking {
-            reg: Registry::default(),
-            phase: Phase::Idle,
-            serial: 0,
-            loss_scale,
-            slice_seen: Vec::new(),
-            slices_done: Vec::new(),
-            speculative: 0,
-            late_gradients: 0,
-            decide_ticket: 0,
-            wait_mark_ns: 0,
-        }
-    }
-
-    /// A sub-group with `slices` slices was registered.
-    pub(crate) fn subgroup_added(&mut self, slices: usize) {
-        self.slice_seen.resize(self.slice_seen.len() + slices, 0);
-        self.slices_done.push(0);
-    }
-}
 
 fn backward_phase(t: &Tracking, what: &str) -> Result<(u32, u32)> {
     match t.phase {

@@ -6,10 +6,9 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use super::buffers::HostBuf;
-use super::protocol::Phase;
 use super::{
-    GroupHparams, Placement, Session, SgData, SgWork, SliceDesc, SubGroup, SubGroupDesc, Ticket, state_error, to_f32,
-    unknown, validate_group,
+    GroupHparams, Phase, Placement, Session, SgData, SgWork, SliceDesc, SubGroup, SubGroupDesc, Ticket, state_error,
+    to_f32, unknown, validate_group,
 };
 use crate::error::{Error, Result, Status};
 use crate::kernels::DType;

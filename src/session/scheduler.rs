@@ -20,8 +20,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use super::passes::{PreparePlan, StepPlan, Worker};
-use super::{Shared, SubGroup, Ticket};
+use super::plans::{PreparePlan, StepPlan};
+use super::{SubGroup, Ticket};
 use crate::kernels::AdamHyper;
 
 /// How often the CPU-Adam thread looks again while every queued job waits on the device.
@@ -263,7 +263,7 @@ impl Scheduler {
 
     /// Takes the next runnable job (waiting for one); `None` once closed and drained. A
     /// speculative step taken moves its sub-group to `Speculating`.
-    fn pop(&self, landed: &dyn Fn(u32) -> bool) -> Option<(JobKey, Job)> {
+    pub(crate) fn pop(&self, landed: &dyn Fn(u32) -> bool) -> Option<(JobKey, Job)> {
         let mut q = self.queue.lock().unwrap();
         loop {
             if let Some((key, job)) = q.next_runnable(landed, false).and_then(|key| q.ready.remove_entry(&key)) {
@@ -293,13 +293,5 @@ impl Scheduler {
     pub(crate) fn close(&self) {
         self.queue.lock().unwrap().closed = true;
         self.wake.notify_all();
-    }
-}
-
-/// The CPU-Adam thread's loop.
-pub(crate) fn run(shared: Arc<Shared>) {
-    let mut worker = Worker::new(shared.clone());
-    while let Some((key, job)) = shared.sched.pop(&|sg| shared.gradient_landed(sg)) {
-        worker.run(key, job);
     }
 }

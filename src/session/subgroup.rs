@@ -1,0 +1,92 @@
+//! A registered sub-group: its buffers, what this step applied to them, and late gradients.
+
+use std::ops::Range;
+use std::sync::Mutex;
+
+use super::buffers::HostBuf;
+use super::{GroupHparams, HandedSumsq, HostState, Placement};
+use crate::kernels::{AdamHyper, AdamMode};
+
+/// Gradients that arrived after the sub-group completed.
+pub(crate) struct LateGrads {
+    pub buffer: HostBuf,
+    pub ranges: Vec<Range<usize>>,
+}
+
+/// A speculative step as applied to elements `[0, done)` of a sub-group: what a rescale or
+/// rollback must use, and where a preempted pass stopped.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SpecRecord {
+    pub hp: AdamHyper,
+    pub scale: f32,
+    pub done: usize,
+}
+
+/// The optimizer-side state of a sub-group (under its data lock).
+#[derive(Default)]
+pub(crate) struct SgWork {
+    pub step_count: u64,
+    /// The speculative step currently applied to the master weights and moments.
+    pub spec: Option<SpecRecord>,
+    /// The speculative step was undone for a late gradient and must be taken again.
+    pub redo: bool,
+}
+
+/// The buffers of a sub-group, owned by whoever holds the lock: the CPU-Adam thread while
+/// it steps the sub-group, the caller while it hands a gradient over.
+pub(crate) struct SgData {
+    pub master: HostBuf,
+    pub exp_avg: HostBuf,
+    pub exp_avg_sq: HostBuf,
+    pub grad: HostBuf,
+    /// Low-precision copy of the master weights, written by every pass that changes them.
+    pub copy: Option<HostBuf>,
+    pub work: SgWork,
+    /// Per slice (in sub-group order): the sum of squares of this step's gradient, once
+    /// handed over at the last micro-step.
+    pub sumsq: Vec<Option<HandedSumsq>>,
+    pub placement: Placement,
+}
+
+impl SgData {
+    pub(crate) fn host_state(&mut self) -> HostState<'_> {
+        HostState {
+            master: self.master.floats_mut(),
+            exp_avg: self.exp_avg.floats_mut(),
+            exp_avg_sq: self.exp_avg_sq.floats_mut(),
+        }
+    }
+}
+
+pub(crate) struct SubGroup {
+    pub id: u32,
+    pub group: u32,
+    pub numel: usize,
+    /// The ranges of its slices within it, in slice order.
+    pub slices: Vec<Range<usize>>,
+    pub mode: AdamMode,
+    pub bias_correction: bool,
+    pub speculative_dtypes: bool,
+    pub data: Mutex<SgData>,
+    pub late: Mutex<Option<LateGrads>>,
+}
+
+impl SubGroup {
+    pub(crate) fn hyper(&self, g: GroupHparams, step: u64) -> AdamHyper {
+        AdamHyper {
+            mode: self.mode,
+            lr: g.lr,
+            beta1: g.beta1,
+            beta2: g.beta2,
+            eps: g.eps,
+            weight_decay: g.weight_decay,
+            bias_correction: self.bias_correction,
+            step,
+        }
+    }
+
+    /// Rollback needs f32 master weights and moments, nonzero betas and an invertible decay.
+    pub(crate) fn can_speculate(&self, g: GroupHparams) -> bool {
+        self.speculative_dtypes && g.beta1 > 0.0 && g.beta2 > 0.0 && self.hyper(g, 1).decay_factor() > 0.0
+    }
+}

@@ -1,0 +1,233 @@
+//! The session's public value types: options, descriptions of what is registered, the
+//! arguments and result of a step.
+
+use std::sync::Arc;
+
+use super::buffers::Borrowed;
+use super::scaler::LossScalerOptions;
+use crate::kernels::{AdamHyper, AdamMode, DType, Pool};
+
+/// Hyperparameters of a param group; changeable at any time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupHparams {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+impl Default for GroupHparams {
+    /// `torch.optim.AdamW`'s defaults.
+    fn default() -> Self {
+        let d = AdamHyper::default();
+        GroupHparams { lr: d.lr, beta1: d.beta1, beta2: d.beta2, eps: d.eps, weight_decay: d.weight_decay }
+    }
+}
+
+/// Whether sub-groups are stepped during backward, before `step()` knows the clip factor.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Speculation {
+    /// Every sub-group is stepped once, after `step()` decides.
+    Off,
+    /// Every sub-group that can speculate does, as soon as its gradient is complete.
+    On,
+    /// Decided per step from what earlier steps measured (see `policy.rs`): speculate while
+    /// the clip factor mostly stayed unchanged.
+    #[default]
+    Auto,
+}
+
+/// Where a sub-group's master weights and moments live and are stepped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Placement {
+    /// Host memory, stepped by the CPU kernels.
+    #[default]
+    Host,
+    /// Device memory, stepped by the transport's device kernel (CUDA sessions).
+    Device,
+}
+
+/// How a session is set up.
+#[derive(Clone, Debug)]
+pub struct SessionOptions {
+    /// Pool for the optimizer passes; `None` with `cores` builds one pinned to them, with
+    /// neither the process-wide default pool is used.
+    pub pool: Option<Arc<Pool>>,
+    pub cores: Option<Vec<usize>>,
+    pub mode: AdamMode,
+    pub bias_correction: bool,
+    /// dtype of both moments: f32, or bf16 (then nothing speculates: rollback needs f32).
+    pub moment_dtype: DType,
+    /// dtype of the gradients handed over.
+    pub grad_dtype: DType,
+    /// dtype of the sub-group gradient buffers, where micro-steps accumulate.
+    pub accum_dtype: DType,
+    pub speculation: Speculation,
+    /// Host bytes the session may allocate (moments, gradient buffers, the low-precision
+    /// copy, late-gradient buffers); `None` for no limit.
+    pub host_memory_limit: Option<usize>,
+    /// Rejected: AMSGrad keeps a running maximum that no rollback can undo.
+    pub amsgrad: bool,
+    /// Built-in dynamic loss scaler (fp16).
+    pub loss_scaler: Option<LossScalerOptions>,
+    /// Keep a bf16 or f16 copy of each sub-group's master weights, written in the same pass
+    /// as every update (what a transport can send to the device at half the bytes).
+    pub copy_dtype: Option<DType>,
+    /// Automatic split: device bytes the session may use to keep the first sub-groups in
+    /// forward order on the device, chosen after a few measured steps (`policy.rs`); 0: off.
+    pub gpu_budget_bytes: usize,
+}
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        SessionOptions {
+            pool: None,
+            cores: None,
+            mode: AdamMode::AdamW,
+            bias_correction: true,
+            moment_dtype: DType::F32,
+            grad_dtype: DType::F32,
+            accum_dtype: DType::F32,
+            speculation: Speculation::Auto,
+            host_memory_limit: None,
+            amsgrad: false,
+            loss_scaler: None,
+            copy_dtype: None,
+            gpu_budget_bytes: 0,
+        }
+    }
+}
+
+/// A named slice of a sub-group: a parameter whose gradient arrives as one piece.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceDesc {
+    pub name: String,
+    pub offset: usize,
+    pub numel: usize,
+}
+
+/// The model's parameter on the device that a sub-group's updated weights are published to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceParam {
+    /// Device address of `numel` elements of `dtype`.
+    pub ptr: u64,
+    pub dtype: DType,
+}
+
+/// A sub-group to register.
+#[derive(Clone, Debug)]
+pub struct SubGroupDesc {
+    pub group: u32,
+    /// The master weights (f32 for speculation; bf16 or f16 are stepped at `step()` only).
+    pub master: Borrowed,
+    /// A caller-provided gradient buffer in `accum_dtype` (else the session allocates one).
+    pub grad: Option<Borrowed>,
+    /// Caller-provided moment buffers in `moment_dtype` (else the session allocates them).
+    pub exp_avg: Option<Borrowed>,
+    pub exp_avg_sq: Option<Borrowed>,
+    pub slices: Vec<SliceDesc>,
+    /// With a transport: the model's parameter the weights are published to.
+    pub device: Option<DeviceParam>,
+    pub placement: Placement,
+}
+
+impl SubGroupDesc {
+    /// A host sub-group of `master` with session-allocated buffers.
+    pub fn new(group: u32, master: Borrowed, slices: Vec<SliceDesc>) -> SubGroupDesc {
+        SubGroupDesc {
+            group,
+            master,
+            grad: None,
+            exp_avg: None,
+            exp_avg_sq: None,
+            slices,
+            device: None,
+            placement: Placement::Host,
+        }
+    }
+}
+
+/// Where `step()` takes the global gradient norm from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum NormSource {
+    /// The square root of the sums of squares taken as gradients were handed over.
+    Local,
+    /// A norm the caller computed (e.g. all-reduced across ranks); inf/NaN skips the step.
+    Given(f64),
+}
+
+/// What `step()` is told.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepArgs {
+    /// Clip the global norm to this (torch's `clip_grad_norm_`); 0 disables clipping.
+    pub max_norm: f64,
+    pub norm: NormSource,
+    /// The caller saw an overflow (e.g. on another rank): skip the step.
+    pub overflow: bool,
+}
+
+/// The outcome of one optimizer step.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepResult {
+    /// 1 for the first step of the session, then one more per `begin_step`.
+    pub serial: u64,
+    pub skipped: bool,
+    /// Of the unscaled gradient (inf or NaN when a gradient element was).
+    pub global_norm: f64,
+    pub clip_coef: f64,
+    /// The factor every gradient was finally stepped with: `clip_coef / loss_scale`.
+    pub grad_factor: f32,
+    /// The loss scale this step's backward used.
+    pub loss_scale: f32,
+    /// The loss scale for the next step (the built-in scaler's verdict, else unchanged).
+    pub next_loss_scale: f32,
+    /// Speculative steps queued during backward.
+    pub speculative: u32,
+    /// Gradients that arrived for a sub-group after it was complete.
+    pub late_gradients: u32,
+    /// Speculative steps kept as they were (same factor), possibly completed by a pass over
+    /// the part that a preempted speculative pass had not reached.
+    pub kept: u32,
+    pub rescaled: u32,
+    pub rolled_back: u32,
+    /// Speculative steps undone and taken again (late gradient, changed hyperparameters).
+    pub redone: u32,
+    /// Sub-groups stepped once, at finalization, with no speculative step applied.
+    pub stepped: u32,
+    /// Why the step was skipped ([`SkipReason::None`] when it was not).
+    pub skip_reason: SkipReason,
+    /// Speculative steps that had not started at `step()`: cancelled, and their sub-groups
+    /// stepped once with the exact factor (counted in `stepped` too).
+    pub cancelled: u32,
+    /// Sub-groups stepped on the device (device placement).
+    pub device_stepped: u32,
+    /// Elements the optimizer passes touched after `step()` was called (each pass over a
+    /// sub-group counts its elements): the work left after backward before the weights are
+    /// final (a moments pass after publication is not counted).
+    pub final_pass_elements: u64,
+    /// Seconds the compute stream (CUDA) or the calling threads (host mode) waited on this
+    /// session's tickets between the previous `step()` and this one: the optimizer time the
+    /// previous step left exposed.
+    pub forward_wait_s: f64,
+    /// Sub-groups placed on the device during this step.
+    pub device_subgroups: u32,
+}
+
+/// Why a step was skipped: nothing was stepped, every speculative step was rolled back and
+/// step counts are unchanged.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SkipReason {
+    /// Not skipped.
+    #[default]
+    None,
+    /// The caller reported an overflow (`StepArgs::overflow`).
+    Overflow,
+    /// A gradient element was inf or NaN (the local norm then reports it).
+    NonFiniteGradient,
+    /// The caller-given global norm was inf or NaN.
+    NonFiniteNorm,
+    /// `clip / loss_scale` rounds to 0 or overflows in f32, so no gradient can be stepped
+    /// with it (e.g. a `max_norm` below f32's range).
+    UnusableFactor,
+}
