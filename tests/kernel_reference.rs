@@ -6,6 +6,12 @@ mod common;
 use common::*;
 use superoffload::kernels::{self, AdamHyper, AdamMode, DType, UpdateOptions};
 
+/// The reference step of element `i` of `before`, with the gradient times `scale`.
+fn ref_update_of(k: &Consts, scale: f64, before: &State, i: usize) -> Ref {
+    let (p, g, m, v) = (before.p.get(i), before.g.get(i), before.m.get(i), before.v.get(i));
+    ref_update(k, scale, exact(p), exact(g), exact(m), exact(v))
+}
+
 /// Runs one update and checks every element of every output against the reference.
 fn check_update(
     rng: &mut Rng,
@@ -26,14 +32,7 @@ fn check_update(
         let k = Consts::new(&hp);
         let mut sumsq = 0.0f64;
         for i in 0..n {
-            let r = ref_update(
-                &k,
-                scale as f64,
-                exact(before.p.get(i)),
-                exact(before.g.get(i)),
-                exact(before.m.get(i)),
-                exact(before.v.get(i)),
-            );
+            let r = ref_update_of(&k, scale as f64, &before, i);
             let ctx = format!("{isa:?} {dtypes:?} {hp:?} scale {scale} n {n}");
             assert_close(&format!("p {ctx}"), i, after.p.get(i), store(dtypes.0, r.p), 2.0);
             assert_close(&format!("m {ctx}"), i, after.m.get(i), store(dtypes.2, r.m), 2.0);
@@ -91,14 +90,7 @@ fn several_steps_stay_on_the_reference() {
         kernels::update(&pool, &hp, state.buffers(), &UpdateOptions::default()).unwrap();
         let k = Consts::new(&hp);
         for i in 0..state.len() {
-            let r = ref_update(
-                &k,
-                1.0,
-                exact(before.p.get(i)),
-                exact(before.g.get(i)),
-                exact(before.m.get(i)),
-                exact(before.v.get(i)),
-            );
+            let r = ref_update_of(&k, 1.0, &before, i);
             assert_close(&format!("p step {step}"), i, state.p.get(i), r.p, 2.0);
             assert_close(&format!("v step {step}"), i, state.v.get(i), r.v, 2.0);
         }
@@ -126,14 +118,7 @@ fn reference_bounds_reject_wrong_formulas() {
         let k = Consts::new(&wrong);
         let violations = (0..after.len())
             .filter(|&i| {
-                let r = ref_update(
-                    &k,
-                    1.0,
-                    exact(before.p.get(i)),
-                    exact(before.g.get(i)),
-                    exact(before.m.get(i)),
-                    exact(before.v.get(i)),
-                );
+                let r = ref_update_of(&k, 1.0, &before, i);
                 (after.p.get(i) - r.p.v).abs() > 2.0 * r.p.e
             })
             .count();

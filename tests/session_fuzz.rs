@@ -91,52 +91,37 @@ fn run_seed(seed: u64, max_ops: usize, dir: &std::path::Path, log: &Mutex<Vec<Op
         let op = generator.next(&world);
         ops.push(op.clone());
         log.lock().unwrap().push(op.clone());
-        match catch_unwind(AssertUnwindSafe(|| world.apply(&op))) {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                failure = Some(e);
-                break;
-            }
-            Err(p) => {
-                failure = Some(format!("test panicked: {}", panic_message(p)));
-                break;
-            }
+        if let Err(e) = apply(&mut world, &op) {
+            failure = Some(e);
+            break;
         }
     }
-    if failure.is_none() {
-        failure = match catch_unwind(AssertUnwindSafe(|| world.finish())) {
-            Ok(r) => r.err().map(|e| format!("at the end of the sequence: {e}")),
-            Err(p) => Some(format!("test panicked at the end: {}", panic_message(p))),
-        };
-    }
-    world.abandon();
-    let _ = std::fs::remove_dir_all(&world.dir);
+    let failure = finish(&mut world, failure);
     Run { ops, failure, stats: world.stats, calls: api::calls() - calls0 }
 }
 
 /// Runs a given sequence; its failure, if any.
 fn replay(ops: &[Op], dir: &std::path::Path, tag: u64) -> Option<String> {
     let mut world = World::new(dir.join(format!("replay{tag}")));
-    let mut failure = None;
-    for op in ops {
-        match catch_unwind(AssertUnwindSafe(|| world.apply(op))) {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                failure = Some(e);
-                break;
-            }
-            Err(p) => {
-                failure = Some(format!("test panicked: {}", panic_message(p)));
-                break;
-            }
-        }
-    }
-    if failure.is_none() {
-        failure = catch_unwind(AssertUnwindSafe(|| world.finish())).map_or_else(
+    let failure = ops.iter().find_map(|op| apply(&mut world, op).err());
+    finish(&mut world, failure)
+}
+
+/// Applies one operation: its failure, a panic included.
+fn apply(world: &mut World, op: &Op) -> Result<(), String> {
+    catch_unwind(AssertUnwindSafe(|| world.apply(op)))
+        .unwrap_or_else(|p| Err(format!("test panicked: {}", panic_message(p))))
+}
+
+/// Ends a sequence: the end-of-sequence checks unless an operation failed already, then the
+/// world's sessions and files go. The sequence's failure, if any.
+fn finish(world: &mut World, failure: Option<String>) -> Option<String> {
+    let failure = failure.or_else(|| {
+        catch_unwind(AssertUnwindSafe(|| world.finish())).map_or_else(
             |p| Some(format!("test panicked at the end: {}", panic_message(p))),
             |r| r.err().map(|e| format!("at the end of the sequence: {e}")),
-        );
-    }
+        )
+    });
     world.abandon();
     let _ = std::fs::remove_dir_all(&world.dir);
     failure

@@ -6,11 +6,11 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use superoffload::error::Status;
+use superoffload::error::{Error, Status};
 use superoffload::kernels::{DType, Floats, Isa};
 use superoffload::session::{
     Borrowed, GroupHparams, LossScalerOptions, NormSource, Session, SessionOptions, SkipReason, SliceDesc, Speculation,
-    StepArgs, SubGroupDesc,
+    StepArgs, StepResult, SubGroupDesc,
 };
 
 /// A session of one sub-group per entry of `sizes` (one slice each, named `s<i>`), over
@@ -32,7 +32,7 @@ fn session(masters: &mut [Vec<f32>], speculation: bool) -> Session {
     s
 }
 
-fn step(s: &Session, grads: &[Vec<f32>], args: StepArgs) -> superoffload::session::StepResult {
+fn step(s: &Session, grads: &[Vec<f32>], args: StepArgs) -> StepResult {
     s.begin_step(Some(1.0), 1).unwrap();
     for (i, g) in grads.iter().enumerate() {
         s.grad_copy(i as u32, Floats::F32(g)).unwrap();
@@ -134,14 +134,20 @@ fn assert_states_close(without: &State, with: &State, rel: f32, context: &str) {
     }
 }
 
-/// `step`, with every speculative step run before `step()`.
-fn step_speculated(s: &Session, grads: &[Vec<f32>], args: StepArgs) -> superoffload::session::StepResult {
-    s.begin_step(Some(1.0), 1).unwrap();
-    for (i, g) in grads.iter().enumerate() {
-        hand_over_speculated(s, i as u32, g);
-    }
-    let t = s.step(args).unwrap();
-    s.step_result(t, None).unwrap()
+/// One step of `grad` on a sub-group of weights 0.5, under `loss_scale` and clipped to
+/// `max_norm`, its speculative step (if any) run before `step()`: the state after it and the
+/// step's result. The step must be taken and clipped. Err: `begin_step` refused the scale.
+fn clipped_step(grad: &[f32], loss_scale: f32, max_norm: f64, speculation: bool) -> Result<(State, StepResult), Error> {
+    let mut masters = vec![vec![0.5f32; grad.len()]];
+    let s = session(&mut masters, speculation);
+    s.begin_step(Some(loss_scale), 1)?;
+    hand_over_speculated(&s, 0, grad);
+    let t = s.step(local(max_norm)).unwrap();
+    let r = s.step_result(t, None).unwrap();
+    assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
+    let (m, v) = s.moments(0).unwrap();
+    drop(s);
+    Ok(((masters.remove(0), m, v), r))
 }
 
 /// Found by the fuzzer (`tests/session_fuzz.rs`, seed 0): `begin_step` accepts a loss scale
@@ -218,13 +224,9 @@ fn speculative_step_with_an_overflowing_square_is_declined() {
 
     // Clipped: the same as stepping after backward.
     let state = |speculation: bool| {
-        let mut masters = vec![vec![0.5f32; 4]];
-        let s = session(&mut masters, speculation);
-        let r = step_speculated(&s, std::slice::from_ref(&grad), local(1.0));
-        assert!(!r.skipped && r.clip_coef < 1.0 && r.rescaled == 0, "{r:?}");
-        let (m, v) = s.moments(0).unwrap();
-        drop(s);
-        (masters.remove(0), m, v)
+        let (state, r) = clipped_step(&grad, 1.0, 1.0, speculation).unwrap();
+        assert_eq!(r.rescaled, 0, "{r:?}");
+        state
     };
     assert_eq!(state(false), state(true), "(p, m, v) without and with speculation");
 }
@@ -241,20 +243,12 @@ fn speculative_step_with_an_overflowing_square_is_declined() {
 fn clipped_step_with_a_tiny_loss_scale_matches_the_step_without_speculation() {
     for scale in [2f32.powi(-70), 1e-25, 1e-30] {
         let grad: Vec<f32> = (0..64).map(|i| ((i % 9) as f32 - 4.0) * 0.025 * scale).collect();
-        let state = |speculation: bool| {
-            let mut masters = vec![vec![0.5f32; 64]];
-            let s = session(&mut masters, speculation);
-            if let Err(e) = s.begin_step(Some(scale), 1) {
+        let state = |speculation: bool| match clipped_step(&grad, scale, 0.1, speculation) {
+            Ok((state, _)) => Some(state),
+            Err(e) => {
                 assert_eq!(e.status, Status::InvalidArgument, "{}", e.message);
-                return None;
+                None
             }
-            hand_over_speculated(&s, 0, &grad);
-            let t = s.step(local(0.1)).unwrap();
-            let r = s.step_result(t, None).unwrap();
-            assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
-            let (m, v) = s.moments(0).unwrap();
-            drop(s);
-            Some((masters.remove(0), m, v))
         };
         let (Some(without), Some(with)) = (state(false), state(true)) else { continue };
         assert_states_close(&without, &with, 1e-5, &format!("loss scale {scale:e}, "));
@@ -270,18 +264,7 @@ fn clipped_step_with_a_tiny_loss_scale_matches_the_step_without_speculation() {
 fn clipped_step_with_a_huge_loss_scale_matches_the_step_without_speculation() {
     let scale = 2f32.powi(100);
     let grad: Vec<f32> = [0.1f32, -0.2, 0.3, 0.05].iter().map(|g| g * scale).collect();
-    let state = |speculation: bool| {
-        let mut masters = vec![vec![0.5f32; 4]];
-        let s = session(&mut masters, speculation);
-        s.begin_step(Some(scale), 1).unwrap();
-        hand_over_speculated(&s, 0, &grad);
-        let t = s.step(local(0.1)).unwrap();
-        let r = s.step_result(t, None).unwrap();
-        assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
-        let (m, v) = s.moments(0).unwrap();
-        drop(s);
-        (masters.remove(0), m, v)
-    };
+    let state = |speculation: bool| clipped_step(&grad, scale, 0.1, speculation).unwrap().0;
     assert_states_close(&state(false), &state(true), 1e-5, "");
 }
 
@@ -368,20 +351,9 @@ fn elements_outside_every_slice_are_zero_padding_and_resume_bit_for_bit() {
 fn clipped_step_with_a_small_loss_scale_keeps_f32_precision() {
     let scale = 2f32.powi(-40);
     let grad: Vec<f32> = [1e-9f32, -2e-9, 3e-9, 0.5e-9].iter().map(|g| g * scale).collect();
-    let state = |speculation: bool| {
-        let mut masters = vec![vec![0.5f32; 4]];
-        let s = session(&mut masters, speculation);
-        s.begin_step(Some(scale), 1).unwrap();
-        hand_over_speculated(&s, 0, &grad);
-        // A clip coefficient near 1/2: the rescale's own rounding (a few ulps of the
-        // speculative step's terms, relative to the rescaled ones) stays below 1e-6.
-        let t = s.step(local(5e-7)).unwrap();
-        let r = s.step_result(t, None).unwrap();
-        assert!(!r.skipped && r.clip_coef < 1.0, "{r:?}");
-        let (m, v) = s.moments(0).unwrap();
-        drop(s);
-        (masters.remove(0), m, v)
-    };
+    // A clip coefficient near 1/2: the rescale's own rounding (a few ulps of the speculative
+    // step's terms, relative to the rescaled ones) stays below 1e-6.
+    let state = |speculation: bool| clipped_step(&grad, scale, 5e-7, speculation).unwrap().0;
     assert_states_close(&state(false), &state(true), 1e-6, "");
 }
 

@@ -22,6 +22,7 @@ use fuzz::api;
 use fuzz::model::{Phase, World};
 use fuzz::ops::*;
 use fuzz::reference;
+use superoffload::session::LossScalerOptions;
 
 const CI_STEPS: u64 = 1500;
 /// Allowed growth of resident memory after the warm-up.
@@ -86,12 +87,14 @@ fn session_soak() {
         amsgrad: false,
         scaler: Some(ScalerSpec {
             size_ok: true,
-            init: 1024.0,
-            growth: 2.0,
-            backoff: 0.5,
-            interval: 40,
-            hysteresis: 2,
-            min: 1.0,
+            options: LossScalerOptions {
+                init_scale: 1024.0,
+                growth_factor: 2.0,
+                backoff_factor: 0.5,
+                growth_interval: 40,
+                hysteresis: 2,
+                min_scale: 1.0,
+            },
         }),
         copy: api::DT_BF16,
         pool: PoolSpec::Default,

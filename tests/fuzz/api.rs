@@ -1,7 +1,7 @@
 //! The adapter: the only place where the reliability tests call the session's C API (the
 //! `extern "C"` functions the crate exports, called directly so that the C boundary is what
-//! is exercised). When the ABI changes (speculation enum, new `so_step_result` fields,
-//! placement, out-of-order tickets), this file is what needs adapting.
+//! is exercised). When the ABI changes (speculation enum, placement, out-of-order tickets),
+//! this file is what needs adapting.
 
 use std::ffi::{CString, c_char, c_void};
 
@@ -74,56 +74,6 @@ pub fn set_speculation(o: &mut so_session_options, mode: u32) {
 }
 pub fn speculation(o: &so_session_options) -> u32 {
     o.speculation
-}
-
-/// The step result as the tests read it (new `so_step_result` fields go here).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Outcome {
-    pub serial: u64,
-    pub skipped: bool,
-    pub skip_reason: u32,
-    pub global_norm: f64,
-    pub clip_coef: f64,
-    pub grad_factor: f32,
-    pub loss_scale: f32,
-    pub next_loss_scale: f32,
-    pub speculative: u32,
-    pub late_gradients: u32,
-    pub kept: u32,
-    pub rescaled: u32,
-    pub rolled_back: u32,
-    pub redone: u32,
-    pub stepped: u32,
-    pub cancelled: u32,
-    pub device_stepped: u32,
-    pub device_subgroups: u32,
-    pub final_pass_elements: u64,
-    pub forward_wait_s: f64,
-}
-
-fn outcome(r: &so_step_result) -> Outcome {
-    Outcome {
-        serial: r.serial,
-        skipped: r.skipped,
-        skip_reason: r.skip_reason,
-        global_norm: r.global_norm,
-        clip_coef: r.clip_coef,
-        grad_factor: r.grad_factor,
-        loss_scale: r.loss_scale,
-        next_loss_scale: r.next_loss_scale,
-        speculative: r.speculative,
-        late_gradients: r.late_gradients,
-        kept: r.kept,
-        rescaled: r.rescaled,
-        rolled_back: r.rolled_back,
-        redone: r.redone,
-        stepped: r.stepped,
-        cancelled: r.cancelled,
-        device_stepped: r.device_stepped,
-        device_subgroups: r.device_subgroups,
-        final_pass_elements: r.final_pass_elements,
-        forward_wait_s: r.forward_wait_s,
-    }
 }
 
 /// The thread's last error message.
@@ -223,11 +173,11 @@ impl Session {
     pub unsafe fn step_result_raw(self, ticket: Ticket, timeout_ns: i64, out: *mut so_step_result) -> Status {
         unsafe { c::so_session_step_result(self.0, ticket, timeout_ns, out) }
     }
-    pub fn step_result(self, ticket: Ticket, timeout_ns: i64) -> Result<Outcome, Status> {
+    pub fn step_result(self, ticket: Ticket, timeout_ns: i64) -> Result<so_step_result, Status> {
         let mut r: so_step_result = unsafe { std::mem::zeroed() };
         r.struct_size = std::mem::size_of::<so_step_result>();
         match unsafe { self.step_result_raw(ticket, timeout_ns, &mut r) } {
-            Status::Ok => Ok(outcome(&r)),
+            Status::Ok => Ok(r),
             s => Err(s),
         }
     }

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use safetensors::SafeTensors;
 use safetensors::tensor::Dtype;
 use superoffload::kernels::DType;
+use superoffload::session::LossScalerOptions;
 
 use crate::common::Store;
 use crate::fuzz::mem::store_from_bytes;
@@ -27,12 +28,7 @@ pub struct ScalerSnap {
     pub scale: f32,
     pub growth_tracker: u32,
     pub hysteresis_left: u32,
-    pub init_scale: f32,
-    pub growth_factor: f32,
-    pub backoff_factor: f32,
-    pub growth_interval: u32,
-    pub hysteresis: u32,
-    pub min_scale: f32,
+    pub options: LossScalerOptions,
 }
 
 /// What a checkpoint holds.
@@ -78,12 +74,14 @@ pub fn parse(bytes: &[u8]) -> Result<Snapshot, String> {
                 scale: f("scale")? as f32,
                 growth_tracker: f("growth_tracker")? as u32,
                 hysteresis_left: f("hysteresis_left")? as u32,
-                init_scale: f("init_scale")? as f32,
-                growth_factor: f("growth_factor")? as f32,
-                backoff_factor: f("backoff_factor")? as f32,
-                growth_interval: f("growth_interval")? as u32,
-                hysteresis: f("hysteresis")? as u32,
-                min_scale: f("min_scale")? as f32,
+                options: LossScalerOptions {
+                    init_scale: f("init_scale")? as f32,
+                    growth_factor: f("growth_factor")? as f32,
+                    backoff_factor: f("backoff_factor")? as f32,
+                    growth_interval: f("growth_interval")? as u32,
+                    hysteresis: f("hysteresis")? as u32,
+                    min_scale: f("min_scale")? as f32,
+                },
             })
         }
         other => return Err(format!("loss_scaler = {other}")),

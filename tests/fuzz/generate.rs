@@ -3,6 +3,8 @@
 //! so a sequence is a function of its seed.
 
 use crate::common::Rng;
+use superoffload::session::LossScalerOptions;
+
 use crate::fuzz::api;
 use crate::fuzz::model::{Phase, Sess, World};
 use crate::fuzz::ops::*;
@@ -88,12 +90,14 @@ impl Gen {
         if self.chance(0.3) {
             c.scaler = Some(ScalerSpec {
                 size_ok: true,
-                init: self.pick(&[1.0, 256.0, 1024.5, 65536.0, 3.3, 0.125]),
-                growth: self.pick(&[2.0, 1.5]),
-                backoff: self.pick(&[0.5, 0.25]),
-                interval: self.pick(&[1, 2, 3, 50]),
-                hysteresis: self.pick(&[1, 2]),
-                min: self.pick(&[1.0, 0.5, 1e-3]),
+                options: LossScalerOptions {
+                    init_scale: self.pick(&[1.0, 256.0, 1024.5, 65536.0, 3.3, 0.125]),
+                    growth_factor: self.pick(&[2.0, 1.5]),
+                    backoff_factor: self.pick(&[0.5, 0.25]),
+                    growth_interval: self.pick(&[1, 2, 3, 50]),
+                    hysteresis: self.pick(&[1, 2]),
+                    min_scale: self.pick(&[1.0, 0.5, 1e-3]),
+                },
             });
         }
         if self.chance(0.15) {
@@ -110,20 +114,23 @@ impl Gen {
                 7 => {
                     let mut s = c.scaler.unwrap_or(ScalerSpec {
                         size_ok: true,
-                        init: 1.0,
-                        growth: 2.0,
-                        backoff: 0.5,
-                        interval: 1,
-                        hysteresis: 1,
-                        min: 1.0,
+                        options: LossScalerOptions {
+                            init_scale: 1.0,
+                            growth_factor: 2.0,
+                            backoff_factor: 0.5,
+                            growth_interval: 1,
+                            hysteresis: 1,
+                            min_scale: 1.0,
+                        },
                     });
+                    let o = &mut s.options;
                     match self.rng.below(7) {
-                        0 => s.init = self.pick(&[0.0, f32::NAN, -1.0, f32::INFINITY]),
-                        1 => s.growth = self.pick(&[1.0, 0.5, f32::INFINITY]),
-                        2 => s.backoff = self.pick(&[1.0, 0.0, -0.5]),
-                        3 => s.interval = 0,
-                        4 => s.hysteresis = 0,
-                        5 => s.min = self.pick(&[0.0, f32::INFINITY]),
+                        0 => o.init_scale = self.pick(&[0.0, f32::NAN, -1.0, f32::INFINITY]),
+                        1 => o.growth_factor = self.pick(&[1.0, 0.5, f32::INFINITY]),
+                        2 => o.backoff_factor = self.pick(&[1.0, 0.0, -0.5]),
+                        3 => o.growth_interval = 0,
+                        4 => o.hysteresis = 0,
+                        5 => o.min_scale = self.pick(&[0.0, f32::INFINITY]),
                         _ => s.size_ok = false,
                     }
                     c.scaler = Some(s);

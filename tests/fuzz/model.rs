@@ -13,10 +13,10 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use superoffload::kernels::{AdamMode, DType};
-use superoffload::session::GroupHparams;
+use superoffload::session::{GroupHparams, LossScalerOptions};
 
 use crate::common::{Rng, Store};
-use crate::fuzz::api::{self, Outcome, Session, Status, Ticket};
+use crate::fuzz::api::{self, Session, Status, Ticket, so_step_result};
 use crate::fuzz::ckpt::{self, Snapshot};
 use crate::fuzz::mem::{RawBuf, put, set_bits, store_bytes, sub, zeros};
 use crate::fuzz::ops::*;
@@ -131,12 +131,7 @@ pub struct Opts {
 /// The built-in loss scaler, as documented (torch GradScaler plus hysteresis).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Scaler {
-    pub init: f32,
-    pub growth: f32,
-    pub backoff: f32,
-    pub interval: u32,
-    pub hysteresis: u32,
-    pub min: f32,
+    pub options: LossScalerOptions,
     pub scale: f32,
     pub tracker: u32,
     pub left: u32,
@@ -144,48 +139,39 @@ pub struct Scaler {
 
 impl Scaler {
     fn new(s: &ScalerSpec) -> Scaler {
-        Scaler {
-            init: s.init,
-            growth: s.growth,
-            backoff: s.backoff,
-            interval: s.interval,
-            hysteresis: s.hysteresis,
-            min: s.min,
-            scale: s.init,
-            tracker: 0,
-            left: s.hysteresis,
-        }
+        Scaler { options: s.options, scale: s.options.init_scale, tracker: 0, left: s.options.hysteresis }
     }
-    fn valid(s: &ScalerSpec) -> bool {
+    fn valid(o: &LossScalerOptions) -> bool {
         let pos = |x: f32| x.is_finite() && x > 0.0;
-        pos(s.init)
-            && pos(s.min)
-            && s.growth.is_finite()
-            && s.growth > 1.0
-            && s.backoff > 0.0
-            && s.backoff < 1.0
-            && s.interval >= 1
-            && s.hysteresis >= 1
+        pos(o.init_scale)
+            && pos(o.min_scale)
+            && o.growth_factor.is_finite()
+            && o.growth_factor > 1.0
+            && o.backoff_factor > 0.0
+            && o.backoff_factor < 1.0
+            && o.growth_interval >= 1
+            && o.hysteresis >= 1
     }
     /// The verdict of one step (`skipped` counts as an overflow).
     pub fn update(&mut self, skipped: bool) {
+        let o = &self.options;
         if skipped {
             self.tracker = 0;
             if self.left > 1 {
                 self.left -= 1;
             } else {
-                self.scale = (self.scale * self.backoff).max(self.min);
-                self.left = self.hysteresis;
+                self.scale = (self.scale * o.backoff_factor).max(o.min_scale);
+                self.left = o.hysteresis;
             }
         } else {
             self.tracker += 1;
-            if self.tracker >= self.interval {
-                let grown = self.scale * self.growth;
+            if self.tracker >= o.growth_interval {
+                let grown = self.scale * o.growth_factor;
                 if grown.is_finite() {
                     self.scale = grown;
                 }
                 self.tracker = 0;
-                self.left = self.hysteresis;
+                self.left = o.hysteresis;
             }
         }
     }
@@ -239,6 +225,23 @@ pub struct SgM {
     pub final_waited: bool,
     pub host_bytes: usize,
     pub late_bytes: usize,
+}
+
+impl SgM {
+    /// The caller's master weights hold the model's bit for bit wherever the model knows them.
+    fn check_master(&self, when: &str) -> Check {
+        let live = self.master.read(self.master_dtype, self.numel);
+        for i in 0..self.numel {
+            ensure!(
+                !self.known[i] || live.bits(i) == self.p.bits(i),
+                "sub-group {} element {i} changed{when}: {:e}, model {:e}",
+                self.id,
+                live.get(i),
+                self.p.get(i)
+            );
+        }
+        Ok(())
+    }
 }
 
 pub struct PlanSg {
@@ -333,7 +336,7 @@ pub struct Sess {
     pub late_count: u32,
     pub pending: Option<Pending>,
     pub step_tickets: Vec<Ticket>,
-    pub outcomes: HashMap<Ticket, Outcome>,
+    pub outcomes: HashMap<Ticket, so_step_result>,
     /// Tickets hand-offs returned, with the statuses their work may end with.
     pub handoffs: Vec<(Ticket, Vec<Status>)>,
     /// Hand-offs whose work may fail but whose ticket was not asked for (NULL out_ticket):
@@ -494,16 +497,7 @@ impl World {
         if idle {
             // Destroying changes no weights; the buffers are the caller's again.
             for sg in s.sgs.iter().flatten() {
-                let live = sg.master.read(sg.master_dtype, sg.numel);
-                for i in 0..sg.numel {
-                    ensure!(
-                        !sg.known[i] || live.bits(i) == sg.p.bits(i),
-                        "sub-group {} element {i} changed at destroy: {} vs {}",
-                        sg.id,
-                        live.get(i),
-                        sg.p.get(i)
-                    );
-                }
+                sg.check_master(" at destroy")?;
             }
         }
         Ok(())
@@ -775,12 +769,12 @@ fn create_raw(spec: &CreateSpec, pool: *const superoffload::ffi::pool::so_pool) 
         if !s.size_ok {
             scaler.struct_size += 4;
         }
-        scaler.init_scale = s.init;
-        scaler.growth_factor = s.growth;
-        scaler.backoff_factor = s.backoff;
-        scaler.growth_interval = s.interval;
-        scaler.hysteresis = s.hysteresis;
-        scaler.min_scale = s.min;
+        scaler.init_scale = s.options.init_scale;
+        scaler.growth_factor = s.options.growth_factor;
+        scaler.backoff_factor = s.options.backoff_factor;
+        scaler.growth_interval = s.options.growth_interval;
+        scaler.hysteresis = s.options.hysteresis;
+        scaler.min_scale = s.options.min_scale;
         o.loss_scaler = &scaler;
     }
     let cores: Vec<u32> = match &spec.pool {
@@ -846,7 +840,7 @@ fn create_errors(spec: &CreateSpec) -> Vec<Status> {
         if !s.size_ok {
             e.push(Status::StructSize);
         }
-        if !Scaler::valid(s) {
+        if !Scaler::valid(&s.options) {
             e.push(Status::InvalidArgument);
         }
     }
@@ -1349,10 +1343,7 @@ impl Sess {
         self.drained();
         let sg = self.sgs[id as usize].take().unwrap();
         // It is the caller's again: the session left its weights as they were.
-        let live = sg.master.read(sg.master_dtype, sg.numel);
-        for i in 0..sg.numel {
-            ensure!(!sg.known[i] || live.bits(i) == sg.p.bits(i), "remove_subgroup changed element {i}");
-        }
+        sg.check_master(" by remove_subgroup")?;
         self.host_bytes -= sg.host_bytes + sg.late_bytes;
         for &sl in &sg.slices {
             let s = &mut self.slices[sl as usize];
@@ -1887,7 +1878,7 @@ impl Sess {
 
     /// Checks a step's result against the model; returns the per-sub-group outcome kinds
     /// (None: exact) and advances the scaler if the step did not.
-    fn judge_result(&mut self, r: &Outcome, stats: &mut Stats) -> Result<Vec<Option<Approx>>, String> {
+    fn judge_result(&mut self, r: &so_step_result, stats: &mut Stats) -> Result<Vec<Option<Approx>>, String> {
         let p = self.pending.as_ref().unwrap();
         let ctx = format!("step {} result {r:?}", p.serial);
         ensure!(r.serial == p.serial, "{ctx}: serial, model {}", p.serial);
@@ -1988,7 +1979,7 @@ impl Sess {
 
     /// Advances the reference over the pending step. Exact sub-groups get their new
     /// expected state; approximate ones an `ApproxCheck` (and unknown state until observed).
-    fn advance(&mut self, r: &Outcome, kinds: &[Option<Approx>]) -> Check {
+    fn advance(&mut self, r: &so_step_result, kinds: &[Option<Approx>]) -> Check {
         let p = self.pending.take().unwrap();
         let (mode, bias) = (self.opts.mode, self.opts.bias);
         for (ps, kind) in p.plan.iter().zip(kinds) {
@@ -2286,16 +2277,7 @@ impl Sess {
             if !readable {
                 continue;
             }
-            let live = sg.master.read(sg.master_dtype, sg.numel);
-            for i in 0..sg.numel {
-                ensure!(
-                    !sg.known[i] || live.bits(i) == sg.p.bits(i),
-                    "sub-group {} element {i} changed: {:e}, model {:e}",
-                    sg.id,
-                    live.get(i),
-                    sg.p.get(i)
-                );
-            }
+            sg.check_master("")?;
             if let Some(b) = &sg.grad_buf {
                 ensure!(b.read(sg.g.dtype(), sg.numel) == sg.g, "sub-group {}: caller gradient buffer changed", sg.id);
             }
@@ -2328,8 +2310,8 @@ impl Sess {
             };
         }
         let t = self.resolve(which);
-        let mut r: api::so_step_result = unsafe { std::mem::zeroed() };
-        r.struct_size = std::mem::size_of::<api::so_step_result>() + if bad_size { 8 } else { 0 };
+        let mut r: so_step_result = unsafe { std::mem::zeroed() };
+        r.struct_size = std::mem::size_of::<so_step_result>() + if bad_size { 8 } else { 0 };
         r.serial = 0xDEAD;
         let st = unsafe { self.h.step_result_raw(t, timeout_ns, &mut r) };
         api::count_call();
@@ -2538,17 +2520,7 @@ impl Sess {
     pub fn apply_snapshot(&mut self, snap: &Snapshot) {
         self.groups = snap.groups.iter().map(|g| hp_of(*g)).collect();
         if let (Some(f), Some(m)) = (&snap.scaler, self.scaler.as_mut()) {
-            *m = Scaler {
-                init: f.init_scale,
-                growth: f.growth_factor,
-                backoff: f.backoff_factor,
-                interval: f.growth_interval,
-                hysteresis: f.hysteresis,
-                min: f.min_scale,
-                scale: f.scale,
-                tracker: f.growth_tracker,
-                left: f.hysteresis_left,
-            };
+            *m = Scaler { options: f.options, scale: f.scale, tracker: f.growth_tracker, left: f.hysteresis_left };
         }
         self.drained();
         for sg in self.sgs.iter_mut().flatten() {

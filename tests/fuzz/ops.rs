@@ -1,6 +1,8 @@
 //! The operations of a fuzz sequence: concrete values (no randomness left), so that a
 //! sequence replays exactly and can be shrunk by deleting operations.
 
+use superoffload::session::LossScalerOptions;
+
 /// How a hyperparameter struct is passed.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum HpBad {
@@ -19,12 +21,7 @@ pub struct HpSpec {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ScalerSpec {
     pub size_ok: bool,
-    pub init: f32,
-    pub growth: f32,
-    pub backoff: f32,
-    pub interval: u32,
-    pub hysteresis: u32,
-    pub min: f32,
+    pub options: LossScalerOptions,
 }
 
 #[derive(Clone, Debug, PartialEq)]
