@@ -1,0 +1,732 @@
+#!/usr/bin/env python3
+"""GPU: ours against torch AdamW, torchao, DeepSpeed (ZeRO-3 offload, SuperOffload) and FSDP2 offload, one process each
+
+Every system trains the same transformers Llama (built from a config, no download; bf16,
+activation checkpointing) on the same random tokens (fixed seed) with the same hyperparameters
+(AdamW, lr 1e-5, betas 0.9/0.95, eps 1e-8, weight decay 0.1), in a process of its own (this
+script with --worker), without clipping and with clipping on every step (max_grad_norm tiny):
+
+  torch-gpu-adamw      torch.optim.AdamW(fused=True) on the GPU, bf16 parameters and moments
+                       (the baseline "d": every ratio is to its uncapped row)
+  ours                 SuperOffloadAdamW(model.parameters(), model=model, max_grad_norm=...),
+                       the package's defaults
+  ours-offload-all     ours, gpu_budget_bytes=0: everything offloaded
+  ours-spec-off        ours, speculation="off", everything offloaded
+  ours-bf16-moments    ours, moment_dtype="bf16", everything offloaded
+  ours-budget-auto     ours, gpu_budget="auto" (under --mem-cap-gib: gpu_budget_bytes = the cap
+                       less one step's peak and 1 GiB, as the automatic budget reads the GPU's
+                       free memory, which torch's per-process cap does not lower)
+  torchao-offload      torchao.optim.CPUOffloadOptimizer(params, torch.optim.AdamW): bf16
+                       parameters and moments on the CPU, fused CPU AdamW after backward; it does
+                       not clip, so the clipped run scales the host gradients in a step pre-hook
+                       of each per-parameter optimizer by the norm of the GPU gradients
+  ds-zero3-offload     DeepSpeed ZeRO-3, offload_optimizer {device: cpu, pin_memory: true}, AdamW
+                       (DeepSpeedCPUAdam), top-level gradient_clipping
+  torch-fsdp2-offload  FSDP2 fully_shard per decoder layer and at the root, one rank, with
+                       CPUOffloadPolicy and MixedPrecisionPolicy(bf16 params): fused CPU AdamW on
+                       f32 masters after backward, clip_grad_norm_ on the CPU
+  ds-superoffload      DeepSpeed ZeRO-3 + offload_optimizer.super_offload, as DeepSpeed's
+                       SuperOffload examples configure it (ratio 0.9, cpuadam_cores_perc 0.9,
+                       sub_group_size = reduce_bucket_size = 4e8, overlap_comm off)
+
+Models: 1.1b (TinyLlama's shape: 22 x 2048, intermediate 5632, 32 heads, 4 KV heads, batch 16 x
+seq 2048 = 32K tokens a step), 2.8b (26 x 3072, intermediate 8192, 24 heads, 8 KV heads, batch 8
+x 2048 = 16K tokens), tiny (2 x 64, for --device cpu: the harness, no numbers).
+
+Per row: the median s/step of --steps timed steps after --warmup, its ratio to the uncapped
+torch-gpu-adamw row of the same model and clipping, GPU memory as torch's peak (allocated) plus
+the device bytes our session holds outside torch's allocator (metrics()["device_bytes"]; 0 for
+the others, whose GPU memory is all torch's), the loss after the last step, and the error of a
+failed run. With --mem-cap-gib each worker first calls torch.cuda.set_per_process_memory_fraction;
+an out-of-memory error is a result (status oom), not a crash. A system that errs or times out is
+not run again for the later models and caps (--retry-failed runs it anyway).
+
+The clipped run follows the unclipped one in the same process (DeepSpeed: its ZeRO optimizer's
+clip_grad, which gradient_clipping sets, is switched between the runs). Before the timed steps:
+ours with an automatic split steps until the split has settled, and ours with speculation auto
+takes the steps after which it stops speculating on clipped steps (bench_e2e.py's constants).
+
+Workers run in the order the targets need them: the baselines, ours everything offloaded, ours
+with the automatic budget, torchao, ours with speculation off, ours' defaults, bf16 moments,
+DeepSpeed ZeRO-3, FSDP2, SuperOffload; each system for every model and cap in turn. --budget-s
+(default 480 s) starts no worker after that and leaves 'skipped' rows: a second command with
+--systems for the rest and --baseline (the first run's peers.json, for its torch-gpu-adamw rows)
+completes the tables.
+
+  python3 bench/peers.py                                   # both models, every system (see --budget-s)
+  python3 bench/peers.py --systems ds-zero3-offload,torch-fsdp2-offload --baseline first/peers.json
+  python3 bench/peers.py --models 2.8b --mem-cap-gib 24,48 \\
+      --systems torch-gpu-adamw,ours-offload-all,ours-budget-auto,torchao-offload,ds-zero3-offload
+  python3 bench/peers.py --device cpu --models tiny --systems torch-gpu-adamw,ours   # CPU dry run
+
+Writes peers.json, peers.md (one table per model and cap) and peers.log (every worker's output)
+to --out (default $OUT/peers, else bench-out/peers), after every worker, and prints the tables.
+Needs torch, transformers and the superoffload package; torchao and DeepSpeed for their rows
+(bench/peers_setup.sh installs them from carried wheels on the GPU machine).
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+E2E_DIR = os.path.join(HERE, "..", "examples", "torch_optimizer")
+
+MODELS = {
+    "1.1b": dict(layers=22, hidden=2048, inter=5632, heads=32, kv_heads=4, vocab=32000, seq=2048, batch=16),
+    "2.8b": dict(layers=26, hidden=3072, inter=8192, heads=24, kv_heads=8, vocab=32000, seq=2048, batch=8),
+    "tiny": dict(layers=2, hidden=64, inter=172, heads=4, kv_heads=2, vocab=256, seq=64, batch=4),
+}
+HPARAMS = dict(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+GIB = 1 << 30
+# Left free within a memory cap when our budget is derived from it.
+CAP_HEADROOM_BYTES = GIB
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def is_oom(exc):
+    text = str(exc).lower()
+    # torch's allocator, CUDA's runtime ("out of memory") and driver (CUDA_ERROR_OUT_OF_MEMORY).
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in text or "out_of_memory" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker: one system, one model, one cap; the clip settings in turn
+# ---------------------------------------------------------------------------------------------
+
+
+class Context:
+    """What every system shares: the model's shape, the device, the batch, the cap."""
+
+    def __init__(self, args):
+        import bench_e2e
+        self.e2e = bench_e2e
+        self.spec = MODELS[args.model]
+        self.cuda = args.device == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.cap_bytes = int(args.cap_gib * GIB) if args.cap_gib else 0
+        self.clips = args.clips
+        generator = torch.Generator().manual_seed(0)
+        shape = (self.spec["batch"], self.spec["seq"])
+        self.batch = torch.randint(0, self.spec["vocab"], shape, generator=generator).to(self.device)
+
+    def build_model(self, dtype=None):
+        shape = argparse.Namespace(**self.spec, dtype=dtype or self.dtype, activation_checkpointing=True)
+        return self.e2e.build_model(shape, self.device)
+
+    def budget_within_cap(self, model):
+        """The cap less the peak of one forward and backward without an optimizer, less a headroom."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.e2e.forward_backward(model, self.batch)
+        for p in model.parameters():
+            p.grad = None
+        peak = torch.cuda.max_memory_allocated(self.device)
+        return max(0, self.cap_bytes - peak - CAP_HEADROOM_BYTES)
+
+
+class Trainer:
+    """One system's training loop on the shared model and batch."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.max_norm = 0.0
+        self.config = {}
+        self.steps_taken = 0
+
+    def set_clip(self, max_norm):
+        self.max_norm = max_norm
+
+    def before_phase(self, first):
+        """Steps that the measurement must not include (a policy or placement settling)."""
+
+    def device_bytes(self):
+        """GPU memory held outside torch's allocator."""
+        return 0
+
+    def parameter_count(self):
+        return sum(p.numel() for p in self.model.parameters())
+
+    def step(self):
+        """Forward, backward and the optimizer step; returns the loss."""
+        self.steps_taken += 1
+        return self.train_step()
+
+    def train_step(self):
+        raise NotImplementedError
+
+    def close(self):
+        pass
+
+
+class TorchGpuAdamW(Trainer):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.model = ctx.build_model()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, fused=True, **HPARAMS)
+        self.config = {"optimizer": "torch.optim.AdamW(fused=True)", "state": str(ctx.dtype)}
+
+    def train_step(self):
+        loss = self.ctx.e2e.forward_backward(self.model, self.ctx.batch)
+        if self.max_norm:
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+
+class Ours(Trainer):
+    def __init__(self, ctx, options):
+        from superoffload.torch import SuperOffloadAdamW
+        super().__init__(ctx)
+        self.model = ctx.build_model()
+        options = dict(options)
+        if ctx.cap_bytes and options.get("gpu_budget") == "auto":
+            del options["gpu_budget"]
+            options["gpu_budget_bytes"] = ctx.budget_within_cap(self.model)
+        self.max_norm = ctx.clips[0]
+        self.opt = SuperOffloadAdamW(self.model.parameters(), model=self.model, max_grad_norm=self.max_norm,
+                                     **HPARAMS, **options)
+        # An explicit zero budget offloads everything; any other may place sub-groups on the GPU
+        # after a few measured steps.
+        self.splits = options.get("gpu_budget_bytes") != 0
+        self.speculation_auto = options.get("speculation", "auto") == "auto"
+        self.config = {**options, "subgroups": len(self.opt.subgroups())}
+
+    def set_clip(self, max_norm):
+        self.max_norm = max_norm
+        self.opt.max_grad_norm = max_norm
+
+    def before_phase(self, first):
+        if first and self.splits:
+            self.config["split_settled_after_steps"] = self.ctx.e2e.settle_split(self.opt, self.step)
+        elif not first and self.speculation_auto:
+            for _ in range(self.ctx.e2e.AUTO_POLICY_TURN):
+                self.step()
+
+    def device_bytes(self):
+        return self.opt.metrics()["device_bytes"]
+
+    def train_step(self):
+        loss = self.ctx.e2e.forward_backward(self.model, self.ctx.batch)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def close(self):
+        self.opt.close()
+
+
+class TorchaoOffload(Trainer):
+    def __init__(self, ctx):
+        import torchao
+        from torchao.optim import CPUOffloadOptimizer
+        super().__init__(ctx)
+        self.model = ctx.build_model()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = CPUOffloadOptimizer(self.params, torch.optim.AdamW, **HPARAMS)
+        self.host_grad_scale = 1.0
+        for host_opt in self.opt.optim_dict.values():
+            host_opt.register_step_pre_hook(self._scale_host_grads)
+        # Parameters below its minimal size stay on the GPU, stepped there by its d_opt.
+        self.gpu_params = [p for group in self.opt.d_param_groups for p in group["params"]]
+        self.config = {"torchao": torchao.__version__, "offloaded_tensors": len(self.opt.optim_dict),
+                       "gpu_tensors": len(self.gpu_params)}
+
+    def _scale_host_grads(self, host_opt, args, kwargs):
+        if self.host_grad_scale < 1.0:
+            for group in host_opt.param_groups:
+                for p in group["params"]:
+                    p.grad.mul_(self.host_grad_scale)
+
+    def train_step(self):
+        loss = self.ctx.e2e.forward_backward(self.model, self.ctx.batch)
+        if self.max_norm:
+            # The host gradients were copied during backward: the GPU ones give the norm, the
+            # pre-hook scales the host copies as each per-parameter optimizer steps.
+            grads = [p.grad for p in self.params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(self.gpu_params, self.max_norm, norm, foreach=True)
+            self.host_grad_scale = min(1.0, self.max_norm / (float(norm) + 1e-6))
+        else:
+            self.host_grad_scale = 1.0
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+
+class DeepSpeedZero3(Trainer):
+    def __init__(self, ctx, super_offload):
+        import deepspeed
+        super().__init__(ctx)
+        model = ctx.build_model()
+        offload = {"device": "cpu", "pin_memory": True}
+        zero = {"stage": 3, "offload_optimizer": offload}
+        if super_offload:
+            offload.update(super_offload=True, ratio=0.9, cpuadam_cores_perc=0.9)
+            zero.update(overlap_comm=False, sub_group_size=400_000_000, reduce_bucket_size=400_000_000)
+        self.max_norm = ctx.clips[0]
+        ds_config = {
+            "train_micro_batch_size_per_gpu": ctx.spec["batch"],
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": self.max_norm,
+            "bf16": {"enabled": ctx.dtype == torch.bfloat16},
+            "optimizer": {"type": "AdamW", "params": {**HPARAMS, "betas": list(HPARAMS["betas"])}},
+            "zero_optimization": zero,
+            "steps_per_print": 1 << 30,
+        }
+        deepspeed.init_distributed(dist_backend="nccl" if ctx.cuda else "gloo")
+        self.engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+        self.model = self.engine.module
+        self.config = {"deepspeed": deepspeed.__version__, "zero_optimization": zero,
+                       "zero_optimizer": type(self.engine.optimizer).__name__}
+
+    def parameter_count(self):
+        # ZeRO-3 partitions the parameters: their full sizes are ds_numel.
+        return sum(p.ds_numel for p in self.model.parameters())
+
+    def set_clip(self, max_norm):
+        # DeepSpeed reads gradient_clipping once, into its ZeRO-3 optimizer's clip_grad, which
+        # step() (and SuperOffload's choice to step during backward) reads each step.
+        self.max_norm = max_norm
+        self.engine.optimizer.clip_grad = max_norm
+
+    def train_step(self):
+        loss = self.engine(input_ids=self.ctx.batch, labels=self.ctx.batch).loss
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+    def close(self):
+        self.engine.destroy()
+
+
+class Fsdp2CpuOffload(Trainer):
+    def __init__(self, ctx):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        super().__init__(ctx)
+        dist.init_process_group("nccl" if ctx.cuda else "gloo")
+        self.model = ctx.build_model(dtype=torch.float32)
+        policies = dict(mesh=init_device_mesh(ctx.device.type, (1,)),
+                        mp_policy=MixedPrecisionPolicy(param_dtype=ctx.dtype, reduce_dtype=torch.float32),
+                        offload_policy=CPUOffloadPolicy(pin_memory=ctx.cuda))
+        for layer in self.model.model.layers:
+            fully_shard(layer, **policies)
+        fully_shard(self.model, **policies)
+        self.opt = torch.optim.AdamW(self.model.parameters(), fused=True, **HPARAMS)
+        self.config = {"masters": "f32 on the CPU", "compute": str(ctx.dtype),
+                       "optimizer": "torch.optim.AdamW(fused=True) on the CPU"}
+
+    def train_step(self):
+        loss = self.ctx.e2e.forward_backward(self.model, self.ctx.batch)
+        if self.max_norm:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm, foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def close(self):
+        torch.distributed.destroy_process_group()
+
+
+OFFLOAD_ALL = {"gpu_budget_bytes": 0}
+# name: (label, constructor(ctx)), in the order of the tables.
+SYSTEMS = {
+    "torch-gpu-adamw": ("torch AdamW(fused) on the GPU, bf16 state", TorchGpuAdamW),
+    "ours": ("ours, defaults", lambda ctx: Ours(ctx, {})),
+    "ours-offload-all": ("ours, everything offloaded", lambda ctx: Ours(ctx, OFFLOAD_ALL)),
+    "ours-spec-off": ('ours, speculation "off", everything offloaded',
+                      lambda ctx: Ours(ctx, {"speculation": "off", **OFFLOAD_ALL})),
+    "ours-bf16-moments": ('ours, moment_dtype "bf16", everything offloaded',
+                          lambda ctx: Ours(ctx, {"moment_dtype": "bf16", **OFFLOAD_ALL})),
+    "ours-budget-auto": ('ours, gpu_budget "auto"', lambda ctx: Ours(ctx, {"gpu_budget": "auto"})),
+    "torchao-offload": ("torchao CPUOffloadOptimizer (AdamW)", TorchaoOffload),
+    "ds-zero3-offload": ("DeepSpeed ZeRO-3, offload_optimizer cpu", lambda ctx: DeepSpeedZero3(ctx, False)),
+    "torch-fsdp2-offload": ("torch FSDP2 CPUOffloadPolicy, 1 rank", Fsdp2CpuOffload),
+    "ds-superoffload": ("DeepSpeed ZeRO-3 + SuperOffload", lambda ctx: DeepSpeedZero3(ctx, True)),
+}
+BASELINE = "torch-gpu-adamw"
+# The order of the runs: the rows that the targets need first, so that what --budget-s leaves out
+# matters least ("ours" repeats one of the two before it, whichever the package's default is).
+RUN_ORDER = ["torch-gpu-adamw", "ours-offload-all", "ours-budget-auto", "torchao-offload", "ours-spec-off", "ours",
+             "ours-bf16-moments", "ds-zero3-offload", "torch-fsdp2-offload", "ds-superoffload"]
+
+
+def error_text(exc):
+    return f"{type(exc).__name__}: {exc}".strip()[:2000]
+
+
+def package_versions():
+    versions = {"torch": torch.__version__, "python": platform.python_version()}
+    for name in ("transformers", "superoffload", "torchao", "deepspeed"):
+        module = sys.modules.get(name)
+        if module is not None:
+            versions[name] = getattr(module, "__version__", "?")
+    return versions
+
+
+def worker_main(args):
+    sys.path.insert(0, E2E_DIR)
+    ctx = Context(args)
+    if ctx.cuda and ctx.cap_bytes:
+        total = torch.cuda.get_device_properties(ctx.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, ctx.cap_bytes / total), ctx.device)
+    timer = ctx.e2e.Timer(ctx.cuda)
+    spec = ctx.spec
+    rows = [{"clip": clip, "status": "not run"} for clip in ctx.clips]
+
+    def save():
+        tmp = args.result + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(rows, f)
+        os.replace(tmp, args.result)
+
+    def fail(first_index, exc):
+        status = "oom" if is_oom(exc) else "error"
+        for row in rows[first_index:]:
+            row.update(status=status, error=error_text(exc))
+        log(traceback.format_exc())
+        save()
+
+    t0 = time.perf_counter()
+    try:
+        trainer = SYSTEMS[args.worker][1](ctx)
+    except Exception as exc:
+        fail(0, exc)
+        return 0
+    setup_s = time.perf_counter() - t0
+    n_params = trainer.parameter_count()
+    log(f"[{args.worker}] set up in {setup_s:.1f} s: {n_params / 1e9:.3f} B parameters, {trainer.config}")
+    steps = argparse.Namespace(steps=args.steps, warmup=args.warmup)
+    for i, clip in enumerate(ctx.clips):
+        try:
+            trainer.set_clip(clip)
+            trainer.before_phase(first=i == 0)
+            if ctx.cuda:
+                torch.cuda.synchronize(ctx.device)
+                torch.cuda.reset_peak_memory_stats(ctx.device)
+            times, _, losses = ctx.e2e.run_steps(args.worker, trainer.step, steps, timer)
+            session_bytes = trainer.device_bytes()
+            torch_peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.cuda else 0
+        except Exception as exc:
+            fail(i, exc)
+            break
+        rows[i].update(
+            status="ok", s_per_step=statistics.median(times), s_per_step_all=times, loss=losses[-1],
+            torch_peak_gib=torch_peak / GIB, session_device_gib=session_bytes / GIB,
+            gpu_gib=(torch_peak + session_bytes) / GIB, steps_taken=trainer.steps_taken, setup_s=setup_s,
+            config=dict(trainer.config))
+        log(f"[{args.worker}] clip {clip:g}: {rows[i]['s_per_step']:.4f} s/step (steps "
+            f"{', '.join(f'{t:.3f}' for t in times)}), loss {losses[-1]:.4f}, GPU {rows[i]['gpu_gib']:.2f} GiB")
+        save()
+    for row in rows:
+        row.update(params=n_params, tokens_per_step=spec["batch"] * spec["seq"], versions=package_versions(),
+                   device_name=torch.cuda.get_device_name(ctx.device) if ctx.cuda else "cpu")
+    save()
+    trainer.close()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Runner: the workers in turn, results as JSON and Markdown
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(job, args, workdir, log_file, seconds):
+    """Runs one worker; returns its rows (one per clip), failures included."""
+    system, model, cap, clips = job
+    result = os.path.join(workdir, "result.json")
+    output = os.path.join(workdir, "worker.log")
+    for path in (result, output):
+        if os.path.exists(path):
+            os.remove(path)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--model", model,
+           "--cap-gib", str(cap or 0), "--clips", ",".join(repr(c) for c in clips), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--device", args.device, "--result", result]
+    # One rank of a one-process group, for DeepSpeed and FSDP2.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    t0 = time.perf_counter()
+    with open(output, "w") as out:
+        # Its own process group, so that a timeout also ends what it started (DeepSpeed's
+        # CPU-optimizer process).
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            stop_group(proc)
+    wall = time.perf_counter() - t0
+    with open(output, errors="replace") as f:
+        text = f.read()
+    log_file.write(f"\n===== {system} {model} cap {cap or 'none'} clips {clips}: exit {proc.returncode}, "
+                   f"{wall:.1f} s{' (timed out)' if timed_out else ''}\n{text}")
+    log_file.flush()
+    rows = []
+    if os.path.exists(result):
+        with open(result) as f:
+            rows = json.load(f)
+    by_clip = {row["clip"]: row for row in rows}
+    tail = "\n".join(text.strip().splitlines()[-15:])[-1500:]
+    out_rows = []
+    for clip in clips:
+        row = by_clip.get(clip, {"clip": clip, "status": "not run"})
+        if row["status"] == "not run":
+            if timed_out:
+                why = "at the end of --budget-s" if seconds < args.timeout_s else f"after {seconds:.0f} s"
+                row.update(status="timeout", error=f"worker stopped {why}; its output ended:\n{tail}")
+            else:
+                row.update(status="crash", error=f"worker exited with {proc.returncode}; its output ended:\n{tail}")
+        row.update(system=system, model=model, cap_gib=cap, worker_s=round(wall, 1))
+        out_rows.append(row)
+    return out_rows
+
+
+def stop_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        proc.wait()
+
+
+def plan(systems, models, caps, clips, have_baseline):
+    """(system, model, cap, clips) per worker, in RUN_ORDER, each worker running the clip settings
+    in turn; the uncapped baseline of every model first, unless given."""
+    jobs = [] if have_baseline else [(BASELINE, model, None, clips) for model in models]
+    for system in sorted(systems, key=RUN_ORDER.index):
+        for model in models:
+            for cap in caps:
+                if (system, model, cap, clips) not in jobs:
+                    jobs.append((system, model, cap, clips))
+    return jobs
+
+
+def load_baseline(path, models, clips):
+    """The uncapped baseline rows of an earlier run's peers.json, one per model and clip."""
+    with open(path) as f:
+        rows = [r for r in json.load(f)["rows"] if r["system"] == BASELINE and r["cap_gib"] is None
+                and r["status"] == "ok" and r["model"] in models and r["clip"] in clips]
+    missing = sorted({(m, c) for m in models for c in clips} - {(r["model"], r["clip"]) for r in rows})
+    if missing:
+        sys.exit(f"peers.py: {path} has no {BASELINE} row for {missing} (model, clip) uncapped")
+    for r in rows:
+        r["note"] = f"from {path}"
+    return rows
+
+
+def baseline_rows(rows):
+    return {(r["model"], r["clip"]): r for r in rows
+            if r["system"] == BASELINE and r["cap_gib"] is None and r["status"] == "ok"}
+
+
+def write_outputs(args, header, rows):
+    base = baseline_rows(rows)
+    for row in rows:
+        ref = base.get((row["model"], row["clip"]))
+        row["ratio_to_gpu_adamw"] = row["s_per_step"] / ref["s_per_step"] if ref and row["status"] == "ok" else None
+    with open(os.path.join(args.out, "peers.json"), "w") as f:
+        json.dump({"header": header, "rows": rows}, f, indent=1)
+    text = markdown(header, rows)
+    with open(os.path.join(args.out, "peers.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def fmt(x, digits):
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(header, rows):
+    machine = [header["device_name"], f"{header['cpus']} CPUs", f"/dev/shm {header['dev_shm_gib']} GiB",
+               ", ".join(f"{k} {v}" for k, v in header["versions"].items()),
+               f"{header['warmup']} warm-up + {header['steps']} timed steps, median",
+               f"clip every step: max_grad_norm {header['clip_max_norm']:g}"]
+    out = [f"# Peers: {header['started']}", "", "; ".join(m for m in machine if m) + ".", ""]
+    order = list(SYSTEMS)
+    groups = []
+    for row in rows:
+        key = (row["model"], row["cap_gib"])
+        if key not in groups:
+            groups.append(key)
+    for model, cap in sorted(groups, key=lambda k: (list(MODELS).index(k[0]), k[1] or 0)):
+        group = sorted((r for r in rows if r["model"] == model and r["cap_gib"] == cap),
+                       key=lambda r: (order.index(r["system"]), r["clip"]))
+        spec = MODELS[model]
+        params = next((r["params"] for r in group if r.get("params")), None)
+        size = (f"{params / 1e9:.2f} B parameters, " if params >= 1e9 else f"{params / 1e6:.2f} M parameters, "
+                ) if params else ""
+        out += [f"## {model}: {spec['layers']} x {spec['hidden']}, {size}{spec['batch'] * spec['seq']} tokens a step; "
+                + (f"memory cap {cap:g} GiB" if cap else "no memory cap"), "",
+                "| system | clip | s/step | × GPU AdamW | GPU GiB (torch peak + session) | loss (steps) "
+                "| status, note |",
+                "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+        for r in group:
+            note = r["status"] if r["status"] != "ok" else ""
+            if r.get("error"):
+                note += ": " + " ".join(r["error"].split())[:300].replace("|", "\\|")
+            if r.get("note"):
+                note = r["note"]
+            if r["status"] == "ok" and cap and r["gpu_gib"] > cap:
+                note = "above the cap (the session's device memory is outside torch's limit)"
+            gpu = (f"{r['gpu_gib']:.2f}" + (f" ({r['torch_peak_gib']:.2f} + {r['session_device_gib']:.2f})"
+                                              if r["session_device_gib"] else "")) if r["status"] == "ok" else "—"
+            loss = f"{r['loss']:.4f} ({r['steps_taken']})" if r["status"] == "ok" else "—"
+            out.append(f"| {SYSTEMS[r['system']][0]} | {'every step' if r['clip'] else 'none'} | "
+                       f"{fmt(r.get('s_per_step'), 3)} | {fmt(r.get('ratio_to_gpu_adamw'), 3)} | {gpu} | "
+                       f"{loss} | {note} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def host_header(args):
+    def gib(path):
+        try:
+            return round(shutil.disk_usage(path).total / GIB, 1)
+        except OSError:
+            return None
+    return {"started": datetime.datetime.now().isoformat(timespec="seconds"), "cpus": os.cpu_count(),
+            "dev_shm_gib": gib("/dev/shm"), "models": args.models, "systems": args.systems,
+            "caps_gib": args.mem_cap_gib, "clip": args.clip, "clip_max_norm": args.clip_max_norm,
+            "steps": args.steps, "warmup": args.warmup, "device": args.device, "timeout_s": args.timeout_s,
+            "device_name": "?", "versions": {}}
+
+
+def note_machine(header, row):
+    if row.get("device_name"):
+        header["device_name"] = row["device_name"]
+        header["versions"].update(row["versions"])
+
+
+def runner_main(args):
+    systems = parse_list(args.systems, SYSTEMS, "system")
+    models = parse_list(args.models, MODELS, "model")
+    caps = [None if c in ("none", "0") else float(c) for c in args.mem_cap_gib.split(",")]
+    clips = {"none": [0.0], "every": [args.clip_max_norm], "both": [0.0, args.clip_max_norm]}[args.clip]
+    os.makedirs(args.out, exist_ok=True)
+    rows = load_baseline(args.baseline, models, clips) if args.baseline else []
+    jobs = plan(systems, models, caps, clips, bool(rows))
+    header = host_header(args)
+    for r in rows:
+        note_machine(header, r)
+    failed = {}
+    start = time.perf_counter()
+    log(f"peers: {len(jobs)} workers, timeout {args.timeout_s} s each"
+        + (f", {args.budget_s} s in all" if args.budget_s else "") + f"; output in {args.out}")
+    with tempfile.TemporaryDirectory(prefix="peers-") as workdir, \
+            open(os.path.join(args.out, "peers.log"), "w") as log_file:
+        for n, job in enumerate(jobs, 1):
+            system, model, cap, job_clips = job
+            where = f"{model}, cap {cap:g} GiB" if cap else f"{model}, no cap"
+            left = args.budget_s - (time.perf_counter() - start) if args.budget_s else args.timeout_s
+            reason = None
+            if system in failed and not args.retry_failed:
+                reason = f"it failed at {failed[system]}"
+            elif args.budget_s and left < args.min_worker_s:
+                reason = f"--budget-s {args.budget_s:g} spent"
+            if reason:
+                new = [dict(system=system, model=model, cap_gib=cap, clip=c, status="skipped", error=reason)
+                       for c in job_clips]
+            else:
+                log(f"[{n}/{len(jobs)}] {system} ({where}) ...")
+                new = run_worker(job, args, workdir, log_file, min(args.timeout_s, left))
+                if any(r["status"] in ("error", "timeout", "crash") for r in new):
+                    failed.setdefault(system, where)
+            for r in new:
+                note_machine(header, r)
+                log(f"    {system} {where} clip {r['clip']:g}: {r['status']}"
+                    + (f" {r['s_per_step']:.4f} s/step, GPU {r['gpu_gib']:.2f} GiB, loss {r['loss']:.4f}"
+                       if r["status"] == "ok" else f" ({' '.join(r.get('error', '').split())[:200]})"))
+            rows += new
+            header["elapsed_s"] = round(time.perf_counter() - start, 1)
+            text = write_outputs(args, header, rows)
+    log("\n" + text)
+    return 0
+
+
+def parse_list(value, known, what):
+    """The names of a comma list (or all), in the order of `known`."""
+    names = set(known) if value == "all" else {v.strip() for v in value.split(",") if v.strip()}
+    unknown = sorted(names - set(known))
+    if unknown:
+        sys.exit(f"peers.py: unknown {what} {', '.join(unknown)} (known: {', '.join(known)})")
+    return [n for n in known if n in names]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
+    ap.add_argument("--systems", default="all", help="comma list of the systems above, or all (default)")
+    ap.add_argument("--models", default="1.1b,2.8b", help="comma list of 1.1b, 2.8b, tiny (default 1.1b,2.8b)")
+    ap.add_argument("--clip", choices=("none", "every", "both"), default="both",
+                    help="runs without clipping, clipping every step, or both (default)")
+    ap.add_argument("--clip-max-norm", type=float, default=1e-3,
+                    help="max_grad_norm of the clipped runs: tiny, so that every step clips (default 1e-3)")
+    ap.add_argument("--mem-cap-gib", default="none",
+                    help="comma list of GPU memory caps in GiB, none for uncapped (default none), e.g. none,24,48")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default 3)")
+    ap.add_argument("--timeout-s", type=float, default=240, help="one worker's limit (default 240)")
+    ap.add_argument("--budget-s", type=float, default=480,
+                    help="stop starting workers when this many seconds have passed (default 480, so that "
+                         "the run and bench/peers_setup.sh fit in one 10-minute command; 0: no limit); the "
+                         "ones left become 'not run' rows")
+    ap.add_argument("--min-worker-s", type=float, default=45,
+                    help="with --budget-s: start no worker with less than this left (default 45)")
+    ap.add_argument("--baseline", metavar="PEERS_JSON",
+                    help="take the uncapped torch-gpu-adamw rows from an earlier run's peers.json instead of "
+                         "running them")
+    ap.add_argument("--retry-failed", action="store_true",
+                    help="run a system again for the later models and caps after it failed")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: a dry run of the harness (with --models tiny), no numbers")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT") or "bench-out", "peers"),
+                    help="output directory (default $OUT/peers, else bench-out/peers)")
+    worker = ap.add_argument_group("worker mode (the runner starts these)")
+    worker.add_argument("--worker", choices=list(SYSTEMS), help="run this system")
+    worker.add_argument("--model", choices=list(MODELS))
+    worker.add_argument("--cap-gib", type=float, default=0)
+    worker.add_argument("--clips", type=lambda s: [float(c) for c in s.split(",")])
+    worker.add_argument("--result", help="where the worker writes its rows (JSON)")
+    args = ap.parse_args()
+    if args.steps < 1 or args.warmup < 0:
+        ap.error("--steps must be >= 1 and --warmup >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device here: use --device cpu --models tiny for a dry run")
+    if args.worker:
+        if not (args.model and args.clips and args.result):
+            ap.error("--worker needs --model, --clips and --result")
+        return worker_main(args)
+    return runner_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
