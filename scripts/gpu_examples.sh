@@ -9,27 +9,33 @@
 set -uo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 so_gpu_setup "$@" || exit
-export SUPEROFFLOAD_PREFIX="$prefix"
+# The Python package loads the prefix's library (examples/torch_optimizer takes no prefix).
+export SUPEROFFLOAD_LIBRARY="$prefix/lib/libsuperoffload.so"
+
+# run_example NAME SECONDS LINES RUN_SH [ARG...]: runs an example's run.sh into $out/NAME.txt,
+# its exit status last, and shows the last LINES lines.
+run_example() {
+  local name="$1" secs="$2" lines="$3"
+  shift 3
+  timeout "$secs" bash "$@" > "$out/$name.txt" 2>&1; echo "exit $?" >> "$out/$name.txt"
+  tail -"$lines" "$out/$name.txt"
+}
 
 if so_want libtorch; then
   so_step "libtorch trainer"
-  timeout 300 bash examples/libtorch_trainer/run.sh "$prefix" > "$out/libtorch.txt" 2>&1; echo "exit $?" >> "$out/libtorch.txt"
-  tail -25 "$out/libtorch.txt"
+  run_example libtorch 300 25 examples/libtorch_trainer/run.sh "$prefix"
 fi
 if so_want jax; then
   so_step "JAX FFI"
-  timeout 240 bash examples/jax_ffi/run.sh "$prefix" > "$out/jax.txt" 2>&1; echo "exit $?" >> "$out/jax.txt"
-  tail -20 "$out/jax.txt"
+  run_example jax 240 20 examples/jax_ffi/run.sh "$prefix"
 fi
 if so_want torch; then
   so_step "PyTorch extension: parity and FSDP2"
-  timeout 300 bash examples/torch_optimizer/run.sh "$prefix" > "$out/torch_ext.txt" 2>&1; echo "exit $?" >> "$out/torch_ext.txt"
-  tail -25 "$out/torch_ext.txt"
+  run_example torch_ext 300 25 examples/torch_optimizer/run.sh
 fi
 if so_want e2e; then
   so_step "PyTorch extension: end-to-end benchmark"
-  timeout 420 bash examples/torch_optimizer/run.sh "$prefix" --bench-only > "$out/e2e.txt" 2>&1; echo "exit $?" >> "$out/e2e.txt"
-  tail -40 "$out/e2e.txt"
+  run_example e2e 420 40 examples/torch_optimizer/run.sh --bench-only
 fi
 if so_want gputests; then
   so_step "gpu_ tests, verbose"
