@@ -241,6 +241,46 @@ pub fn write_json(path: &str, json: &str) -> Result<(), String> {
     }
 }
 
+/// Where a session benchmark's threads run: `--train-core` for the training thread and
+/// `--pool-cores` for the pool, each by default from the process's affinity mask.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Cores {
+    pub train: Option<usize>,
+    pub pool: Option<Vec<usize>>,
+}
+
+impl Cores {
+    /// Takes `flag` if it is `--train-core` or `--pool-cores`: whether it was one of them.
+    pub fn take_flag(&mut self, cli: &mut Cli, flag: &str) -> Result<bool, String> {
+        match flag {
+            "--train-core" => self.train = Some(cli.count()?),
+            "--pool-cores" => self.pool = Some(cli.cores()?),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The training core and the pool's cores: as given, else the first allowed CPU and the
+    /// other allowed CPUs. The pool needs at least one core, none of them the training core.
+    pub fn resolve(&self) -> Result<(usize, Vec<usize>), String> {
+        let cpus = allowed_cpus();
+        let train = self.train.or_else(|| cpus.first().copied()).ok_or("no CPU in the affinity mask")?;
+        let pool = match &self.pool {
+            Some(c) => c.clone(),
+            None => cpus.iter().copied().filter(|&c| c != train).collect(),
+        };
+        if pool.is_empty() {
+            return Err(format!(
+                "no core left for the session pool (the training thread has core {train}); pass --pool-cores"
+            ));
+        }
+        if pool.contains(&train) {
+            return Err(format!("the training core {train} is also a pool core"));
+        }
+        Ok((train, pool))
+    }
+}
+
 /// The CPUs this process may run on.
 pub fn allowed_cpus() -> Vec<usize> {
     superoffload::kernels::pool::allowed_cores().unwrap_or_default()

@@ -129,8 +129,7 @@ struct Args {
     steps: usize,
     warmup: usize,
     speculation: bool,
-    pool_cores: Option<Vec<usize>>,
-    train_core: Option<usize>,
+    cores: Cores,
     json: Option<String>,
 }
 
@@ -143,8 +142,7 @@ fn parse_args(cli: &mut Cli) -> Result<Args, String> {
         steps: 20,
         warmup: 3,
         speculation: true,
-        pool_cores: None,
-        train_core: None,
+        cores: Cores::default(),
         json: None,
     };
     while let Some(flag) = cli.next_flag() {
@@ -156,9 +154,8 @@ fn parse_args(cli: &mut Cli) -> Result<Args, String> {
             "--steps" => a.steps = cli.count()?,
             "--warmup" => a.warmup = cli.count()?,
             "--no-speculation" => a.speculation = !cli.switch()?,
-            "--pool-cores" => a.pool_cores = Some(cli.cores()?),
-            "--train-core" => a.train_core = Some(cli.count()?),
             "--json" => a.json = Some(cli.value()?),
+            f if a.cores.take_flag(cli, f)? => {}
             _ => return Err(cli.unknown()),
         }
     }
@@ -533,15 +530,7 @@ fn timer_ns() -> f64 {
 }
 
 fn run(a: Args) -> Result<(), String> {
-    let cpus = allowed_cpus();
-    let train_core = a.train_core.or_else(|| cpus.first().copied()).ok_or("no CPU in the affinity mask")?;
-    let pool_cores: Vec<usize> = match &a.pool_cores {
-        Some(c) => c.clone(),
-        None => cpus.iter().copied().filter(|&c| c != train_core).collect(),
-    };
-    if pool_cores.is_empty() || pool_cores.contains(&train_core) {
-        return Err(format!("the pool needs cores other than the training core {train_core} (pass --pool-cores)"));
-    }
+    let (train_core, pool_cores) = a.cores.resolve()?;
     let m = model(&a);
     let mut rng = Rng(777);
     let grads: Vec<Vec<f32>> = m.slices.iter().map(|s| (0..s.2).map(|_| rng.small()).collect()).collect();

@@ -78,8 +78,7 @@ struct Args {
     steps: usize,
     block: usize,
     refill: usize,
-    pool_cores: Option<Vec<usize>>,
-    train_core: Option<usize>,
+    cores: Cores,
     adam_thread: AdamThread,
     json: Option<String>,
 }
@@ -101,8 +100,7 @@ fn parse_args(cli: &mut Cli) -> Result<Args, String> {
         steps: 20,
         block: 6,
         refill: 1,
-        pool_cores: None,
-        train_core: None,
+        cores: Cores::default(),
         adam_thread: AdamThread::Pool,
         json: None,
     };
@@ -115,8 +113,6 @@ fn parse_args(cli: &mut Cli) -> Result<Args, String> {
             "--steps" => a.steps = cli.count()?,
             "--block" => a.block = cli.count()?,
             "--refill" => a.refill = cli.count()?,
-            "--pool-cores" => a.pool_cores = Some(cli.cores()?),
-            "--train-core" => a.train_core = Some(cli.count()?),
             "--adam-thread" => {
                 a.adam_thread = cli.choice(&[
                     ("pool", AdamThread::Pool),
@@ -125,6 +121,7 @@ fn parse_args(cli: &mut Cli) -> Result<Args, String> {
                 ])?
             }
             "--json" => a.json = Some(cli.value()?),
+            f if a.cores.take_flag(cli, f)? => {}
             _ => return Err(cli.unknown()),
         }
     }
@@ -440,20 +437,7 @@ fn percentile(xs: &[f64], q: f64) -> f64 {
 }
 
 fn run(a: Args) -> Result<(), String> {
-    let cpus = allowed_cpus();
-    let train_core = a.train_core.or_else(|| cpus.first().copied()).ok_or("no CPU in the affinity mask")?;
-    let pool_cores: Vec<usize> = match &a.pool_cores {
-        Some(c) => c.clone(),
-        None => cpus.iter().copied().filter(|&c| c != train_core).collect(),
-    };
-    if pool_cores.is_empty() {
-        return Err(format!(
-            "no core left for the session pool (the training thread has core {train_core}); pass --pool-cores"
-        ));
-    }
-    if pool_cores.contains(&train_core) {
-        return Err(format!("the training core {train_core} is also a pool core"));
-    }
+    let (train_core, pool_cores) = a.cores.resolve()?;
     // The pool is created before the training thread pins itself: the library checks pool
     // cores against the calling thread's affinity mask. Each session's CPU-Adam thread
     // inherits the mask of the thread that creates the session: with --adam-thread pool
