@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one go, against an install prefix built
 # elsewhere (that machine has CMake, g++, CUDA, PyTorch and JAX but no Rust toolchain):
-#   1. the ctest suite built against the prefix (gpu_ tests run there, not skipped);
+#   1. the ctest suite built against the prefix (gpu_ tests run there, not skipped; the fault
+#      tests only if the prefix was built with -DSO_FAULT_INJECTION=ON, a test build's
+#      library, else they are skipped);
 #   2. the kernel benchmark (N = 1e8, 16 threads) and ours vs torch.optim.AdamW(fused=True);
 #   3. the CUDA transport benchmarks (copies in pieces, overlap with a GPU backward).
 # Usage: scripts/gpu_run.sh <prefix> [output dir] [parts]   (default: gpu-out; parts: all, or a
