@@ -880,7 +880,9 @@ typedef struct so_step_result {
    */
   uint32_t late_gradients;
   /**
-   * Speculative steps kept as taken.
+   * Speculative steps kept as taken. Each of `kept`, `rescaled`, `rolled_back` and
+   * `redone` counts a speculative step alike whether its pass ran, was preempted or was
+   * cancelled: the three write the same bits.
    */
   uint32_t kept;
   /**
@@ -896,7 +898,7 @@ typedef struct so_step_result {
    */
   uint32_t redone;
   /**
-   * Sub-groups stepped at step() that had not speculated.
+   * Sub-groups stepped at step() that did not speculate.
    */
   uint32_t stepped;
   /**
@@ -904,8 +906,8 @@ typedef struct so_step_result {
    */
   uint32_t skip_reason;
   /**
-   * Speculative steps that had not started at `so_session_step`: cancelled, and their
-   * sub-groups stepped once with the exact factor (also counted in `stepped`).
+   * Speculative passes that had not started at `so_session_step`: cancelled, their work
+   * done by the final pass (also counted in `kept`, `rescaled`, `rolled_back` or `redone`).
    */
   uint32_t cancelled;
   /**

@@ -304,8 +304,9 @@ fn sub_groups_that_cannot_speculate_step_at_step_time() {
     s.grad_copy(s.slice_id("c").unwrap(), Floats::F32(&[0.1; 300])).unwrap().expect("c speculates");
     let t = s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false }).unwrap();
     let r = s.step_result(t, None).unwrap();
-    // c's speculative step ran (kept) or was cancelled at step() and folded into its final pass.
-    assert_eq!((r.speculative, r.kept + r.cancelled, r.stepped), (1, 1, 2 + r.cancelled), "{r:?}");
+    // c's speculative step is kept, whether its pass ran or was cancelled at step() and
+    // folded into the final pass.
+    assert_eq!((r.speculative, r.kept, r.stepped), (1, 1, 2), "{r:?}");
     assert!(a[0].to_f32() < 0.5 && b[0] < 0.25 && c[0] < 0.75);
 }
 

@@ -7,48 +7,38 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::finalize::speculation_stands;
 use super::plans::{PreparePlan, StepPlan};
 use super::scheduler::{Job, JobKey, Lifecycle};
 use super::trace::Lane;
 use super::{
-    GroupHparams, HandedSumsq, NormSource, Placement, SgData, Shared, SkipReason, SpecRecord, StepResult, SubGroup,
+    Applied, GroupHparams, HandedSumsq, NormSource, Placement, SgData, Shared, SkipReason, StepResult, SubGroup,
     Ticket, clip_coefficient, grad_factor, unscale_factor, usable_factor,
 };
 use crate::error::{Error, Result, Status};
-use crate::kernels::{self, AdamBuffers, AdamHyper, CopyOutMut, FloatsMut, MomentsMut, UpdateOptions};
+use crate::kernels::{self, AdamBuffers, CopyOutMut, FloatsMut, MomentsMut, Resolution, UpdateOptions};
 
 /// Elements of one chunk of a speculative pass: between two chunks the pass checks whether
 /// more urgent work is waiting (about a millisecond of work on a many-core pool).
 pub(crate) const SPECULATION_CHUNK: usize = 1 << 22;
-/// Elements of a final pass staged for the device at a time (16 MiB of bf16 weights).
-const PUBLISH_PIECE: usize = 1 << 23;
-
 /// The step being finalized.
-struct StepInFlight {
-    result: StepResult,
-    groups: Vec<GroupHparams>,
+pub(crate) struct StepInFlight {
+    pub result: StepResult,
+    pub groups: Vec<GroupHparams>,
     /// Final tickets by sub-group id.
-    finals: std::collections::HashMap<u32, Ticket>,
+    pub finals: std::collections::HashMap<u32, Ticket>,
     /// Final passes still to run.
-    remaining: usize,
+    pub remaining: usize,
     /// Moments passes still to run (the step ticket completes after them too).
-    settling: usize,
+    pub settling: usize,
     /// Whether final passes may write the moments after publishing the weights (`policy.rs`).
-    moments_may_wait: bool,
+    pub moments_may_wait: bool,
     step_ticket: Ticket,
-    prepared: Result<()>,
-}
-
-/// What one final pass did: its outcome for the trace, the elements it passed over, and the
-/// moments pass it left for later.
-struct FinalPass {
-    kind: &'static str,
-    elements: u64,
-    moments_after: Option<(AdamHyper, f32)>,
+    pub prepared: Result<()>,
 }
 
 impl StepInFlight {
-    fn done(&self) -> bool {
+    pub(crate) fn done(&self) -> bool {
         self.remaining == 0 && self.settling == 0
     }
 }
@@ -56,13 +46,13 @@ impl StepInFlight {
 /// The CPU-Adam thread's state.
 pub(crate) struct Worker {
     pub shared: Arc<Shared>,
-    step: Option<StepInFlight>,
+    pub step: Option<StepInFlight>,
     /// Outcome of the latest preparation and elements its rollbacks touched.
     prepared: Option<(u64, Result<()>, u64)>,
 }
 
 /// Runs a job body; a panic becomes the job's error instead of ending the thread.
-fn guarded<T>(body: impl FnOnce() -> Result<T>) -> Result<T> {
+pub(crate) fn guarded<T>(body: impl FnOnce() -> Result<T>) -> Result<T> {
     catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|payload| {
         let what = payload
             .downcast_ref::<&str>()
@@ -74,7 +64,7 @@ fn guarded<T>(body: impl FnOnce() -> Result<T>) -> Result<T> {
 }
 
 /// The buffers of elements `range` of a sub-group.
-fn buffers(data: &mut SgData, range: Range<usize>) -> AdamBuffers<'_> {
+pub(crate) fn buffers(data: &mut SgData, range: Range<usize>) -> AdamBuffers<'_> {
     let moments = match (data.exp_avg.range_mut(range.clone()), data.exp_avg_sq.range_mut(range.clone())) {
         (FloatsMut::F32(m), FloatsMut::F32(v)) => MomentsMut::F32 { exp_avg: m, exp_avg_sq: v },
         (FloatsMut::Bf16(m), FloatsMut::Bf16(v)) => MomentsMut::Bf16 { exp_avg: m, exp_avg_sq: v },
@@ -86,10 +76,6 @@ fn buffers(data: &mut SgData, range: Range<usize>) -> AdamBuffers<'_> {
         FloatsMut::F32(_) => unreachable!("copies are bf16 or f16"),
     });
     AdamBuffers { param: data.master.range_mut(range.clone()), grad: data.grad.range(range), moments, copy_out }
-}
-
-fn same_hyperparameters(a: &AdamHyper, b: &GroupHparams) -> bool {
-    a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps && a.weight_decay == b.weight_decay
 }
 
 impl Worker {
@@ -105,7 +91,7 @@ impl Worker {
 
     fn run_job(&mut self, key: JobKey, job: Job) {
         match job {
-            Job::Speculate { sg, hp, scale } => self.speculate(&sg, hp, scale),
+            Job::Speculate(sg) => self.speculate(&sg),
             Job::Prepare { plan, ticket } => {
                 let span = self.shared.tracer.span(Lane::CpuAdam, || "prepare (missing and late gradients)".into());
                 let mut elements = 0;
@@ -118,9 +104,9 @@ impl Worker {
                 self.shared.complete(ticket, outcome);
                 // A speculative pass this preparation preempted goes on until the decision.
                 for entry in &plan.entries {
-                    let spec = entry.sg.data.lock().unwrap().work.spec;
-                    if let Some(spec) = spec.filter(|s| s.done < entry.sg.numel) {
-                        self.shared.sched.resume_speculation(plan.serial, entry.sg.clone(), spec.hp, spec.scale);
+                    let applied = entry.sg.data.lock().unwrap().work.applied;
+                    if matches!(applied, Applied::Speculative(s) if s.done < entry.sg.numel) {
+                        self.shared.sched.resume_speculation(plan.serial, entry.sg.clone());
                     }
                 }
             }
@@ -130,23 +116,23 @@ impl Worker {
         }
     }
 
-    fn gradient_ready(&self, sg: &SubGroup) -> Result<()> {
+    pub(crate) fn gradient_ready(&self, sg: &SubGroup) -> Result<()> {
         let Some(t) = self.shared.transport() else { return Ok(()) };
         let _span = self.shared.tracer.span(Lane::CpuAdam, || format!("wait for gradient copies, sub-group {}", sg.id));
         t.gradient_ready(sg.id)
     }
 
-    fn master_write(&self, sg: &SubGroup) -> Result<()> {
+    pub(crate) fn master_write(&self, sg: &SubGroup) -> Result<()> {
         self.shared.transport().map_or(Ok(()), |t| t.master_write(sg.id))
     }
 
     /// Tells the transport that a pass changed the master weights.
-    fn staged(&self, sg: &SubGroup, data: &SgData) -> Result<()> {
+    pub(crate) fn staged(&self, sg: &SubGroup, data: &SgData) -> Result<()> {
         self.staged_range(sg, data, 0..sg.numel)
     }
 
     /// Tells the transport that a pass changed the master weights in `range`.
-    fn staged_range(&self, sg: &SubGroup, data: &SgData, range: Range<usize>) -> Result<()> {
+    pub(crate) fn staged_range(&self, sg: &SubGroup, data: &SgData, range: Range<usize>) -> Result<()> {
         match self.shared.transport() {
             Some(t) => t.weights_updated(
                 sg.id,
@@ -195,12 +181,20 @@ impl Worker {
         Ok(total)
     }
 
-    /// A speculative step of `sg`, in chunks; stops early (keeping what it did) when a
-    /// more urgent job is waiting. A gradient whose squares may not fit in f32 (a sum of
-    /// squares above `f32::MAX`) is not stepped speculatively: `exp_avg_sq` would become inf,
-    /// which no rollback or rescale can undo. Its ticket completes and the sub-group is
-    /// stepped once at `step()`.
-    fn speculate(&mut self, sg: &Arc<SubGroup>, mut hp: AdamHyper, scale: f32) {
+    /// The sum of squares of a sub-group's gradient (slices in order).
+    pub(crate) fn subgroup_sumsq(&self, sg: &SubGroup, data: &mut SgData, scale: f32) -> Result<f64> {
+        let mut total = 0.0;
+        for index in 0..sg.slices.len() {
+            total += self.slice_sumsq(sg, data, index, scale)?;
+        }
+        Ok(total)
+    }
+
+    /// The speculative step the session planned for `sg` at hand-off, in chunks; stops early
+    /// (keeping what it did) when a more urgent job is waiting. A gradient the step could not
+    /// be undone from ([`speculation_stands`]) is not stepped: its ticket completes, and the
+    /// final pass steps the sub-group once.
+    fn speculate(&mut self, sg: &Arc<SubGroup>) {
         let Lifecycle::Speculating(ticket) = self.shared.sched.lifecycle(sg.id) else {
             unreachable!("a speculative step runs for a sub-group in Speculating")
         };
@@ -209,45 +203,39 @@ impl Worker {
         let outcome = guarded(|| {
             self.gradient_ready(sg)?;
             let mut data = sg.data.lock().unwrap();
-            let mut sumsq = 0.0;
-            for index in 0..sg.slices.len() {
-                let s = self.slice_sumsq(sg, &mut data, index, scale)?;
-                if !s.is_finite() {
-                    return Err(Error::new(
-                        Status::NonFinite,
-                        format!(
-                            "speculative step of sub-group {}: the gradient has an inf or NaN element; nothing was modified",
-                            sg.id
-                        ),
-                    ));
-                }
-                sumsq += s;
+            let Applied::Speculative(mut spec) = data.work.applied else {
+                unreachable!("sub-group {} speculates without a plan", sg.id)
+            };
+            let sumsq = self.subgroup_sumsq(sg, &mut data, spec.scale)?;
+            if !sumsq.is_finite() {
+                return Err(Error::new(
+                    Status::NonFinite,
+                    format!(
+                        "speculative step of sub-group {}: the gradient has an inf or NaN element; nothing was modified",
+                        sg.id
+                    ),
+                ));
             }
-            if sumsq > f32::MAX as f64 {
+            if !speculation_stands(sumsq) {
                 return Ok(None);
             }
             self.master_write(sg)?;
-            hp.step = data.work.step_count + 1;
+            let opts = UpdateOptions { grad_scale: spec.scale, ..Default::default() };
             // A pass resumed after a preparation preempted it goes on from where it stopped.
-            let mut done = match data.work.spec {
-                Some(s) if s.hp == hp && s.scale == scale => s.done,
-                _ => 0,
-            };
-            let opts = UpdateOptions { grad_scale: scale, ..Default::default() };
-            let start_done = done;
-            while done < sg.numel {
-                if done > start_done && self.shared.sched.should_yield(&|id| self.shared.gradient_landed(id)) {
+            let start_done = spec.done;
+            while spec.done < sg.numel {
+                if spec.done > start_done && self.shared.sched.should_yield(&|id| self.shared.gradient_landed(id)) {
                     break;
                 }
-                let end = (done + SPECULATION_CHUNK).min(sg.numel);
-                kernels::update(&self.shared.pool, &hp, buffers(&mut data, done..end), &opts)?;
-                done = end;
-                data.work.spec = Some(SpecRecord { hp, scale, done });
+                let end = (spec.done + SPECULATION_CHUNK).min(sg.numel);
+                kernels::update(&self.shared.pool, &spec.hp, buffers(&mut data, spec.done..end), &opts)?;
+                spec.done = end;
+                data.work.applied = Applied::Speculative(spec);
             }
-            if done == sg.numel {
+            if spec.done == sg.numel {
                 self.staged(sg, &data)?;
             }
-            Ok(Some((done, done - start_done)))
+            Ok(Some((spec.done, spec.done - start_done)))
         });
         let elapsed = start.elapsed();
         match outcome {
@@ -268,9 +256,9 @@ impl Worker {
                 drop(span.arg("preempted at", done));
             }
             Err(e) => {
-                // Whatever chunks ran stay recorded in `spec` and are made exact at step().
-                let applied = sg.data.lock().unwrap().work.spec.is_some();
-                let state = if applied { Lifecycle::Speculated(None) } else { Lifecycle::Complete };
+                // Whatever chunks ran stay recorded and are made exact at step().
+                let ran = matches!(sg.data.lock().unwrap().work.applied, Applied::Speculative(s) if s.done > 0);
+                let state = if ran { Lifecycle::Speculated(None) } else { Lifecycle::Complete };
                 self.shared.sched.set_lifecycle(sg.id, state);
                 drop(span.arg("ticket", ticket).arg("ok", false));
                 self.shared.complete(ticket, Err(e));
@@ -313,11 +301,34 @@ impl Worker {
             }
             if let Some(late) = late.as_mut().filter(|l| !l.ranges.is_empty()) {
                 // The late buffer stays allocated (and pinned) for the next late gradient.
-                if let Some(spec) = data.work.spec.take() {
-                    self.master_write(sg)?;
-                    kernels::rollback(pool, &spec.hp, buffers(&mut data, 0..spec.done), spec.scale)?;
-                    *elements += spec.done as u64;
-                    data.work.redo = true;
+                if let Applied::Speculative(spec) = data.work.applied {
+                    // The gradient the planned speculative step is taken with is about to
+                    // change: the step is undone (as a skipped step undoes it), wherever its
+                    // pass got, and taken anew at step().
+                    if spec.done > 0 || speculation_stands(self.subgroup_sumsq(sg, &mut data, plan.scale)?) {
+                        self.master_write(sg)?;
+                        let (n, hp, scale) = (sg.numel, spec.hp, spec.scale);
+                        kernels::resolve(
+                            pool,
+                            &hp,
+                            scale,
+                            Resolution::Rollback,
+                            true,
+                            buffers(&mut data, 0..spec.done),
+                        )?;
+                        kernels::resolve(
+                            pool,
+                            &hp,
+                            scale,
+                            Resolution::Rollback,
+                            false,
+                            buffers(&mut data, spec.done..n),
+                        )?;
+                        *elements += n as u64;
+                        data.work.applied = Applied::Undone;
+                    } else {
+                        data.work.applied = Applied::Nothing;
+                    }
                     if let Lifecycle::Speculated(pending) = self.shared.sched.lifecycle(sg.id) {
                         // A pass this preparation preempted is undone, not resumed: its
                         // ticket completes now rather than with step()'s final pass.
@@ -437,212 +448,12 @@ impl Worker {
             step_ticket: plan.step_ticket,
             prepared,
         };
-        if step.done() {
-            self.finish(step);
-        } else {
-            self.step = Some(step);
-        }
+        self.continue_step(step);
     }
 
-    fn finish(&mut self, step: StepInFlight) {
+    pub(crate) fn finish(&mut self, step: StepInFlight) {
         *self.shared.last_result.lock().unwrap() = Some((step.step_ticket, step.result));
         self.shared.complete(step.step_ticket, step.prepared);
-    }
-
-    fn finalize(&mut self, serial: u64, sg: &Arc<SubGroup>) {
-        let mut step = self.step.take().expect("a decided step is being finalized");
-        debug_assert_eq!(step.result.serial, serial);
-        let Lifecycle::FinalQueued(pending_spec) = self.shared.sched.lifecycle(sg.id) else {
-            unreachable!("a final pass runs for a sub-group in FinalQueued")
-        };
-        let group = step.groups[sg.group as usize];
-        let span = self.shared.tracer.span(Lane::CpuAdam, || format!("finalize sub-group {}", sg.id));
-        let start = Instant::now();
-        let mut done = FinalPass { kind: "unchanged", elements: 0, moments_after: None };
-        let outcome = guarded(|| self.final_pass(sg, group, step.moments_may_wait, &mut step.result, &mut done));
-        let FinalPass { kind: outcome_kind, elements, moments_after } = done;
-        if outcome_kind.starts_with("stepped") && elements > 0 {
-            // With the moments after, what the next forward waits for is the weights pass.
-            self.shared.policy.lock().unwrap().pass_measured(elements as usize, start.elapsed());
-        }
-        step.result.final_pass_elements += elements;
-        match moments_after {
-            Some((hp, scale)) => {
-                // The weights were written, so the moments follow even if staging failed.
-                // Before the final ticket completes: a hand-off released by it must see the
-                // moments pending.
-                self.shared.sched.submit_moments(serial, sg.clone(), hp, scale);
-                step.settling += 1;
-            }
-            None => self.shared.sched.set_lifecycle(sg.id, Lifecycle::Idle),
-        }
-        let final_ticket = step.finals[&sg.id];
-        drop(span.arg("outcome", outcome_kind).arg("ticket", final_ticket));
-        if let Some(t) = pending_spec {
-            self.shared.complete(t, Ok(()));
-        }
-        self.shared.complete(final_ticket, outcome);
-        step.remaining -= 1;
-        if step.done() {
-            self.finish(step);
-        } else {
-            self.step = Some(step);
-        }
-    }
-
-    /// The moments of a sub-group whose final pass wrote only its weights: the second half
-    /// of that step (`kernels::update_moments`), from the gradient and moments it left.
-    fn moments(&mut self, sg: &Arc<SubGroup>, hp: &AdamHyper, scale: f32) {
-        let mut step = self.step.take().expect("a decided step is settling");
-        let span = self.shared.tracer.span(Lane::CpuAdam, || format!("moments, sub-group {}", sg.id));
-        let outcome = guarded(|| {
-            let mut data = sg.data.lock().unwrap();
-            kernels::update_moments(&self.shared.pool, hp, buffers(&mut data, 0..sg.numel), scale)
-        });
-        self.shared.sched.settle(sg.id);
-        drop(span.arg("ok", outcome.is_ok()));
-        if let Err(e) = outcome {
-            // The moments are not those of the step the weights took: the step fails.
-            step.prepared = step.prepared.and(Err(e));
-        }
-        step.settling -= 1;
-        if step.done() {
-            self.finish(step);
-        } else {
-            self.step = Some(step);
-        }
-    }
-
-    /// Makes one sub-group exact with the step's verdict, in as few passes as its state
-    /// allows, and publishes it.
-    fn final_pass(
-        &self,
-        sg: &SubGroup,
-        group: GroupHparams,
-        moments_may_wait: bool,
-        result: &mut StepResult,
-        out: &mut FinalPass,
-    ) -> Result<()> {
-        let pool = &self.shared.pool;
-        let mut data = sg.data.lock().unwrap();
-        data.sumsq.fill(None);
-        let n = sg.numel;
-        let spec = data.work.spec.take();
-        let redo = std::mem::take(&mut data.work.redo);
-        if result.skipped {
-            // This step's gradient copies end here too: none may still land in the buffer
-            // when the next step's arrive.
-            drop(data);
-            self.gradient_ready(sg)?;
-            data = sg.data.lock().unwrap();
-            if let Some(spec) = spec {
-                self.master_write(sg)?;
-                kernels::rollback(pool, &spec.hp, buffers(&mut data, 0..spec.done), spec.scale)?;
-                out.elements += spec.done as u64;
-            }
-            if spec.is_some() || redo {
-                result.rolled_back += 1;
-                out.kind = "rolled back";
-            }
-            // The model keeps its weights: staged weights of a skipped step are never published.
-            return Ok(());
-        }
-        let factor = result.grad_factor;
-        let hp = sg.hyper(group, data.work.step_count + 1);
-        if data.placement == Placement::Device {
-            self.shared.transport().expect("device placement has a transport").device_step(sg.id, &hp, factor)?;
-            data.work.step_count += 1;
-            result.device_stepped += 1;
-            out.kind = "stepped on the device";
-            out.elements += n as u64;
-            return Ok(());
-        }
-        let update = UpdateOptions { grad_scale: factor, ..Default::default() };
-        let kept = spec.is_some_and(|s| s.done == n && s.scale == factor && same_hyperparameters(&s.hp, &group));
-        if !kept {
-            // The gradient is read below: its copies must have landed.
-            drop(data);
-            self.gradient_ready(sg)?;
-            data = sg.data.lock().unwrap();
-        }
-        match spec {
-            Some(spec) if same_hyperparameters(&spec.hp, &group) => {
-                let rescale = spec.scale != factor;
-                if rescale || spec.done < n {
-                    self.master_write(sg)?;
-                }
-                if rescale {
-                    if let Err(e) =
-                        kernels::rescale(pool, &spec.hp, buffers(&mut data, 0..spec.done), spec.scale, factor)
-                    {
-                        data.work.spec = Some(spec);
-                        return Err(e);
-                    }
-                    out.elements += spec.done as u64;
-                    result.rescaled += 1;
-                    out.kind = "rescaled";
-                } else {
-                    result.kept += 1;
-                    out.kind = "kept";
-                }
-                if spec.done < n {
-                    kernels::update(pool, &spec.hp, buffers(&mut data, spec.done..n), &update)?;
-                    out.elements += (n - spec.done) as u64;
-                }
-                if rescale || spec.done < n {
-                    self.staged(sg, &data)?;
-                }
-            }
-            Some(spec) => {
-                self.master_write(sg)?;
-                kernels::rollback(pool, &spec.hp, buffers(&mut data, 0..spec.done), spec.scale)?;
-                kernels::update(pool, &hp, buffers(&mut data, 0..n), &update)?;
-                self.staged(sg, &data)?;
-                out.elements += (spec.done + n) as u64;
-                result.redone += 1;
-                out.kind = "redone";
-            }
-            None => {
-                self.master_write(sg)?;
-                // The next forward waits for the weights alone: with a device to publish to,
-                // the moments are written by a pass of their own after publication
-                // (`Class::Moments`), off that wait, where the CPU has time for it (the
-                // policy). Not with a caller-provided gradient buffer, which the caller may
-                // rewrite once the weights are final.
-                let defer = moments_may_wait
-                    && self.shared.transport().is_some()
-                    && data.grad.is_owned()
-                    && kernels::can_split_update(&hp);
-                // With a device to publish to, in pieces, each staged as it is done: the next
-                // forward waits for this pass and the staging copy of its last piece only.
-                let piece_len = if self.shared.transport().is_some() { PUBLISH_PIECE } else { n.max(1) };
-                for start in (0..n).step_by(piece_len) {
-                    let piece = start..(start + piece_len).min(n);
-                    if defer {
-                        kernels::update_weights(pool, &hp, buffers(&mut data, piece.clone()), factor)?;
-                    } else {
-                        kernels::update(pool, &hp, buffers(&mut data, piece.clone()), &update)?;
-                    }
-                    self.staged_range(sg, &data, piece)?;
-                }
-                if defer {
-                    out.moments_after = Some((hp, factor));
-                }
-                out.elements += n as u64;
-                if redo {
-                    result.redone += 1;
-                    out.kind = "redone";
-                } else {
-                    result.stepped += 1;
-                    out.kind = if defer { "stepped, moments after" } else { "stepped" };
-                }
-            }
-        }
-        data.work.step_count += 1;
-        match self.shared.transport() {
-            Some(t) => t.publish(sg.id),
-            None => Ok(()),
-        }
     }
 }
 

@@ -9,8 +9,8 @@ use super::buffers::HostBuf;
 use super::plans::{PrepareEntry, PreparePlan, StepPlan};
 use super::trace::Lane;
 use super::{
-    HandOff, HandedSumsq, LateGrads, NormSource, Phase, Placement, STEP_LANE, Session, StepArgs, SubGroup, Ticket,
-    Tracking, check_loss_scale, state_error, subgroup_lane, unscale_factor,
+    Applied, HandOff, HandedSumsq, LateGrads, NormSource, Phase, Placement, STEP_LANE, Session, SpecRecord, StepArgs,
+    SubGroup, Ticket, Tracking, check_loss_scale, state_error, subgroup_lane, unscale_factor,
 };
 use crate::error::{Error, Result};
 use crate::kernels::{self, Floats};
@@ -248,20 +248,25 @@ impl Session {
         self.submit_complete(t, sg)
     }
 
-    /// A sub-group's gradient is complete: queue its speculative step if the policy says it
-    /// pays (the ticket of it), else just record that it is complete.
+    /// A sub-group's gradient is complete: plan its speculative step if the policy says it
+    /// pays (from the history of earlier steps, never from timings: the plan fixes the
+    /// step's bits) and queue it (the ticket of it), else just record that it is complete.
     fn submit_complete(&self, t: &mut Tracking, sg: &Arc<SubGroup>) -> Option<Ticket> {
         let group = t.reg.groups[sg.group as usize];
-        let device = sg.data.lock().unwrap().placement == Placement::Device;
+        let mut data = sg.data.lock().unwrap();
+        let device = data.placement == Placement::Device;
         let speculate = !device && sg.can_speculate(group) && self.shared.policy.lock().unwrap().should_speculate();
         if !speculate {
+            drop(data);
             self.shared.sched.mark_complete(sg.id);
             return None;
         }
+        let hp = sg.hyper(group, data.work.step_count + 1);
+        data.work.applied = Applied::Speculative(SpecRecord { hp, scale: unscale_factor(t.loss_scale), done: 0 });
+        drop(data);
         let ticket = self.shared.tickets.issue(subgroup_lane(sg.id));
         t.speculative += 1;
-        let hp = sg.hyper(group, 0);
-        self.shared.sched.submit_speculation(t.serial, sg.clone(), hp, unscale_factor(t.loss_scale), ticket);
+        self.shared.sched.submit_speculation(t.serial, sg.clone(), ticket);
         Some(ticket)
     }
 

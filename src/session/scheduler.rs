@@ -70,7 +70,7 @@ pub(crate) enum Job {
     Prepare { plan: PreparePlan, ticket: Ticket },
     Decide(Box<StepPlan>),
     Finalize(Arc<SubGroup>),
-    Speculate { sg: Arc<SubGroup>, hp: AdamHyper, scale: f32 },
+    Speculate(Arc<SubGroup>),
     Moments { sg: Arc<SubGroup>, hp: AdamHyper, scale: f32 },
 }
 
@@ -103,7 +103,7 @@ impl Queue {
 impl Job {
     fn runnable(&self, landed: &dyn Fn(u32) -> bool) -> bool {
         match self {
-            Job::Speculate { sg, .. } => landed(sg.id),
+            Job::Speculate(sg) => landed(sg.id),
             Job::Decide(plan) => plan.subgroups.iter().all(|(sg, _)| landed(sg.id)),
             Job::Prepare { .. } | Job::Finalize(_) | Job::Moments { .. } => true,
         }
@@ -169,11 +169,11 @@ impl Scheduler {
         self.set_lifecycle(id, Lifecycle::Complete);
     }
 
-    pub(crate) fn submit_speculation(&self, serial: u64, sg: Arc<SubGroup>, hp: AdamHyper, scale: f32, ticket: Ticket) {
+    pub(crate) fn submit_speculation(&self, serial: u64, sg: Arc<SubGroup>, ticket: Ticket) {
         let mut q = self.queue.lock().unwrap();
         q.lifecycle[sg.id as usize] = Lifecycle::SpecQueued(ticket);
         let forward = sg.id;
-        q.push(serial, Class::Speculate, forward, Job::Speculate { sg, hp, scale });
+        q.push(serial, Class::Speculate, forward, Job::Speculate(sg));
         self.update_preempt(&q);
         self.wake.notify_one();
     }
@@ -187,12 +187,12 @@ impl Scheduler {
     }
 
     /// Queues again the rest of a speculative step a preparation preempted (no decision yet).
-    pub(crate) fn resume_speculation(&self, serial: u64, sg: Arc<SubGroup>, hp: AdamHyper, scale: f32) {
+    pub(crate) fn resume_speculation(&self, serial: u64, sg: Arc<SubGroup>) {
         let mut q = self.queue.lock().unwrap();
         if let Lifecycle::Speculated(Some(ticket)) = q.lifecycle[sg.id as usize] {
             q.lifecycle[sg.id as usize] = Lifecycle::SpecQueued(ticket);
             let forward = sg.id;
-            q.push(serial, Class::Speculate, forward, Job::Speculate { sg, hp, scale });
+            q.push(serial, Class::Speculate, forward, Job::Speculate(sg));
             self.update_preempt(&q);
         }
     }
@@ -267,7 +267,7 @@ impl Scheduler {
         let mut q = self.queue.lock().unwrap();
         loop {
             if let Some((key, job)) = q.next_runnable(landed, false).and_then(|key| q.ready.remove_entry(&key)) {
-                if let Job::Speculate { sg, .. } = &job {
+                if let Job::Speculate(sg) = &job {
                     let id = sg.id as usize;
                     let Lifecycle::SpecQueued(t) = q.lifecycle[id] else {
                         unreachable!("a queued speculative step's sub-group is {:?}", q.lifecycle[id])

@@ -13,23 +13,35 @@ pub(crate) struct LateGrads {
     pub ranges: Vec<Range<usize>>,
 }
 
-/// A speculative step as applied to elements `[0, done)` of a sub-group: what a rescale or
-/// rollback must use, and where a preempted pass stopped.
-#[derive(Clone, Copy, Debug)]
+/// The speculative step of this step: the hyperparameters and gradient factor it is taken
+/// with, and how far its update has been applied (elements `[0, done)`).
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct SpecRecord {
     pub hp: AdamHyper,
     pub scale: f32,
     pub done: usize,
 }
 
+/// What this step has done to a sub-group's buffers so far. The session decides at hand-off,
+/// from the inputs and the history of earlier steps alone, whether a sub-group speculates;
+/// the final pass then writes the same bits however far a speculative pass got.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) enum Applied {
+    /// Nothing: the step is one update with the final factor (or nothing, if skipped).
+    #[default]
+    Nothing,
+    /// The step speculates: the final pass resolves the speculative update (kept, rescaled,
+    /// rolled back or redone), applying it first to the elements it has not reached.
+    Speculative(SpecRecord),
+    /// A speculative step was undone for a late gradient: the step is taken anew.
+    Undone,
+}
+
 /// The optimizer-side state of a sub-group (under its data lock).
 #[derive(Default)]
 pub(crate) struct SgWork {
     pub step_count: u64,
-    /// The speculative step currently applied to the master weights and moments.
-    pub spec: Option<SpecRecord>,
-    /// The speculative step was undone for a late gradient and must be taken again.
-    pub redo: bool,
+    pub applied: Applied,
 }
 
 /// The buffers of a sub-group, owned by whoever holds the lock: the CPU-Adam thread while

@@ -186,19 +186,23 @@ pub struct StepResult {
     pub speculative: u32,
     /// Gradients that arrived for a sub-group after it was complete.
     pub late_gradients: u32,
-    /// Speculative steps kept as they were (same factor), possibly completed by a pass over
-    /// the part that a preempted speculative pass had not reached.
+    /// Speculative steps kept (same factor); the part a speculative pass had not reached (all
+    /// of it, where the pass was cancelled) is stepped by the final pass. Every counter of a
+    /// speculative step's fate (`kept`, `rescaled`, `rolled_back`, `redone`) counts it alike
+    /// whether its pass ran, was preempted or was cancelled: those write the same bits.
     pub kept: u32,
+    /// Speculative steps turned into the step with the final (clipped) factor.
     pub rescaled: u32,
+    /// Speculative steps undone: the step was skipped.
     pub rolled_back: u32,
     /// Speculative steps undone and taken again (late gradient, changed hyperparameters).
     pub redone: u32,
-    /// Sub-groups stepped once, at finalization, with no speculative step applied.
+    /// Sub-groups stepped once, at finalization, that did not speculate.
     pub stepped: u32,
     /// Why the step was skipped ([`SkipReason::None`] when it was not).
     pub skip_reason: SkipReason,
-    /// Speculative steps that had not started at `step()`: cancelled, and their sub-groups
-    /// stepped once with the exact factor (counted in `stepped` too).
+    /// Speculative passes that had not started at `step()`: cancelled, their work done by the
+    /// final pass (counted in `kept`, `rescaled`, `rolled_back` or `redone` too).
     pub cancelled: u32,
     /// Sub-groups stepped on the device (device placement).
     pub device_stepped: u32,

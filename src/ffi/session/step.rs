@@ -79,7 +79,9 @@ pub struct so_step_result {
     pub speculative: u32,
     /// Gradients that arrived for a sub-group after its speculative step.
     pub late_gradients: u32,
-    /// Speculative steps kept as taken.
+    /// Speculative steps kept as taken. Each of `kept`, `rescaled`, `rolled_back` and
+    /// `redone` counts a speculative step alike whether its pass ran, was preempted or was
+    /// cancelled: the three write the same bits.
     pub kept: u32,
     /// Speculative steps rescaled to the final factor (one pass each).
     pub rescaled: u32,
@@ -87,12 +89,12 @@ pub struct so_step_result {
     pub rolled_back: u32,
     /// Speculative steps undone and taken again (late gradient, changed hyperparameters).
     pub redone: u32,
-    /// Sub-groups stepped at step() that had not speculated.
+    /// Sub-groups stepped at step() that did not speculate.
     pub stepped: u32,
     /// Why the step was skipped: one of `so_skip_reason` (`SO_SKIP_REASON_NONE` when it was not).
     pub skip_reason: u32,
-    /// Speculative steps that had not started at `so_session_step`: cancelled, and their
-    /// sub-groups stepped once with the exact factor (also counted in `stepped`).
+    /// Speculative passes that had not started at `so_session_step`: cancelled, their work
+    /// done by the final pass (also counted in `kept`, `rescaled`, `rolled_back` or `redone`).
     pub cancelled: u32,
     /// Sub-groups stepped on the GPU (`SO_PLACEMENT_DEVICE`).
     pub device_stepped: u32,

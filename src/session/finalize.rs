@@ -1,0 +1,371 @@
+//! Each sub-group's final pass: what it must do, decided from what the step applied and the
+//! step's verdict alone (the table in ARCHITECTURE.md), and the pass that does it.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::passes::{StepInFlight, Worker, buffers, guarded};
+use super::scheduler::Lifecycle;
+use super::trace::Lane;
+use super::{Applied, GroupHparams, Placement, SpecRecord, StepResult, SubGroup, unscale_factor};
+use crate::error::Result;
+use crate::kernels::{self, AdamHyper, Resolution, UpdateOptions};
+
+/// Elements of a final pass staged for the device at a time (16 MiB of bf16 weights).
+const PUBLISH_PIECE: usize = 1 << 23;
+
+/// The step's verdict, as one sub-group sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Verdict {
+    Skip,
+    /// Stepped with `factor` and the hyperparameters `hp` (the group's as of `step()`).
+    Step {
+        factor: f32,
+        hp: AdamHyper,
+    },
+}
+
+/// What a final pass does to a sub-group's buffers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Action {
+    /// Nothing to write.
+    Leave,
+    /// One update with the step's factor and hyperparameters.
+    Update { factor: f32, hp: AdamHyper },
+    /// The speculative step, made final: resolved where its update is applied, applied and
+    /// resolved in one pass elsewhere.
+    Resolve { spec: SpecRecord, resolution: Resolution },
+}
+
+/// What a final pass did: drives the step result's counters and the trace label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    Unchanged,
+    Stepped,
+    /// Stepped, the moments written by a pass of their own after publication.
+    SteppedMomentsAfter,
+    Kept,
+    Rescaled,
+    Redone,
+    RolledBack,
+    SteppedOnDevice,
+}
+
+impl Outcome {
+    fn label(self) -> &'static str {
+        match self {
+            Outcome::Unchanged => "unchanged",
+            Outcome::Stepped => "stepped",
+            Outcome::SteppedMomentsAfter => "stepped, moments after",
+            Outcome::Kept => "kept",
+            Outcome::Rescaled => "rescaled",
+            Outcome::Redone => "redone",
+            Outcome::RolledBack => "rolled back",
+            Outcome::SteppedOnDevice => "stepped on the device",
+        }
+    }
+
+    fn count(self, result: &mut StepResult) {
+        let counter = match self {
+            Outcome::Unchanged => return,
+            Outcome::Stepped | Outcome::SteppedMomentsAfter => &mut result.stepped,
+            Outcome::Kept => &mut result.kept,
+            Outcome::Rescaled => &mut result.rescaled,
+            Outcome::Redone => &mut result.redone,
+            Outcome::RolledBack => &mut result.rolled_back,
+            Outcome::SteppedOnDevice => &mut result.device_stepped,
+        };
+        *counter += 1;
+    }
+}
+
+fn same_hyperparameters(a: &AdamHyper, b: &AdamHyper) -> bool {
+    a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps && a.weight_decay == b.weight_decay
+}
+
+/// Whether a planned speculative step is taken at all: a gradient with an inf or NaN
+/// element, or whose squares (`sumsq`, of the unscaled gradient) exceed f32, is never
+/// stepped speculatively (`exp_avg_sq` would become inf, which nothing can undo). The
+/// speculative pass checks the same before it writes anything.
+pub(crate) fn speculation_stands(sumsq: f64) -> bool {
+    sumsq.is_finite() && sumsq <= f32::MAX as f64
+}
+
+/// The final pass of a sub-group: a function of what the step applied, its verdict and
+/// whether its gradient lets a speculative step stand ([`speculation_stands`]), never of
+/// how far a speculative pass got.
+pub(crate) fn decide(applied: Applied, verdict: Verdict, stands: bool) -> (Action, Outcome) {
+    let applied = match applied {
+        Applied::Speculative(spec) if !stands => {
+            debug_assert_eq!(spec.done, 0, "a speculative pass never writes such a gradient");
+            Applied::Nothing
+        }
+        other => other,
+    };
+    match (applied, verdict) {
+        (Applied::Nothing, Verdict::Skip) => (Action::Leave, Outcome::Unchanged),
+        (Applied::Nothing, Verdict::Step { factor, hp }) => (Action::Update { factor, hp }, Outcome::Stepped),
+        (Applied::Undone, Verdict::Skip) => (Action::Leave, Outcome::RolledBack),
+        (Applied::Undone, Verdict::Step { factor, hp }) => (Action::Update { factor, hp }, Outcome::Redone),
+        (Applied::Speculative(spec), Verdict::Skip) => {
+            (Action::Resolve { spec, resolution: Resolution::Rollback }, Outcome::RolledBack)
+        }
+        (Applied::Speculative(spec), Verdict::Step { factor, hp }) => {
+            let (resolution, outcome) = if !same_hyperparameters(&spec.hp, &hp) {
+                (Resolution::Redo { hp, scale: factor }, Outcome::Redone)
+            } else if spec.scale != factor {
+                (Resolution::Rescale(factor), Outcome::Rescaled)
+            } else {
+                (Resolution::Keep, Outcome::Kept)
+            };
+            (Action::Resolve { spec, resolution }, outcome)
+        }
+    }
+}
+
+/// Elements `[0, done)` carry the speculative update; the rest are `[done, n)`.
+fn resolve_elements(spec: &SpecRecord, resolution: Resolution, numel: usize) -> u64 {
+    let resolved = if resolution == Resolution::Keep { 0 } else { spec.done };
+    (resolved + (numel - spec.done)) as u64
+}
+
+/// What one final pass did, and the moments pass it left for later.
+struct FinalPass {
+    outcome: Outcome,
+    elements: u64,
+    moments_after: Option<(AdamHyper, f32)>,
+}
+
+impl Worker {
+    pub(crate) fn finalize(&mut self, serial: u64, sg: &Arc<SubGroup>) {
+        let mut step = self.step.take().expect("a decided step is being finalized");
+        debug_assert_eq!(step.result.serial, serial);
+        let Lifecycle::FinalQueued(pending_spec) = self.shared.sched.lifecycle(sg.id) else {
+            unreachable!("a final pass runs for a sub-group in FinalQueued")
+        };
+        let group = step.groups[sg.group as usize];
+        let span = self.shared.tracer.span(Lane::CpuAdam, || format!("finalize sub-group {}", sg.id));
+        let start = Instant::now();
+        let mut done = FinalPass { outcome: Outcome::Unchanged, elements: 0, moments_after: None };
+        let outcome = guarded(|| self.final_pass(sg, group, step.moments_may_wait, &step.result, &mut done));
+        let FinalPass { outcome: what, elements, moments_after } = done;
+        what.count(&mut step.result);
+        if matches!(what, Outcome::Stepped | Outcome::SteppedMomentsAfter) && elements > 0 {
+            // With the moments after, what the next forward waits for is the weights pass.
+            self.shared.policy.lock().unwrap().pass_measured(elements as usize, start.elapsed());
+        }
+        step.result.final_pass_elements += elements;
+        match moments_after {
+            Some((hp, scale)) => {
+                // The weights were written, so the moments follow even if staging failed.
+                // Before the final ticket completes: a hand-off released by it must see the
+                // moments pending.
+                self.shared.sched.submit_moments(serial, sg.clone(), hp, scale);
+                step.settling += 1;
+            }
+            None => self.shared.sched.set_lifecycle(sg.id, Lifecycle::Idle),
+        }
+        let final_ticket = step.finals[&sg.id];
+        drop(span.arg("outcome", what.label()).arg("ticket", final_ticket));
+        if let Some(t) = pending_spec {
+            self.shared.complete(t, Ok(()));
+        }
+        self.shared.complete(final_ticket, outcome);
+        step.remaining -= 1;
+        self.continue_step(step);
+    }
+
+    /// The moments of a sub-group whose final pass wrote only its weights: the second half
+    /// of that step (`kernels::update_moments`), from the gradient and moments it left.
+    pub(crate) fn moments(&mut self, sg: &Arc<SubGroup>, hp: &AdamHyper, scale: f32) {
+        let mut step = self.step.take().expect("a decided step is settling");
+        let span = self.shared.tracer.span(Lane::CpuAdam, || format!("moments, sub-group {}", sg.id));
+        let outcome = guarded(|| {
+            let mut data = sg.data.lock().unwrap();
+            kernels::update_moments(&self.shared.pool, hp, buffers(&mut data, 0..sg.numel), scale)
+        });
+        self.shared.sched.settle(sg.id);
+        drop(span.arg("ok", outcome.is_ok()));
+        if let Err(e) = outcome {
+            // The moments are not those of the step the weights took: the step fails.
+            step.prepared = step.prepared.and(Err(e));
+        }
+        step.settling -= 1;
+        self.continue_step(step);
+    }
+
+    pub(crate) fn continue_step(&mut self, step: StepInFlight) {
+        if step.done() {
+            self.finish(step);
+        } else {
+            self.step = Some(step);
+        }
+    }
+
+    /// Makes one sub-group exact with the step's verdict ([`decide`]) and publishes it.
+    fn final_pass(
+        &self,
+        sg: &SubGroup,
+        group: GroupHparams,
+        moments_may_wait: bool,
+        result: &StepResult,
+        out: &mut FinalPass,
+    ) -> Result<()> {
+        let pool = &self.shared.pool;
+        let mut data = sg.data.lock().unwrap();
+        let n = sg.numel;
+        let hp = sg.hyper(group, data.work.step_count + 1);
+        let verdict = if result.skipped { Verdict::Skip } else { Verdict::Step { factor: result.grad_factor, hp } };
+        let applied = data.work.applied;
+        let stands = match applied {
+            // A pass that wrote something had checked.
+            Applied::Speculative(spec) if spec.done == 0 => {
+                speculation_stands(self.subgroup_sumsq(sg, &mut data, unscale_factor(result.loss_scale))?)
+            }
+            _ => true,
+        };
+        data.work.applied = Applied::Nothing;
+        data.sumsq.fill(None);
+        let (action, outcome) = decide(applied, verdict, stands);
+        out.outcome = outcome;
+        let reads_gradient = match action {
+            Action::Leave => result.skipped,
+            Action::Resolve { spec, resolution } => resolution != Resolution::Keep || spec.done < n,
+            Action::Update { .. } => true,
+        };
+        if reads_gradient {
+            // The gradient is read below, or (skipped) this step's copies end here: none may
+            // still land in the buffer when the next step's arrive.
+            drop(data);
+            self.gradient_ready(sg)?;
+            data = sg.data.lock().unwrap();
+        }
+        if data.placement == Placement::Device {
+            let Action::Update { factor, hp } = action else {
+                debug_assert_eq!(action, Action::Leave, "device-placed sub-groups do not speculate");
+                return Ok(());
+            };
+            self.shared.transport().expect("device placement has a transport").device_step(sg.id, &hp, factor)?;
+            data.work.step_count += 1;
+            out.outcome = Outcome::SteppedOnDevice;
+            out.elements += n as u64;
+            return Ok(());
+        }
+        match action {
+            Action::Leave => return Ok(()),
+            Action::Resolve { spec, resolution } => {
+                if reads_gradient {
+                    self.master_write(sg)?;
+                }
+                let applied = buffers(&mut data, 0..spec.done);
+                if let Err(e) = kernels::resolve(pool, &spec.hp, spec.scale, resolution, true, applied) {
+                    data.work.applied = Applied::Speculative(spec);
+                    return Err(e);
+                }
+                kernels::resolve(pool, &spec.hp, spec.scale, resolution, false, buffers(&mut data, spec.done..n))?;
+                out.elements += resolve_elements(&spec, resolution, n);
+                if resolution == Resolution::Rollback {
+                    // The model keeps its weights: those of a skipped step are never published.
+                    return Ok(());
+                }
+                if reads_gradient {
+                    self.staged(sg, &data)?;
+                }
+            }
+            Action::Update { factor, hp } => {
+                self.master_write(sg)?;
+                // The next forward waits for the weights alone: with a device to publish to,
+                // the moments are written by a pass of their own after publication
+                // (`Class::Moments`), off that wait, where the CPU has time for it (the
+                // policy). Not with a caller-provided gradient buffer, which the caller may
+                // rewrite once the weights are final.
+                let defer = moments_may_wait
+                    && self.shared.transport().is_some()
+                    && data.grad.is_owned()
+                    && kernels::can_split_update(&hp);
+                // With a device to publish to, in pieces, each staged as it is done: the next
+                // forward waits for this pass and the staging copy of its last piece only.
+                let piece_len = if self.shared.transport().is_some() { PUBLISH_PIECE } else { n.max(1) };
+                let update = UpdateOptions { grad_scale: factor, ..Default::default() };
+                for start in (0..n).step_by(piece_len) {
+                    let piece = start..(start + piece_len).min(n);
+                    if defer {
+                        kernels::update_weights(pool, &hp, buffers(&mut data, piece.clone()), factor)?;
+                    } else {
+                        kernels::update(pool, &hp, buffers(&mut data, piece.clone()), &update)?;
+                    }
+                    self.staged_range(sg, &data, piece)?;
+                }
+                out.elements += n as u64;
+                if defer {
+                    out.moments_after = Some((hp, factor));
+                    if out.outcome == Outcome::Stepped {
+                        out.outcome = Outcome::SteppedMomentsAfter;
+                    }
+                }
+            }
+        }
+        data.work.step_count += 1;
+        match self.shared.transport() {
+            Some(t) => t.publish(sg.id),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const N: usize = 100;
+
+    fn spec(done: usize) -> SpecRecord {
+        SpecRecord { hp: AdamHyper::default(), scale: 0.5, done }
+    }
+
+    fn step(factor: f32, lr: f64) -> Verdict {
+        Verdict::Step { factor, hp: AdamHyper { lr, ..AdamHyper::default() } }
+    }
+
+    /// ARCHITECTURE.md's table of final passes, row by row; every row for a pass that ran to
+    /// the end, was preempted half way and never started.
+    #[test]
+    fn final_passes_follow_the_table() {
+        let lr = AdamHyper::default().lr;
+        let update = |factor: f32, lr: f64| Action::Update { factor, hp: AdamHyper { lr, ..AdamHyper::default() } };
+        assert_eq!(decide(Applied::Nothing, step(0.5, lr), true), (update(0.5, lr), Outcome::Stepped));
+        assert_eq!(decide(Applied::Nothing, Verdict::Skip, true), (Action::Leave, Outcome::Unchanged));
+        assert_eq!(decide(Applied::Undone, step(0.25, lr), true), (update(0.25, lr), Outcome::Redone));
+        assert_eq!(decide(Applied::Undone, Verdict::Skip, true), (Action::Leave, Outcome::RolledBack));
+        for done in [N, N / 2, 0] {
+            let s = spec(done);
+            let applied = Applied::Speculative(s);
+            let resolve = |resolution| Action::Resolve { spec: s, resolution };
+            assert_eq!(decide(applied, step(0.5, lr), true), (resolve(Resolution::Keep), Outcome::Kept));
+            assert_eq!(decide(applied, step(0.25, lr), true), (resolve(Resolution::Rescale(0.25)), Outcome::Rescaled));
+            assert_eq!(
+                decide(applied, step(0.25, 2.0 * lr), true),
+                (
+                    resolve(Resolution::Redo { hp: AdamHyper { lr: 2.0 * lr, ..AdamHyper::default() }, scale: 0.25 }),
+                    Outcome::Redone
+                )
+            );
+            assert_eq!(decide(applied, Verdict::Skip, true), (resolve(Resolution::Rollback), Outcome::RolledBack));
+        }
+        let declined = Applied::Speculative(spec(0));
+        assert_eq!(decide(declined, step(0.5, lr), false), (update(0.5, lr), Outcome::Stepped));
+        assert_eq!(decide(declined, Verdict::Skip, false), (Action::Leave, Outcome::Unchanged));
+        for sumsq in [f64::INFINITY, f64::NAN, 1e39] {
+            assert!(!speculation_stands(sumsq), "{sumsq}");
+        }
+        assert!(speculation_stands(f32::MAX as f64));
+    }
+
+    #[test]
+    fn elements_count_what_a_pass_reads() {
+        assert_eq!(resolve_elements(&spec(N), Resolution::Keep, N), 0);
+        assert_eq!(resolve_elements(&spec(N / 2), Resolution::Keep, N), (N / 2) as u64);
+        assert_eq!(resolve_elements(&spec(N / 2), Resolution::Rescale(0.25), N), N as u64);
+        assert_eq!(resolve_elements(&spec(0), Resolution::Rollback, N), N as u64);
+    }
+}
