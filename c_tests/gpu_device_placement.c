@@ -1,8 +1,10 @@
 /* Device-placed sub-groups (SO_PLACEMENT_DEVICE): the library's GPU Adam kernel against the
  * CPU kernel (so_adam_update) on the same inputs, bit for bit, for every gradient, moment and
  * parameter dtype a CUDA session supports with f32 master weights, AdamW and Adam-L2, with a
- * clip factor; a checkpoint saved with one host/GPU split loads bit-exactly into another and
- * resumes bit for bit; moving a sub-group to the GPU and back changes no bit. */
+ * clip factor; with speculation on, a device-placed sub-group ends every kind of step (kept,
+ * rescaled, rolled back, redone) with the bits of a host-placed one; a checkpoint saved with
+ * one host/GPU split loads bit-exactly into another and resumes bit for bit; moving a
+ * sub-group to the GPU and back changes no bit. */
 #include <unistd.h>
 
 #include "cuda_driver.h"
@@ -18,8 +20,8 @@ typedef struct {
     uint32_t grad_dtype, moment_dtype, param_dtype;
 } one;
 
-static one make(uint32_t grad_dtype, uint32_t moment_dtype, uint32_t param_dtype, uint32_t mode, uint32_t placement,
-                const float *init) {
+static one make_with(uint32_t grad_dtype, uint32_t moment_dtype, uint32_t param_dtype, uint32_t mode,
+                     uint32_t placement, uint32_t speculation, const float *init) {
     one o;
     o.grad_dtype = grad_dtype;
     o.moment_dtype = moment_dtype;
@@ -28,7 +30,7 @@ static one make(uint32_t grad_dtype, uint32_t moment_dtype, uint32_t param_dtype
     opts.grad_dtype = opts.accum_dtype = grad_dtype;
     opts.moment_dtype = moment_dtype;
     opts.mode = mode;
-    opts.speculation = SO_SPECULATION_OFF;
+    opts.speculation = speculation;
     CHECK_OK(so_session_create_cuda(&opts, NULL, &o.s));
     so_group_hparams h = so_group_hparams_default();
     h.weight_decay = 0.05;
@@ -51,6 +53,11 @@ static one make(uint32_t grad_dtype, uint32_t moment_dtype, uint32_t param_dtype
     return o;
 }
 
+static one make(uint32_t grad_dtype, uint32_t moment_dtype, uint32_t param_dtype, uint32_t mode, uint32_t placement,
+                const float *init) {
+    return make_with(grad_dtype, moment_dtype, param_dtype, mode, placement, SO_SPECULATION_OFF, init);
+}
+
 static void drop(one *o) {
     so_session_destroy(o->s);
     CU_CHECK(cu.mem_free(o->d_param));
@@ -58,19 +65,31 @@ static void drop(one *o) {
     free(o->master);
 }
 
-/* One step with gradient `g` (grad dtype, uploaded to the device) and max_norm; the result. */
-static so_step_result step(one *o, const void *g, double max_norm) {
+/* One step with gradient `g` (grad dtype, uploaded to the device) and `a`; with `lr` > 0, the
+ * group's learning rate changes between backward and the step. The result. */
+static so_step_result step_with(one *o, const void *g, so_step_args a, double lr) {
     CU_CHECK(cu.ctx_sync());
     CU_CHECK(cu.htod(o->d_grad, g, N * dsize(o->grad_dtype)));
     CHECK_OK(so_session_begin_step(o->s, 1.0f, 1));
     size_t half = 30000 * dsize(o->grad_dtype);
     CHECK_OK(so_session_grad_device(o->s, 1, o->d_grad + half, N - 30000, o->grad_dtype, NULL, NULL));
     CHECK_OK(so_session_grad_device(o->s, 0, o->d_grad, 30000, o->grad_dtype, NULL, NULL));
-    so_step_args a = so_step_args_default();
-    a.max_norm = max_norm;
+    if (lr > 0) {
+        so_group_hparams h = so_group_hparams_default();
+        h.weight_decay = 0.05;
+        h.lr = lr;
+        CHECK_OK(so_session_set_group_hparams(o->s, 0, &h));
+    }
     so_ticket t = 0;
     CHECK_OK(so_session_step(o->s, &a, &t));
     return so_test_step_result(o->s, t);
+}
+
+/* One step with gradient `g` and max_norm; the result. */
+static so_step_result step(one *o, const void *g, double max_norm) {
+    so_step_args a = so_step_args_default();
+    a.max_norm = max_norm;
+    return step_with(o, g, a, 0.0);
 }
 
 static so_subgroup_state state(one *o) {
@@ -146,6 +165,48 @@ static void kernel_matches_cpu(so_pool *pool) {
     free(readback);
 }
 
+/* Speculation on: the host-placed sub-group takes (or, cancelled, folds into its final pass)
+ * a speculative step and resolves it; the device-placed one applies and resolves it in its
+ * final step. Both end each step with the same bits. */
+static void speculation_resolved_alike(void) {
+    so_rng rng = so_rng_new(13);
+    float *init = (float *)so_test_malloc(N * 4);
+    for (size_t i = 0; i < N; i++) init[i] = (float)so_rng_normalish(&rng, 0.1);
+    uint16_t *g = (uint16_t *)so_test_malloc(N * 2);
+    const uint32_t modes[] = {SO_ADAM_MODE_ADAMW, SO_ADAM_MODE_L2};
+    for (size_t di = 0; di < 2; di++) {
+        one on_gpu = make_with(SO_DTYPE_BF16, SO_DTYPE_F32, SO_DTYPE_BF16, modes[di], SO_PLACEMENT_DEVICE,
+                               SO_SPECULATION_ON, init);
+        one on_cpu = make_with(SO_DTYPE_BF16, SO_DTYPE_F32, SO_DTYPE_BF16, modes[di], SO_PLACEMENT_HOST,
+                               SO_SPECULATION_ON, init);
+        /* kept, rescaled (clipped), rolled back (overflow), redone (lr changed), kept */
+        const double max_norms[] = {0.0, 0.3, 0.3, 0.0, 0.0};
+        const bool overflows[] = {false, false, true, false, false};
+        const double lrs[] = {0.0, 0.0, 0.0, 3e-3, 0.0};
+        for (int s = 0; s < 5; s++) {
+            for (size_t i = 0; i < N; i++) g[i] = so_f32_to_bf16((float)so_rng_normalish(&rng, 0.02));
+            so_step_args a = so_step_args_default();
+            a.max_norm = max_norms[s];
+            a.overflow = overflows[s];
+            const so_step_result rg = step_with(&on_gpu, g, a, lrs[s]);
+            const so_step_result rc = step_with(&on_cpu, g, a, lrs[s]);
+            CHECKF(rg.skipped == rc.skipped && rg.grad_factor == rc.grad_factor &&
+                       rc.kept + rc.rescaled + rc.rolled_back + rc.redone == 1,
+                   "mode %u step %d", modes[di], s);
+            const so_subgroup_state sg = state(&on_gpu), sc = state(&on_cpu);
+            CHECKF(sg.step_count == sc.step_count && memcmp(sg.master, sc.master, N * 4) == 0 &&
+                       memcmp(sg.exp_avg, sc.exp_avg, N * 4) == 0 && memcmp(sg.exp_avg_sq, sc.exp_avg_sq, N * 4) == 0,
+                   "mode %u step %d (kept %u rescaled %u rolled back %u redone %u): GPU and CPU differ", modes[di], s,
+                   rc.kept, rc.rescaled, rc.rolled_back, rc.redone);
+        }
+        drop(&on_gpu);
+        drop(&on_cpu);
+    }
+    printf("speculative steps resolved on the GPU: the CPU's bits (kept, rescaled, rolled back, redone)\n");
+    free(init);
+    free(g);
+}
+
 static void checkpoint_across_splits(void) {
     so_rng rng = so_rng_new(9);
     float *init = (float *)so_test_malloc(N * 4);
@@ -205,6 +266,7 @@ int main(void) {
     cuda_driver_load();
     so_pool *pool = so_test_pool(SO_ISA_AUTO, 4);
     kernel_matches_cpu(pool);
+    speculation_resolved_alike();
     checkpoint_across_splits();
     so_pool_destroy(pool);
     /* A host session refuses device placement. */

@@ -5,7 +5,8 @@
 #      needed (scripts/check_ptx.sh);
 #   1. style: `cargo fmt --check`, `cargo clippy --workspace --all-targets -D warnings` and
 #      the C/C++ sources against .clang-format (scripts/check_format.sh);
-#   2. `cargo test --workspace` (the library and the benchmark crate);
+#   2. `cargo test --workspace` (the library and the benchmark crate), then the
+#      reproducibility harness, which needs the `fault-injection` feature;
 #   3. the CMake build and the ctest suite in c_tests/;
 #   4. the install (stripped) into <build>/install, with its size;
 #   5. the ctest suite once more, every test under valgrind memcheck (errors fatal);
@@ -104,6 +105,8 @@ if wanted clippy; then
     section "Lint: cargo clippy --workspace --all-targets -D warnings"
     if cargo clippy --version >/dev/null 2>&1; then
         cargo clippy --workspace --all-targets --locked -j "$jobs" -- -D warnings
+        # The fault-injection build (its switches, the reproducibility harness's chunk hook).
+        cargo clippy --all-targets --locked --features fault-injection -j "$jobs" -- -D warnings
         echo "cargo clippy: clean"
     else
         skip "cargo clippy: clippy is not installed (rustup component add clippy)"
@@ -129,6 +132,8 @@ fi
 if [ "${SO_SKIP_CARGO_TEST:-0}" != 1 ]; then
     section "cargo test --workspace"
     cargo test --workspace --locked -j "$jobs"
+    section "cargo test: reproducibility under injected delays (--features fault-injection)"
+    cargo test --locked --features fault-injection -j "$jobs" --test reproducibility
 else
     skip "cargo test (SO_SKIP_CARGO_TEST=1)"
 fi

@@ -142,21 +142,28 @@ fn the_first_sub_group_is_final_first_and_unstarted_speculation_is_cancelled() {
         gate.open();
         let r = m.result(t);
         assert_eq!((r.speculative, r.cancelled), (4, 3), "{r:?}");
+        // A cancelled speculative step is resolved as one that ran: the final pass takes it
+        // and its resolution in one pass.
         if max_norm > 0.0 {
-            assert_eq!((r.rescaled, r.stepped), (1, 3), "{r:?}");
+            assert_eq!((r.rescaled, r.stepped), (4, 0), "{r:?}");
         } else {
-            assert_eq!((r.kept, r.stepped), (1, 3), "{r:?}");
+            assert_eq!((r.kept, r.stepped), (4, 0), "{r:?}");
         }
         off.backward(1);
         let (to, _) = off.step(max_norm);
         let ro = off.result(to);
         assert_eq!(r.global_norm.to_bits(), ro.global_norm.to_bits(), "the norm does not depend on the schedule");
-        // Cancelled sub-groups took the after-backward path: bit for bit; so did the held
-        // one when its speculative step was kept.
+        // Kept, the speculative steps are the after-backward steps bit for bit; rescaled,
+        // those of a session whose speculative passes all ran before step().
+        let whole = model(&SIZES, Speculation::On, None);
+        for t in whole.backward(1).into_iter().flatten() {
+            whole.session.wait(t, None).unwrap();
+        }
+        let (tw, _) = whole.step(max_norm);
+        whole.result(tw);
         for k in 0..4 {
-            if k != held || max_norm == 0.0 {
-                assert!(m.bits(k) == off.bits(k), "max_norm {max_norm}: sub-group {k} (held: {held})");
-            }
+            let reference = if max_norm == 0.0 { &off } else { &whole };
+            assert!(m.bits(k) == reference.bits(k), "max_norm {max_norm}: sub-group {k} (held: {held})");
         }
         // Final tickets complete in forward order (lanes 1..=4), sub-group 0 first, and each
         // cancelled speculative ticket completes with its sub-group's final pass.
@@ -190,6 +197,14 @@ fn a_preempted_speculative_step_is_completed_by_the_final_pass() {
         let (to, _) = off.step(max_norm);
         let ro = off.result(to);
         assert_eq!((held, r.cancelled), (0, 0), "{r:?}");
+        // The same step with the speculative pass run to its end before step().
+        let whole = model(&[n], Speculation::On, None);
+        for t in whole.backward(1).into_iter().flatten() {
+            whole.session.wait(t, None).unwrap();
+        }
+        let (tw, _) = whole.step(max_norm);
+        whole.result(tw);
+        assert!(m.bits(0) == whole.bits(0), "max_norm {max_norm}: preempted and completed passes write the same bits");
         if max_norm == 0.0 {
             assert_eq!(r.kept, 1, "{r:?}");
             assert!(m.bits(0) == off.bits(0), "kept part + completed part = the after-backward step");
@@ -197,8 +212,7 @@ fn a_preempted_speculative_step_is_completed_by_the_final_pass() {
             assert_eq!(r.rescaled, 1, "{r:?}");
             let (a, b) = (&m.masters[0], &off.masters[0]);
             let worst = a.iter().zip(b).map(|(x, y)| ((x - y) / y.abs().max(1e-3)).abs()).fold(0.0f32, f32::max);
-            assert!(worst < 1e-5, "rescaled part within rounding of the direct step: {worst}");
-            assert_eq!(a[1 << 22..], b[1 << 22..], "the part the pass had not reached: the direct step");
+            assert!(worst < 1e-5, "rescaled within rounding of the direct step: {worst}");
         }
         // The preempted pass did one chunk: what is left after backward is the rest plus,
         // when clipped, the rescale of that chunk — never more than after-backward mode.

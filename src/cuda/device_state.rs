@@ -5,9 +5,9 @@ use super::driver::{CUdeviceptr, CUstream, Kernels};
 use super::faults;
 use super::memory::DeviceBuffer;
 use super::{driver, transport::floats_mut_ptr};
-use crate::error::Result;
-use crate::kernels::{AdamHyper, DType};
-use crate::session::HostState;
+use crate::error::{Error, Result};
+use crate::kernels::DType;
+use crate::session::{DevicePass, HostState};
 
 /// The master weights (f32), moments and gradient of a device-placed sub-group, freed on drop.
 pub(crate) struct DeviceState {
@@ -78,23 +78,32 @@ impl DeviceState {
         Ok(())
     }
 
-    /// Queues one Adam step over this state on `stream` (its gradient, in `grad_dtype`,
-    /// scaled by `factor`), writing the new weights into `param` too.
+    /// Queues one pass over this state on `stream` (its gradient, in `grad_dtype`): an Adam
+    /// step, or the rollback or rescale of one; with `publish`, writing the new weights into
+    /// `param` too.
     pub(crate) fn step(
         &self,
         kernels: &Kernels,
         stream: CUstream,
         param: &Param,
         grad_dtype: DType,
-        hp: &AdamHyper,
-        factor: f32,
+        pass: &DevicePass,
+        publish: bool,
     ) -> Result<()> {
+        let (hp, mut scale, mut new_scale, mut op) = match *pass {
+            DevicePass::Update { hp, scale } => (hp, scale, 0.0f32, 0u32),
+            DevicePass::Rollback { hp, scale } => (hp, scale, 0.0, 1),
+            DevicePass::Rescale { hp, old_scale, new_scale } => (hp, old_scale, new_scale, 2),
+        };
+        if op != 0 && self.moment_dtype != DType::F32 {
+            return Err(Error::unsupported("a rollback or rescale on the device needs f32 moments"));
+        }
         let (k, l2) = hp.device_constants();
         let (mut p, mut g, mut m, mut v, mut out) =
             (self.master.ptr(), self.grad.ptr(), self.exp_avg.ptr(), self.exp_avg_sq.ptr(), param.ptr);
         let mut n = param.numel as u64;
-        let (mut gd, mut md, mut od) = (dtype_code(grad_dtype), dtype_code(self.moment_dtype), dtype_code(param.dtype));
-        let mut scale = factor;
+        let mut od = if publish { dtype_code(param.dtype) } else { 0 };
+        let (mut gd, mut md) = (dtype_code(grad_dtype), dtype_code(self.moment_dtype));
         let [mut b1, mut omb1, mut b2, mut omb2, mut eps, mut sbc2, mut step, mut decay, mut wd] = k;
         let mut has_l2 = u32::from(l2);
         let blocks = param.numel.div_ceil(256).clamp(1, 132 * 16) as u32;
@@ -124,6 +133,8 @@ impl DeviceState {
                 &mut decay,
                 &mut wd,
                 &mut has_l2,
+                &mut op,
+                &mut new_scale,
             ],
         )
     }

@@ -8,8 +8,9 @@
 //!   keeping its sign and top payload bits, quieted.
 //! - `so_sumsq_partials`: the per-block f64 partials of a gradient's sum of squares, the same
 //!   bits as the CPU kernels' (summed in block order on the host).
-//! - `so_adam_step`: the Adam step of device-placed sub-groups, the CPU kernels' operation
-//!   sequence exactly (bit-identical results).
+//! - `so_adam_step`: the Adam step of device-placed sub-groups, and (`op` 1, 2) the rollback
+//!   and rescale of one, each the CPU kernels' operation sequence exactly (bit-identical
+//!   results).
 
 pub(crate) const MODULE: &str = r#"
 .version 7.0
@@ -216,12 +217,13 @@ sq_done:
                              .param .u64 n, .param .u32 g_dtype, .param .u32 m_dtype, .param .u32 out_dtype,
                              .param .f32 grad_scale, .param .f32 beta1, .param .f32 omb1, .param .f32 beta2,
                              .param .f32 omb2, .param .f32 eps, .param .f32 sqrt_bc2, .param .f32 step_size,
-                             .param .f32 decay, .param .f32 wd, .param .u32 has_l2)
+                             .param .f32 decay, .param .f32 wd, .param .u32 has_l2, .param .u32 op,
+                             .param .f32 new_scale)
 {
     .reg .pred %p<16>;
     .reg .b16 %h<8>;
     .reg .b32 %r<40>;
-    .reg .f32 %f<40>;
+    .reg .f32 %f<64>;
     .reg .b64 %rd<40>;
 
     ld.param.u64 %rd1, [p];
@@ -244,12 +246,18 @@ sq_done:
     ld.param.f32 %f9, [decay];
     ld.param.f32 %f10, [wd];
     ld.param.u32 %r4, [has_l2];
+    ld.param.u32 %r26, [op];
+    ld.param.f32 %f28, [new_scale];
     cvta.to.global.u64 %rd1, %rd1;
     cvta.to.global.u64 %rd2, %rd2;
     cvta.to.global.u64 %rd3, %rd3;
     cvta.to.global.u64 %rd4, %rd4;
     cvta.to.global.u64 %rd5, %rd5;
     neg.f32 %f11, %f8;
+    neg.f32 %f29, %f3;                   // -(1-b1)
+    neg.f32 %f30, %f5;                   // -(1-b2)
+    setp.eq.u32 %p12, %r26, 1;           // rollback
+    setp.eq.u32 %p13, %r26, 2;           // rescale
     setp.eq.u32 %p1, %r1, 1;     // gradient f32
     setp.eq.u32 %p2, %r1, 2;     // gradient bf16 (else f16)
     setp.eq.u32 %p3, %r2, 1;     // moments f32 (else bf16)
@@ -307,6 +315,8 @@ ad_m32:
     ld.global.f32 %f14, [%rd14];
     ld.global.f32 %f15, [%rd15];
 ad_mdone:
+    @%p12 bra ad_rollback;
+    @%p13 bra ad_rescale;
     // the step
     mul.rn.f32 %f16, %f13, %f1;          // g = g * grad_scale
     @%p4 fma.rn.f32 %f16, %f10, %f12, %f16;   // Adam-L2: g = wd * p + g
@@ -321,6 +331,7 @@ ad_mdone:
     div.rn.f32 %f25, %f18, %f24;         // u = m' / denom
     mul.rn.f32 %f26, %f12, %f9;          // p * decay
     fma.rn.f32 %f27, %f11, %f25, %f26;   // p' = -step_size * u + p * decay
+ad_store:
     st.global.f32 [%rd12], %f27;
     // moments back
     @%p3 bra ad_s32;
@@ -388,5 +399,56 @@ ad_next:
     bra.uni ad_loop;
 ad_done:
     ret;
+    // Rollback (f32 moments): the inverse of the step for the same gradient and scale.
+    //   u = m / denom(v);  p = fma(lr/bc1, u, p) / decay;  g = g * scale (Adam-L2: fma(wd, p, g))
+    //   m = fma(-(1-b1), g, m) / b1;  v = max0(fma(-(1-b2), g*g, v) / b2)
+ad_rollback:
+    sqrt.rn.f32 %f40, %f15;
+    div.rn.f32 %f41, %f40, %f7;
+    add.rn.f32 %f42, %f41, %f6;
+    div.rn.f32 %f43, %f14, %f42;         // u
+    fma.rn.f32 %f44, %f8, %f43, %f12;    // step_size * u + p
+    div.rn.f32 %f27, %f44, %f9;          // / decay
+    mul.rn.f32 %f45, %f13, %f1;          // g * grad_scale
+    @%p4 fma.rn.f32 %f45, %f10, %f27, %f45;
+    fma.rn.f32 %f46, %f29, %f45, %f14;
+    div.rn.f32 %f18, %f46, %f2;          // m
+    mul.rn.f32 %f47, %f45, %f45;
+    fma.rn.f32 %f48, %f30, %f47, %f15;
+    div.rn.f32 %f49, %f48, %f4;
+    setp.lt.f32 %p14, %f49, 0f00000000;  // max0: a NaN stays NaN
+    selp.f32 %f21, 0f00000000, %f49, %p14;
+    bra.uni ad_store;
+    // Rescale (f32 moments): the step on grad_scale * g becomes the step on new_scale * g.
+    //   u_old = m / denom(v);  Adam-L2: p_prev = fma(lr/bc1, u_old, p), g_x = fma(wd, p_prev, g * x)
+    //   m = fma(1-b1, g_new, fma(-(1-b1), g_old, m));  v = max0(fma(1-b2, g_new^2, fma(-(1-b2), g_old^2, v)))
+    //   p = fma(-lr/bc1, m / denom(v) - u_old, p)
+ad_rescale:
+    sqrt.rn.f32 %f40, %f15;
+    div.rn.f32 %f41, %f40, %f7;
+    add.rn.f32 %f42, %f41, %f6;
+    div.rn.f32 %f43, %f14, %f42;         // u_old
+    mul.rn.f32 %f50, %f13, %f1;          // g * old scale
+    mul.rn.f32 %f51, %f13, %f28;         // g * new scale
+    @!%p4 bra rs_moments;
+    fma.rn.f32 %f52, %f8, %f43, %f12;    // p_prev
+    fma.rn.f32 %f50, %f10, %f52, %f50;
+    fma.rn.f32 %f51, %f10, %f52, %f51;
+rs_moments:
+    fma.rn.f32 %f53, %f29, %f50, %f14;
+    fma.rn.f32 %f18, %f3, %f51, %f53;    // m
+    mul.rn.f32 %f54, %f50, %f50;
+    fma.rn.f32 %f55, %f30, %f54, %f15;
+    mul.rn.f32 %f56, %f51, %f51;
+    fma.rn.f32 %f57, %f5, %f56, %f55;
+    setp.lt.f32 %p14, %f57, 0f00000000;
+    selp.f32 %f21, 0f00000000, %f57, %p14; // v
+    sqrt.rn.f32 %f58, %f21;
+    div.rn.f32 %f59, %f58, %f7;
+    add.rn.f32 %f60, %f59, %f6;
+    div.rn.f32 %f61, %f18, %f60;         // u_new
+    sub.rn.f32 %f62, %f61, %f43;
+    fma.rn.f32 %f27, %f11, %f62, %f12;   // p
+    bra.uni ad_store;
 }
 "#;

@@ -18,8 +18,8 @@ use super::faults::CopyFaults;
 use super::gradients::SumsqPartials;
 use super::memory::{DeviceBuffer, HostRegistration};
 use crate::error::{Error, Result, Status};
-use crate::kernels::{AdamHyper, DType, Floats, FloatsMut};
-use crate::session::{DeviceParam, HostState, Placement, Transport};
+use crate::kernels::{DType, Floats, FloatsMut};
+use crate::session::{DeviceParam, DevicePass, HostState, Placement, Transport};
 
 /// How a CUDA session moves data.
 #[derive(Clone, Copy, Debug)]
@@ -456,7 +456,7 @@ impl Transport for CudaTransport {
         self.wait_published()
     }
 
-    fn device_step(&self, sg: u32, hp: &AdamHyper, factor: f32) -> Result<()> {
+    fn device_step(&self, sg: u32, passes: &[DevicePass], publish: bool) -> Result<()> {
         self.enter()?;
         let copies = {
             let mut state = self.state.lock().unwrap();
@@ -469,7 +469,12 @@ impl Transport for CudaTransport {
         }
         let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
         let dev = d.device.as_ref().ok_or_else(not_device_placed)?;
-        dev.step(&self.kernels, self.h2d.0, &d.param(), self.accum_dtype, hp, factor)
+        for (i, pass) in passes.iter().enumerate() {
+            // Only the last pass writes the model's parameter, and only when it is published.
+            let publish_here = publish && i + 1 == passes.len();
+            dev.step(&self.kernels, self.h2d.0, &d.param(), self.accum_dtype, pass, publish_here)?;
+        }
+        Ok(())
     }
 
     fn device_zero_gradient(&self, sg: u32, range: Range<usize>) -> Result<()> {

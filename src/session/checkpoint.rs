@@ -149,6 +149,8 @@ impl Session {
         } else {
             put(&mut meta, "loss_scaler", "none");
         }
+        // What `Speculation::Auto` decides next depends on it, and the decision fixes bits.
+        put(&mut meta, "speculation_history", self.shared.policy.lock().unwrap().history());
 
         let mut tensors: Vec<(String, TensorBytes<'_>)> = Vec::new();
         for (track, d) in tracks.iter().zip(&data) {
@@ -214,6 +216,10 @@ impl Session {
         let file = SafeTensors::deserialize(bytes)
             .map_err(|e| bad(format!("{}: truncated or corrupt safetensors data: {e}", path.display())))?;
         let meta = header.metadata().clone().unwrap_or_default();
+        // Absent in checkpoints of 0.2.0: the history starts anew.
+        let history = meta.get("speculation_history").map_or(Ok(String::new()), |h| {
+            super::policy::parse_history(h).map(|_| h.clone()).map_err(|e| bad(e.message))
+        })?;
         let get = |key: &str| {
             meta.get(key).map(String::as_str).ok_or_else(|| bad(format!("checkpoint metadata lacks {key:?}")))
         };
@@ -395,6 +401,7 @@ impl Session {
         }
         t.reg.groups = new_groups;
         *self.shared.scaler.lock().unwrap() = scaler;
+        self.shared.policy.lock().unwrap().restore_history(&history)?;
         Ok(())
     }
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::passes::{StepInFlight, Worker, buffers, guarded};
 use super::scheduler::Lifecycle;
 use super::trace::Lane;
-use super::{Applied, GroupHparams, Placement, SpecRecord, StepResult, SubGroup, unscale_factor};
+use super::{Applied, DevicePass, GroupHparams, Placement, SpecRecord, StepResult, SubGroup, unscale_factor};
 use crate::error::Result;
 use crate::kernels::{self, AdamHyper, Resolution, UpdateOptions};
 
@@ -119,6 +119,31 @@ pub(crate) fn decide(applied: Applied, verdict: Verdict, stands: bool) -> (Actio
                 (Resolution::Keep, Outcome::Kept)
             };
             (Action::Resolve { spec, resolution }, outcome)
+        }
+    }
+}
+
+/// The passes of an action over a device-placed sub-group, whose speculative step is never
+/// applied before the final pass: the same operations, one pass each, as on the host.
+fn device_passes(action: Action) -> Vec<DevicePass> {
+    match action {
+        Action::Leave => Vec::new(),
+        Action::Update { factor, hp } => vec![DevicePass::Update { hp, scale: factor }],
+        Action::Resolve { spec, resolution } => {
+            let (hp, scale) = (spec.hp, spec.scale);
+            let mut passes = vec![DevicePass::Update { hp, scale }];
+            match resolution {
+                Resolution::Keep => {}
+                Resolution::Rescale(factor) => {
+                    passes.push(DevicePass::Rescale { hp, old_scale: scale, new_scale: factor })
+                }
+                Resolution::Rollback => passes.push(DevicePass::Rollback { hp, scale }),
+                Resolution::Redo { hp: redo, scale: factor } => {
+                    passes.push(DevicePass::Rollback { hp, scale });
+                    passes.push(DevicePass::Update { hp: redo, scale: factor });
+                }
+            }
+            passes
         }
     }
 }
@@ -241,14 +266,18 @@ impl Worker {
             data = sg.data.lock().unwrap();
         }
         if data.placement == Placement::Device {
-            let Action::Update { factor, hp } = action else {
-                debug_assert_eq!(action, Action::Leave, "device-placed sub-groups do not speculate");
+            let passes = device_passes(action);
+            if passes.is_empty() {
                 return Ok(());
-            };
-            self.shared.transport().expect("device placement has a transport").device_step(sg.id, &hp, factor)?;
-            data.work.step_count += 1;
-            out.outcome = Outcome::SteppedOnDevice;
-            out.elements += n as u64;
+            }
+            let publish = !result.skipped;
+            let transport = self.shared.transport().expect("device placement has a transport");
+            transport.device_step(sg.id, &passes, publish)?;
+            out.elements += (passes.len() * n) as u64;
+            if publish {
+                data.work.step_count += 1;
+                out.outcome = Outcome::SteppedOnDevice;
+            }
             return Ok(());
         }
         match action {

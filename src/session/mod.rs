@@ -48,7 +48,7 @@ pub use buffers::Borrowed;
 pub use registry::SubGroupState;
 pub use scaler::{LossScaler, LossScalerOptions};
 pub use tickets::{STEP_LANE, Ticket, TicketState, subgroup_lane};
-pub use transport::{HandOff, HandedSumsq, HostState, Transport};
+pub use transport::{DevicePass, HandOff, HandedSumsq, HostState, Transport};
 pub use types::{
     DeviceParam, GroupHparams, NormSource, Placement, SessionOptions, SkipReason, SliceDesc, Speculation, StepArgs,
     StepResult, SubGroupDesc,

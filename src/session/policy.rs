@@ -34,6 +34,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use super::Speculation;
+use crate::error::{Error, Result};
 
 /// Recent steps whose factor changes are remembered.
 pub(crate) const HISTORY: usize = 8;
@@ -111,6 +112,17 @@ impl Policy {
         self.unchanged.push_back(unchanged);
     }
 
+    /// The factor history `Auto` decides from, oldest first: `1` for a step whose factor was
+    /// unchanged, `0` for one that was not (a checkpoint keeps it).
+    pub(crate) fn history(&self) -> String {
+        self.unchanged.iter().map(|&u| if u { '1' } else { '0' }).collect()
+    }
+
+    pub(crate) fn restore_history(&mut self, history: &str) -> Result<()> {
+        self.unchanged = parse_history(history)?;
+        Ok(())
+    }
+
     pub(crate) fn pass_measured(&mut self, elements: usize, took: Duration) {
         if elements == 0 {
             return;
@@ -165,6 +177,16 @@ impl Policy {
     }
 }
 
+/// A history as [`Policy::history`] writes it.
+pub(crate) fn parse_history(history: &str) -> Result<VecDeque<bool>> {
+    if history.len() > HISTORY || !history.bytes().all(|b| b == b'0' || b == b'1') {
+        return Err(Error::invalid(format!(
+            "speculation history {history:?}: expected at most {HISTORY} digits 0 or 1"
+        )));
+    }
+    Ok(history.bytes().map(|b| b == b'1').collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,6 +205,19 @@ mod tests {
         assert!(p.should_speculate(), "unchanged in half of the recent steps");
         assert!(!Policy::new(Speculation::Off).should_speculate());
         assert!(Policy::new(Speculation::On).should_speculate());
+    }
+
+    #[test]
+    fn the_history_survives_a_round_trip() {
+        let mut p = Policy::new(Speculation::Auto);
+        for u in [true, false, false, true, false, false] {
+            p.decided(u);
+        }
+        let mut q = Policy::new(Speculation::Auto);
+        q.restore_history(&p.history()).unwrap();
+        assert_eq!((q.history(), q.should_speculate()), ("100100".to_string(), p.should_speculate()));
+        assert!(q.restore_history("102").is_err());
+        assert!(q.restore_history(&"1".repeat(HISTORY + 1)).is_err());
     }
 
     #[test]

@@ -254,15 +254,17 @@ impl Session {
     fn submit_complete(&self, t: &mut Tracking, sg: &Arc<SubGroup>) -> Option<Ticket> {
         let group = t.reg.groups[sg.group as usize];
         let mut data = sg.data.lock().unwrap();
-        let device = data.placement == Placement::Device;
-        let speculate = !device && sg.can_speculate(group) && self.shared.policy.lock().unwrap().should_speculate();
-        if !speculate {
+        let speculate = sg.can_speculate(group) && self.shared.policy.lock().unwrap().should_speculate();
+        if speculate {
+            let hp = sg.hyper(group, data.work.step_count + 1);
+            data.work.applied = Applied::Speculative(SpecRecord { hp, scale: unscale_factor(t.loss_scale), done: 0 });
+        }
+        // A device-placed sub-group's plan is carried out on the device by its final pass.
+        if !speculate || data.placement == Placement::Device {
             drop(data);
             self.shared.sched.mark_complete(sg.id);
             return None;
         }
-        let hp = sg.hyper(group, data.work.step_count + 1);
-        data.work.applied = Applied::Speculative(SpecRecord { hp, scale: unscale_factor(t.loss_scale), done: 0 });
         drop(data);
         let ticket = self.shared.tickets.issue(subgroup_lane(sg.id));
         t.speculative += 1;

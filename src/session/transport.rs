@@ -35,6 +35,16 @@ pub enum HandedSumsq {
     Deferred,
 }
 
+/// One pass of a device-placed sub-group's final step: the CPU kernels' operation sequence of
+/// [`kernels::update`], [`kernels::rollback`] or [`kernels::rescale`], so that a sub-group
+/// writes the same bits on the device as on the host.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum DevicePass {
+    Update { hp: AdamHyper, scale: f32 },
+    Rollback { hp: AdamHyper, scale: f32 },
+    Rescale { hp: AdamHyper, old_scale: f32, new_scale: f32 },
+}
+
 /// Host views of a sub-group's state, for a transport that keeps it on the device.
 pub struct HostState<'a> {
     pub master: kernels::FloatsMut<'a>,
@@ -107,8 +117,9 @@ pub trait Transport: Send + Sync + Any {
     fn after_load(&self) -> Result<()> {
         Ok(())
     }
-    /// Steps a device-placed sub-group (its gradient is on the device) and publishes it.
-    fn device_step(&self, _sg: u32, _hp: &AdamHyper, _factor: f32) -> Result<()> {
+    /// Makes a device-placed sub-group final for this step with `passes` over its state (its
+    /// gradient is on the device), in order, and, with `publish`, publishes the weights.
+    fn device_step(&self, _sg: u32, _passes: &[DevicePass], _publish: bool) -> Result<()> {
         no_device(false)
     }
     /// Zeroes part of a device-placed sub-group's gradient (a slice that got none).

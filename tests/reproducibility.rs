@@ -1,0 +1,276 @@
+//! Reproducible runs: the same inputs give the same bits whatever the timing. One schedule of
+//! steps (clipping on some steps and on every step, loss scaling with an overflow skip, late
+//! gradients, accumulation, a learning-rate change between backward and `step()`) runs again
+//! and again with seeded random delays in the CPU-Adam thread (a transport whose hooks
+//! pause and whose copies land late), in every chunk of the pool's passes, and between the
+//! caller's hand-offs, on pools of 1, 2 and 7 threads and in host mode: every run must end
+//! with the same master weights, moments and step results.
+//!
+//! Needs the `fault-injection` feature (the pool's chunk hook): `cargo test --features
+//! fault-injection --test reproducibility`.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::Rng;
+use superoffload::error::Result;
+use superoffload::kernels::{DType, Floats, Isa, Pool, PoolOptions, pool::set_chunk_pause};
+use superoffload::session::{
+    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, Speculation, StepArgs, StepResult,
+    SubGroupDesc, Transport,
+};
+
+/// Sub-groups large enough that a speculative pass has several chunks to be preempted
+/// between (`SPECULATION_CHUNK` is 4 Mi elements) and small enough for CI.
+const SIZES: [usize; 3] = [4_500_000, 300_000, 1_200_000];
+const RUNS: u64 = 8;
+
+/// A seeded source of short pauses, shared by the threads that pause.
+struct Jitter(Mutex<Rng>);
+
+impl Jitter {
+    fn pause(&self, max_us: u64) {
+        let us = self.0.lock().unwrap().below(max_us as usize + 1) as u64;
+        std::thread::sleep(Duration::from_micros(us));
+    }
+
+    fn chance(&self, p: f64) -> bool {
+        self.0.lock().unwrap().unit() < p
+    }
+}
+
+/// Copies that land late and hooks that pause, on the CPU-Adam thread.
+struct JitteryTransport(Arc<Jitter>);
+
+impl Transport for JitteryTransport {
+    transport_without_pinning!();
+    fn gradient_ready(&self, _: u32) -> Result<()> {
+        self.0.pause(300);
+        Ok(())
+    }
+    fn gradient_landed(&self, _: u32) -> bool {
+        !self.0.chance(0.4)
+    }
+    fn master_write(&self, _: u32) -> Result<()> {
+        self.0.pause(200);
+        Ok(())
+    }
+    fn weights_updated(&self, _: u32, _: usize, _: Floats<'_>, _: Option<Floats<'_>>) -> Result<()> {
+        self.0.pause(200);
+        Ok(())
+    }
+    fn publish(&self, _: u32) -> Result<()> {
+        self.0.pause(100);
+        Ok(())
+    }
+}
+
+/// The chunk hook is a plain `fn`: its generator is a global, reseeded per run.
+static CHUNK_RNG: AtomicU64 = AtomicU64::new(1);
+
+fn chunk_pause() {
+    let mut x = CHUNK_RNG.load(Ordering::Relaxed);
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    CHUNK_RNG.store(x, Ordering::Relaxed);
+    std::thread::sleep(Duration::from_micros(x % 400));
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Setup {
+    threads: usize,
+    transport: bool,
+    speculation: Speculation,
+}
+
+/// What a run ends with: the bits of every master weight and moment, and each step's result
+/// without what measures timing (`cancelled`, `final_pass_elements`, `forward_wait_s`).
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    masters: Vec<Vec<u32>>,
+    moments: Vec<(Vec<u32>, Vec<u32>)>,
+    results: Vec<StepResult>,
+}
+
+struct Run {
+    session: Session,
+    masters: Vec<Vec<f32>>,
+    jitter: Arc<Jitter>,
+    results: Vec<StepResult>,
+}
+
+fn gradient(sg: usize, n: usize, step: u64, scale: f32) -> Vec<f32> {
+    // Magnitudes that vary by step, so that a max_norm between them clips some steps.
+    let amplitude = if step % 3 == 1 { 4e-3 } else { 1e-3 };
+    (0..n)
+        .map(|i| {
+            let h = (i as u64).wrapping_mul(2_654_435_761).wrapping_add(step * 97 + sg as u64 * 13) % 1000;
+            (h as f32 / 1000.0 - 0.5) * amplitude * scale
+        })
+        .collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+impl Run {
+    fn new(setup: Setup, seed: u64) -> Run {
+        let jitter = Arc::new(Jitter(Mutex::new(Rng::new(seed))));
+        let pool = Pool::new(&PoolOptions { num_threads: setup.threads, isa: Some(Isa::best()), ..Default::default() });
+        let options = SessionOptions {
+            pool: Some(Arc::new(pool.unwrap())),
+            speculation: setup.speculation,
+            copy_dtype: Some(DType::Bf16),
+            ..SessionOptions::default()
+        };
+        let transport: Option<Arc<dyn Transport>> =
+            setup.transport.then(|| Arc::new(JitteryTransport(jitter.clone())) as Arc<dyn Transport>);
+        let session = Session::with_transport(options, transport).unwrap();
+        session.add_group(GroupHparams { weight_decay: 0.05, ..GroupHparams::default() }).unwrap();
+        let mut masters: Vec<Vec<f32>> =
+            SIZES.iter().map(|&n| (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-3).collect()).collect();
+        for (k, m) in masters.iter_mut().enumerate() {
+            // SAFETY: the heap buffer of `m` moves with the run, which waits for every step
+            // before it ends (the session is dropped first).
+            let master = unsafe { Borrowed::new("m", m.as_mut_ptr().cast(), m.len(), DType::F32) }.unwrap();
+            // Two slices each: a late gradient is for one of them.
+            let half = m.len() / 2;
+            let slices = vec![
+                SliceDesc { name: format!("sg{k}.a"), offset: 0, numel: half },
+                SliceDesc { name: format!("sg{k}.b"), offset: half, numel: m.len() - half },
+            ];
+            session.add_subgroup(SubGroupDesc::new(0, master, slices)).unwrap();
+        }
+        Run { session, masters, jitter, results: Vec::new() }
+    }
+
+    fn hand_over(&self, step: u64, scale: f32) {
+        // Backward order: the last sub-group's gradient arrives first.
+        for k in (0..SIZES.len()).rev() {
+            let g = gradient(k, SIZES[k], step, scale);
+            let half = SIZES[k] / 2;
+            for (slice, part) in [(1, &g[half..]), (0, &g[..half])] {
+                let id = self.session.slice_id(&format!("sg{k}.{}", ["a", "b"][slice])).unwrap();
+                self.session.grad_copy(id, Floats::F32(part)).unwrap();
+                self.jitter.pause(500);
+            }
+        }
+    }
+
+    /// Step `step` of the schedule (from 1).
+    fn step(&mut self, step: u64) {
+        let s = &self.session;
+        let loss_scale = if step % 3 == 0 { 1024.0 } else { 1.0 };
+        let micro_steps = if step == 5 { 2 } else { 1 };
+        s.begin_step(Some(loss_scale), micro_steps).unwrap();
+        for micro in 0..micro_steps {
+            if micro > 0 {
+                s.next_micro_step().unwrap();
+            }
+            self.hand_over(step + micro as u64 * 100, loss_scale);
+        }
+        if step == 4 || step == 8 {
+            // A late gradient: the sub-group completed (and may have speculated) already.
+            let g = gradient(7, SIZES[1] / 2, step, loss_scale);
+            s.grad_copy(s.slice_id("sg1.a").unwrap(), Floats::F32(&g)).unwrap();
+        }
+        if step == 7 {
+            // The schedule's learning rate moves between backward and step().
+            s.set_group_hparams(0, GroupHparams { lr: 5e-4, weight_decay: 0.05, ..GroupHparams::default() }).unwrap();
+        }
+        self.jitter.pause(2000);
+        let max_norm = match step {
+            2..=4 => 1e-3, // every step of these clips
+            _ => 1.5,      // clips the larger gradients only
+        };
+        let args = StepArgs { max_norm, norm: NormSource::Local, overflow: step == 6 };
+        let ticket = s.step(args).unwrap();
+        let mut result = s.step_result(ticket, None).unwrap();
+        (result.cancelled, result.final_pass_elements, result.forward_wait_s) = (0, 0, 0.0);
+        self.results.push(result);
+    }
+
+    fn finish(self) -> Outcome {
+        let Run { session, masters, results, .. } = self;
+        let moments = (0..SIZES.len() as u32)
+            .map(|k| {
+                let (m, v) = session.moments(k).unwrap();
+                (bits(&m), bits(&v))
+            })
+            .collect();
+        drop(session);
+        Outcome { masters: masters.iter().map(|m| bits(m)).collect(), moments, results }
+    }
+}
+
+const STEPS: u64 = 10;
+
+fn run(setup: Setup, seed: u64) -> Outcome {
+    CHUNK_RNG.store(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1, Ordering::Relaxed);
+    let mut run = Run::new(setup, seed);
+    for step in 1..=STEPS {
+        run.step(step);
+    }
+    run.finish()
+}
+
+#[test]
+fn speculation_is_invisible_in_the_bits() {
+    set_chunk_pause(Some(chunk_pause));
+    let setups = [(1, false), (2, true), (7, false), (7, true)].map(|(threads, transport)| Setup {
+        threads,
+        transport,
+        speculation: Speculation::On,
+    });
+    let reference = run(setups[0], 1);
+    let results = &reference.results;
+    assert!(results.iter().any(|r| r.clip_coef < 1.0) && results.iter().any(|r| r.clip_coef == 1.0 && !r.skipped));
+    assert!(results.iter().any(|r| r.skipped) && results.iter().any(|r| r.late_gradients > 0));
+    assert!(results.iter().any(|r| r.rescaled > 0) && results.iter().any(|r| r.redone > 0));
+    for (i, setup) in setups.into_iter().enumerate() {
+        // Eight runs of each setup in all, each with its own delays.
+        for seed in 2 + i as u64 * RUNS..(2 + i as u64 * RUNS) + RUNS - u64::from(i == 0) {
+            let again = run(setup, seed);
+            assert!(reference.masters == again.masters, "{setup:?}, seed {seed}: the master weights differ");
+            assert!(reference.moments == again.moments, "{setup:?}, seed {seed}: the moments differ");
+            assert_eq!(reference.results, again.results, "{setup:?}, seed {seed}");
+        }
+    }
+    set_chunk_pause(None);
+}
+
+#[test]
+fn a_checkpoint_resumes_the_run_bit_for_bit() {
+    let setup = Setup { threads: 2, transport: true, speculation: Speculation::Auto };
+    let uninterrupted = run(setup, 11);
+    let path: PathBuf = std::env::temp_dir().join(format!("so-repro-{}.safetensors", std::process::id()));
+    let mut first = Run::new(setup, 12);
+    for step in 1..=STEPS / 2 {
+        first.step(step);
+    }
+    first.session.save(&path).unwrap();
+    let early = std::mem::take(&mut first.results);
+    drop(first);
+    let mut resumed = Run::new(setup, 13);
+    resumed.session.load(&path).unwrap();
+    std::fs::remove_file(&path).ok();
+    for step in STEPS / 2 + 1..=STEPS {
+        resumed.step(step);
+    }
+    let mut outcome = resumed.finish();
+    outcome.results.splice(0..0, early);
+    // Serials count the session's steps: the resumed session's restart from 1.
+    let serials = |o: &mut Outcome| o.results.iter_mut().for_each(|r| r.serial = 0);
+    let mut uninterrupted = uninterrupted;
+    serials(&mut uninterrupted);
+    serials(&mut outcome);
+    assert!(uninterrupted.masters == outcome.masters, "the master weights differ");
+    assert!(uninterrupted.moments == outcome.moments, "the moments differ");
+    assert_eq!(uninterrupted.results, outcome.results);
+}
