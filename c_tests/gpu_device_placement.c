@@ -78,7 +78,7 @@ static so_step_result step_with(one *o, const void *g, so_step_args a, double lr
         so_group_hparams h = so_group_hparams_default();
         h.weight_decay = 0.05;
         h.lr = lr;
-        CHECK_OK(so_session_set_group_hparams(o->s, 0, &h));
+        CHECK_OK(so_session_set_group(o->s, 0, &h));
     }
     so_ticket t = 0;
     CHECK_OK(so_session_step(o->s, &a, &t));
