@@ -99,6 +99,14 @@ abi_enum!(so_skip_reason <=> SkipReason {
 
 /// Whether sub-groups are stepped during backward, before `so_session_step` knows the clip
 /// factor (`so_session_options.speculation`).
+///
+/// Reproducibility: whichever mode, the same inputs (gradients, hyperparameters, loss scales,
+/// step arguments, in the same calls) give the same bits, whatever the timing, thread count,
+/// instruction set or placement (host or GPU) of each sub-group, and across a checkpoint. A
+/// sub-group speculates or not by a decision made from the inputs and earlier steps alone,
+/// and a speculative step ends with the same bits whether its pass ran, was preempted or was
+/// cancelled. `SO_SPECULATION_OFF` and the speculative modes differ in the last bits of
+/// clipped and skipped steps (a rescale or rollback is exact only to rounding).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum so_speculation {
@@ -107,8 +115,9 @@ pub enum so_speculation {
     /// Every sub-group that can speculate does, as soon as its gradient is complete.
     On = 1,
     /// Decided per step from earlier steps: speculate while the clip factor mostly stayed
-    /// unchanged (the default). A speculative step that has not started when the step is
-    /// decided is cancelled at no cost.
+    /// unchanged (the default; the history is part of a checkpoint). A speculative pass that
+    /// has not started when the step is decided is cancelled and done by the final pass at no
+    /// extra memory traffic.
     Auto = 2,
 }
 
