@@ -205,7 +205,7 @@ def mode_ours(model, batch, args, timer, speculation, clips, results, n_params, 
         r = opt.last_step_result()
         extra = {"setup_s": round(setup, 2), **mem,
                  "last_step": {k: r[k] for k in ("global_norm", "clip_coef", "speculative", "kept", "rescaled",
-                                                 "redone", "stepped", "skipped", "gpu_resident_stepped")}}
+                                                 "redone", "stepped", "skipped", "device_stepped")}}
         results[name] = summarise(name, times, window, losses, n_params, tokens, extra)
         if args.trace:
             trace_step(opt, step, args, name)
