@@ -28,9 +28,21 @@ typedef struct CUstream_st *so_cuda_stream_t;
 
 
 /**
+ * `so_session_options.gpu_budget_bytes` for a budget the session measures itself: after 3
+ * steps (when the caller's allocator holds a step's peak) it takes the GPU's free memory less
+ * a headroom of max(1 GiB, 5 % of the GPU's memory), places at once the first sub-groups in
+ * forward order that fit, and may grow the split within it later as with an explicit
+ * budget. `so_session_gpu_budget` reports the budget chosen; the trace names what was
+ * measured and placed.
+ */
+#define SO_GPU_BUDGET_AUTO UINT64_MAX
+
+/**
  * The lane of step-wide tickets; sub-group `k` has lane `k + 1`.
  */
 #define STEP_LANE 0
+
+
 
 /**
  * Result status of every fallible call (`so_status` in C). `SO_STATUS_OK` (0) is success.
@@ -285,6 +297,14 @@ typedef uint32_t so_skip_reason;
 /**
  * Whether sub-groups are stepped during backward, before `so_session_step` knows the clip
  * factor (`so_session_options.speculation`).
+ *
+ * Reproducibility: whichever mode, the same inputs (gradients, hyperparameters, loss scales,
+ * step arguments, in the same calls) give the same bits, whatever the timing, thread count,
+ * instruction set or placement (host or GPU) of each sub-group, and across a checkpoint. A
+ * sub-group speculates or not by a decision made from the inputs and earlier steps alone,
+ * and a speculative step ends with the same bits whether its pass ran, was preempted or was
+ * cancelled. `SO_SPECULATION_OFF` and the speculative modes differ in the last bits of
+ * clipped and skipped steps (a rescale or rollback is exact only to rounding).
  */
 enum so_speculation
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -301,8 +321,9 @@ enum so_speculation
   SO_SPECULATION_ON = 1,
   /**
    * Decided per step from earlier steps: speculate while the clip factor mostly stayed
-   * unchanged (the default). A speculative step that has not started when the step is
-   * decided is cancelled at no cost.
+   * unchanged (the default; the history is part of a checkpoint). A speculative pass that
+   * has not started when the step is decided is cancelled and done by the final pass at no
+   * extra memory traffic.
    */
   SO_SPECULATION_AUTO = 2,
 };
@@ -627,8 +648,9 @@ typedef struct so_session_options {
   uint32_t copy_dtype;
   /**
    * CUDA sessions: device bytes for the automatic split, which places the first
-   * sub-groups in forward order on the GPU after a few measured steps (see the README);
-   * 0 turns it off.
+   * sub-groups in forward order on the GPU after a few measured steps (see
+   * docs/library.md); `SO_GPU_BUDGET_AUTO` for a budget the session measures itself; 0
+   * (the default) turns it off. A host session refuses any other value than 0.
    */
   uint64_t gpu_budget_bytes;
 } so_session_options;
@@ -1254,6 +1276,17 @@ SO_NODISCARD so_status so_session_host_bytes(const struct so_session *session, s
  * `session` is NULL or a live session handle; `out_bytes` is NULL or writable.
  */
 SO_NODISCARD so_status so_session_device_bytes(const struct so_session *session, size_t *out_bytes);
+
+/**
+ * @brief The budget of the automatic split in bytes: `gpu_budget_bytes` as the session was
+ * created with, or with `SO_GPU_BUDGET_AUTO` the budget it chose after the warm-up steps
+ * (`SO_GPU_BUDGET_AUTO` until then).
+ * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_bytes` is NULL or writable.
+ */
+SO_NODISCARD so_status so_session_gpu_budget(const struct so_session *session, uint64_t *out_bytes);
 
 /**
  * @brief Starts recording a timeline of the session's work (clearing an earlier one) when

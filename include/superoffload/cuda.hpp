@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 
 namespace superoffload {
 
@@ -56,6 +57,14 @@ inline void Session::set_placement(std::uint32_t subgroup, Placement placement) 
 inline std::size_t Session::device_bytes() const {
     std::size_t bytes = 0;
     check(so_session_device_bytes(handle_.get(), &bytes));
+    return bytes;
+}
+
+/** @throws Error only for an empty handle. */
+inline std::optional<std::uint64_t> Session::gpu_budget() const {
+    std::uint64_t bytes = 0;
+    check(so_session_gpu_budget(handle_.get(), &bytes));
+    if (bytes == SO_GPU_BUDGET_AUTO) return std::nullopt;
     return bytes;
 }
 

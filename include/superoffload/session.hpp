@@ -714,6 +714,13 @@ public:
     [[nodiscard]] std::size_t device_bytes() const;
 
     /**
+     * The budget of the automatic split in bytes (`so_session_gpu_budget`): `gpu_budget_bytes`
+     * as given, or with `SO_GPU_BUDGET_AUTO` the budget chosen after the warm-up steps
+     * (std::nullopt until then).
+     */
+    [[nodiscard]] std::optional<std::uint64_t> gpu_budget() const;
+
+    /**
      * Hands over the gradient of `slice` ready at device address `grad` on `stream`
      * (`so_session_grad_device`). @return The ticket of the speculative step this queued, or
      * no_ticket.

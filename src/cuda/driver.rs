@@ -196,6 +196,11 @@ pub(crate) fn mem_alloc(bytes: usize) -> Result<CUdeviceptr> {
     check(unsafe { result::malloc_sync(bytes.max(1)) }, &format!("cuMemAlloc({bytes} bytes)"))
 }
 
+/// The current context's device: (free, total) bytes of memory (`cuMemGetInfo`).
+pub(crate) fn mem_info() -> Result<(usize, usize)> {
+    check(result::mem_get_info(), "cuMemGetInfo")
+}
+
 pub(crate) fn mem_free(ptr: CUdeviceptr) {
     // SAFETY: memory this module allocated.
     let _ = unsafe { result::free_sync(ptr) };

@@ -527,6 +527,11 @@ impl Transport for CudaTransport {
         let state = self.state.lock().unwrap();
         state.subgroups.values().map(SgDevice::bytes).sum::<usize>()
     }
+
+    fn device_memory(&self) -> Result<(usize, usize)> {
+        self.enter()?;
+        driver::mem_info()
+    }
 }
 
 impl Drop for CudaTransport {

@@ -270,7 +270,9 @@ pub(crate) use abi_enum;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ffi::session::{so_group_hparams, so_session_options, so_step_args, so_step_result, so_subgroup_state};
+    use crate::ffi::session::{
+        SO_GPU_BUDGET_AUTO, so_group_hparams, so_session_options, so_step_args, so_step_result, so_subgroup_state,
+    };
     use crate::ffi::types::{so_dtype, so_placement, so_skip_reason};
     use crate::kernels::{DType, Isa};
     use crate::session::{
@@ -321,6 +323,12 @@ mod tests {
         // SAFETY: `from_core` left every pointer NULL.
         let back = unsafe { c.to_core("options") }.unwrap();
         assert_eq!(format!("{back:?}"), format!("{options:?}"));
+
+        let auto = SessionOptions { gpu_budget_bytes: SessionOptions::GPU_BUDGET_AUTO, ..SessionOptions::default() };
+        let c = so_session_options::from_core(&auto);
+        assert_eq!(c.gpu_budget_bytes, SO_GPU_BUDGET_AUTO);
+        // SAFETY: as above.
+        assert_eq!(unsafe { c.to_core("options") }.unwrap().gpu_budget_bytes, SessionOptions::GPU_BUDGET_AUTO);
 
         let r = StepResult {
             serial: 3,

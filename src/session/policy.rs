@@ -29,6 +29,14 @@
 //! within the device budget. It only grows: it follows the regime to where the optimizer
 //! hides (a run that starts clipping, speculation turning off), and a split that hides
 //! the optimizer already measures no exposed time (below 1 % of the step period).
+//!
+//! Automatic budget (`SessionOptions::GPU_BUDGET_AUTO`). After [`AUTO_BUDGET_AFTER`] steps
+//! the caller's allocator holds its peak (PyTorch's caching allocator keeps what a step
+//! reserved), so the device's free memory then is what the optimizer may take: the budget is
+//! that less a headroom ([`AutoBudget::measured`]), and the first sub-groups in forward order
+//! that fit in it ([`fitting_prefix`]) go to the device at once. The split may grow within it
+//! afterwards as with an explicit budget. Sub-groups the caller placed on the device count
+//! against it as they do against an explicit budget.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -42,9 +50,47 @@ pub(crate) const HISTORY: usize = 8;
 pub(crate) const SPLIT_AFTER: usize = 3;
 /// Exposed optimizer time below this fraction of the step period is not worth a split.
 const EXPOSED_NEGLIGIBLE: f64 = 0.01;
+/// Steps given to `step()` before the automatic budget measures the device's free memory.
+pub(crate) const AUTO_BUDGET_AFTER: u64 = 3;
+/// The automatic budget leaves at least this much device memory free...
+const HEADROOM_MIN_BYTES: usize = 1 << 30;
+/// ...and at least this fraction of the device's memory: room for what the caller allocates
+/// later (fragmentation, a longer batch, an evaluation pass).
+const HEADROOM_FRACTION: f64 = 0.05;
 /// A step that speculated defers its moments when the CPU-Adam thread was busy for at most
 /// this fraction of the previous step period.
 const MOMENTS_AFTER_BUSY: f64 = 0.5;
+
+/// What the automatic budget measured and chose (bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct AutoBudget {
+    pub(crate) free: usize,
+    pub(crate) total: usize,
+    pub(crate) headroom: usize,
+    /// `free - headroom`, 0 where the headroom takes it all.
+    pub(crate) budget: usize,
+}
+
+impl AutoBudget {
+    /// The budget left by a device with `free` of `total` bytes free.
+    pub(crate) fn measured(free: usize, total: usize) -> AutoBudget {
+        let headroom = HEADROOM_MIN_BYTES.max((total as f64 * HEADROOM_FRACTION) as usize);
+        AutoBudget { free, total, headroom, budget: free.saturating_sub(headroom) }
+    }
+}
+
+/// How many first sub-groups (of `numels`, in forward order) fit together in `budget` bytes
+/// at `bytes_per_element` each.
+pub(crate) fn fitting_prefix(numels: &[usize], bytes_per_element: usize, budget: usize) -> usize {
+    let mut bytes = 0usize;
+    numels
+        .iter()
+        .take_while(|&&n| {
+            bytes = bytes.saturating_add(n.saturating_mul(bytes_per_element));
+            bytes <= budget
+        })
+        .count()
+}
 
 pub(crate) struct Policy {
     mode: Speculation,
@@ -62,6 +108,8 @@ pub(crate) struct Policy {
     busy_fraction: Option<f64>,
     /// First sub-groups on the device.
     placed: usize,
+    /// The automatic budget, once measured.
+    auto_budget: Option<AutoBudget>,
 }
 
 impl Policy {
@@ -75,6 +123,7 @@ impl Policy {
             busy_s: 0.0,
             busy_fraction: None,
             placed: 0,
+            auto_budget: None,
         }
     }
 
@@ -175,6 +224,18 @@ impl Policy {
             count
         })
     }
+
+    pub(crate) fn auto_budget(&self) -> Option<AutoBudget> {
+        self.auto_budget
+    }
+
+    /// The automatic budget was chosen and the first `placed` sub-groups went to the device:
+    /// the split grows from there, measured afresh (earlier steps ran with another placement).
+    pub(crate) fn budget_chosen(&mut self, chosen: AutoBudget, placed: usize) {
+        self.auto_budget = Some(chosen);
+        self.placed = placed;
+        self.waits.clear();
+    }
 }
 
 /// A history as [`Policy::history`] writes it.
@@ -251,6 +312,64 @@ mod tests {
         assert_eq!(measured(&[9.0, 0.0025, 0.0035]).split(&[2000; 3], 16, 2000 * 16), Some(1), "the budget caps it");
         assert_eq!(Policy::new(Speculation::Auto).split(&[1], 16, 1), None, "not measured yet");
         assert_eq!(measured(&[9.0, 0.0, 0.0]).split(&[2000; 3], 16, usize::MAX), None, "nothing exposed");
+    }
+
+    const GIB: usize = 1 << 30;
+
+    #[test]
+    fn the_automatic_budget_is_the_free_memory_less_the_headroom() {
+        let b = AutoBudget::measured(30 * GIB, 80 * GIB);
+        assert_eq!((b.headroom, b.budget), (4 * GIB, 26 * GIB), "5 % of an 80 GiB device");
+        let b = AutoBudget::measured(3 * GIB, 16 * GIB);
+        assert_eq!((b.headroom, b.budget), (GIB, 2 * GIB), "at least 1 GiB");
+        assert_eq!(AutoBudget::measured(GIB / 2, 16 * GIB).budget, 0, "the headroom takes it all");
+    }
+
+    #[test]
+    fn the_first_subgroups_that_fit_are_placed() {
+        assert_eq!(fitting_prefix(&[1000, 1000, 500], 16, 2000 * 16), 2);
+        assert_eq!(fitting_prefix(&[1000, 1000, 500], 16, 2000 * 16 - 1), 1);
+        assert_eq!(fitting_prefix(&[1000, 1000, 500], 16, usize::MAX), 3);
+        assert_eq!(fitting_prefix(&[3000, 10], 16, 2000 * 16), 0, "a prefix in forward order, never a later one");
+        assert_eq!(fitting_prefix(&[], 16, usize::MAX), 0);
+        assert_eq!(fitting_prefix(&[usize::MAX, 1], 16, usize::MAX - 1), 0, "sizes that overflow do not fit");
+    }
+
+    #[test]
+    fn the_automatic_budget_never_exceeds_what_was_measured_free() {
+        let sizes: [&[usize]; 4] = [&[1 << 28; 40], &[1 << 20, 1 << 30, 1 << 26], &[7_000_000; 300], &[]];
+        for total in [16 * GIB, 80 * GIB, 141 * GIB] {
+            for free in [0, GIB / 2, GIB, 3 * GIB + 12345, total / 2, total] {
+                let b = AutoBudget::measured(free, total);
+                assert!(b.budget + b.headroom <= free.max(b.headroom), "{b:?}");
+                for numels in sizes {
+                    for per_element in [12, 16, 20] {
+                        let count = fitting_prefix(numels, per_element, b.budget);
+                        let bytes: usize = numels[..count].iter().map(|n| n * per_element).sum();
+                        assert!(bytes <= free.saturating_sub(b.headroom), "{b:?}: {count} placed, {bytes} bytes");
+                        let next = numels.get(count).map(|n| n * per_element);
+                        assert!(next.is_none_or(|n| bytes + n > b.budget), "{b:?}: the next one fits too");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_split_grows_within_the_chosen_budget() {
+        let mut p = Policy::new(Speculation::Auto);
+        p.pass_measured(1000, Duration::from_millis(1));
+        for wait in [9.0, 0.004, 0.004] {
+            p.step_called(wait);
+        }
+        let chosen = AutoBudget { free: 0, total: 0, headroom: 0, budget: 4 * 1000 * 16 };
+        p.budget_chosen(chosen, 2);
+        assert_eq!(p.auto_budget(), Some(chosen));
+        assert_eq!(p.split(&[1000; 6], 16, chosen.budget), None, "steps before the placement are not measured");
+        for wait in [0.5, 0.0025, 0.0025] {
+            p.step_called(wait);
+        }
+        assert_eq!(p.split(&[1000; 6], 16, chosen.budget), Some(4), "grows from the placed prefix, within the budget");
     }
 
     #[test]

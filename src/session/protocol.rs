@@ -7,13 +7,19 @@ use std::time::Duration;
 
 use super::buffers::HostBuf;
 use super::plans::{PrepareEntry, PreparePlan, StepPlan};
+use super::policy::{AUTO_BUDGET_AFTER, AutoBudget, fitting_prefix};
 use super::trace::Lane;
 use super::{
-    Applied, HandOff, HandedSumsq, LateGrads, NormSource, Phase, Placement, STEP_LANE, Session, SpecRecord, StepArgs,
-    SubGroup, Ticket, Tracking, check_loss_scale, state_error, subgroup_lane, unscale_factor,
+    Applied, HandOff, HandedSumsq, LateGrads, NormSource, Phase, Placement, STEP_LANE, Session, SessionOptions,
+    SpecRecord, StepArgs, SubGroup, Ticket, Tracking, check_loss_scale, state_error, subgroup_lane, unscale_factor,
 };
 use crate::error::{Error, Result};
 use crate::kernels::{self, Floats};
+
+/// Bytes in GiB, for the trace.
+fn gib(bytes: usize) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
 
 fn backward_phase(t: &Tracking, what: &str) -> Result<(u32, u32)> {
     match t.phase {
@@ -31,7 +37,7 @@ impl Session {
     ///
     /// With the built-in scaler this waits for the previous step's decision, which sets
     /// the scale. With `gpu_budget_bytes`, the automatic split is applied here once enough
-    /// steps were measured.
+    /// steps were measured (and the automatic budget chosen, once the warm-up steps ran).
     pub fn begin_step(&self, loss_scale: Option<f32>, micro_steps: u32) -> Result<()> {
         let mut t = self.lock();
         if t.phase != Phase::Idle {
@@ -66,12 +72,23 @@ impl Session {
     }
 
     /// The automatic split: each time the policy has measured enough steps, places more of
-    /// the first sub-groups in forward order on the device (see `policy.rs` for the rule).
+    /// the first sub-groups in forward order on the device (see `policy.rs` for the rule);
+    /// with the automatic budget, first chooses the budget once the warm-up steps have run.
     fn maybe_split(&self, t: &mut Tracking) -> Result<()> {
         let numels: Vec<usize> = t.reg.live().map(|tr| tr.sg.numel).collect();
         let per_element = self.device_bytes_per_element();
-        let Some(count) = self.shared.policy.lock().unwrap().split(&numels, per_element, self.options.gpu_budget_bytes)
-        else {
+        let budget = match self.options.gpu_budget_bytes {
+            SessionOptions::GPU_BUDGET_AUTO => {
+                let chosen = self.shared.policy.lock().unwrap().auto_budget();
+                match chosen {
+                    Some(chosen) => chosen.budget,
+                    None if t.serial < AUTO_BUDGET_AFTER => return Ok(()),
+                    None => return self.choose_budget(t, &numels, per_element),
+                }
+            }
+            bytes => bytes,
+        };
+        let Some(count) = self.shared.policy.lock().unwrap().split(&numels, per_element, budget) else {
             return Ok(());
         };
         let ids: Vec<u32> = t.reg.live().take(count).map(|tr| tr.sg.id).collect();
@@ -79,9 +96,62 @@ impl Session {
             self.place(t, id, Placement::Device)?;
         }
         self.shared.tracer.instant(Lane::Caller, || {
-            format!("automatic split: the first {count} of {} sub-groups on the GPU", numels.len())
+            format!(
+                "automatic split: the first {count} of {} sub-groups on the GPU (budget {})",
+                numels.len(),
+                gib(budget)
+            )
         });
         Ok(())
+    }
+
+    /// The automatic budget: the device's free memory now, less the headroom; the first
+    /// sub-groups that fit go to the device at once. One that cannot be placed (the memory
+    /// was taken meanwhile) ends the placement there: the budget is a best effort, never an
+    /// error of the step.
+    fn choose_budget(&self, t: &mut Tracking, numels: &[usize], per_element: usize) -> Result<()> {
+        let transport = self.shared.transport().ok_or_else(|| Error::unsupported("a GPU budget needs a device"))?;
+        let (free, total) = transport.device_memory()?;
+        let chosen = AutoBudget::measured(free, total);
+        let fits = fitting_prefix(numels, per_element, chosen.budget);
+        let ids: Vec<u32> = t.reg.live().take(fits).map(|tr| tr.sg.id).collect();
+        let mut placed = 0;
+        let mut refused = None;
+        for &id in &ids {
+            if let Err(e) = self.place(t, id, Placement::Device) {
+                refused = Some(e);
+                break;
+            }
+            placed += 1;
+        }
+        self.shared.policy.lock().unwrap().budget_chosen(chosen, placed);
+        self.shared.tracer.instant(Lane::Caller, || {
+            let bytes: usize = numels[..placed].iter().map(|n| n * per_element).sum();
+            let mut what = format!(
+                "automatic GPU budget {} ({} free of {} after {AUTO_BUDGET_AFTER} steps, less a headroom of {}): \
+                 the first {placed} of {} sub-groups on the GPU ({})",
+                gib(chosen.budget),
+                gib(free),
+                gib(total),
+                gib(chosen.headroom),
+                numels.len(),
+                gib(bytes),
+            );
+            if let Some(e) = &refused {
+                what.push_str(&format!("; sub-group {placed} could not be placed: {}", e.message));
+            }
+            what
+        });
+        Ok(())
+    }
+
+    /// The budget of the automatic split in bytes: `gpu_budget_bytes` as given, or the one
+    /// the automatic budget chose (`None` until the warm-up steps have run).
+    pub fn gpu_budget(&self) -> Option<usize> {
+        match self.options.gpu_budget_bytes {
+            SessionOptions::GPU_BUDGET_AUTO => self.shared.policy.lock().unwrap().auto_budget().map(|b| b.budget),
+            bytes => Some(bytes),
+        }
     }
 
     /// Device bytes per element of a device-placed sub-group: f32 master, both moments and

@@ -142,6 +142,11 @@ pub trait Transport: Send + Sync + Any {
     fn device_bytes(&self) -> usize {
         0
     }
+    /// The device's free and total memory in bytes, as the driver reports them now (what
+    /// the automatic GPU budget is taken from).
+    fn device_memory(&self) -> Result<(usize, usize)> {
+        Err(Error::unsupported("this transport has no device memory to measure"))
+    }
 }
 
 /// The answer of a transport without device-side state.

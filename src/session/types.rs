@@ -75,8 +75,17 @@ pub struct SessionOptions {
     /// as every update (what a transport can send to the device at half the bytes).
     pub copy_dtype: Option<DType>,
     /// Automatic split: device bytes the session may use to keep the first sub-groups in
-    /// forward order on the device, chosen after a few measured steps (`policy.rs`); 0: off.
+    /// forward order on the device, chosen after a few measured steps (`policy.rs`); 0 (the
+    /// default): off; [`Self::GPU_BUDGET_AUTO`]: the device's free memory after the warm-up steps,
+    /// less a headroom. CUDA sessions only (a host session refuses any other value than 0).
     pub gpu_budget_bytes: usize,
+}
+
+impl SessionOptions {
+    /// `gpu_budget_bytes` for a budget the session measures itself: after the warm-up steps
+    /// it takes the device's free memory less a headroom and places at once the first
+    /// sub-groups that fit (`policy.rs`). C: `SO_GPU_BUDGET_AUTO`.
+    pub const GPU_BUDGET_AUTO: usize = usize::MAX;
 }
 
 impl Default for SessionOptions {

@@ -20,7 +20,7 @@ pub use subgroup::*;
 
 use super::args::{core_list, non_null, path_arg, read_struct, read_struct_or, with_struct_size, write_out};
 use super::boundary::ffi_boundary;
-use super::convert::abi_struct;
+use super::convert::{Field, FromC, abi_struct};
 use super::handle::{free_handle, handle, handle_ref, into_handle};
 use super::pool::{pool_arg, so_pool};
 use crate::error::{Result, Status};
@@ -116,9 +116,33 @@ pub struct so_session_options {
     /// sessions then send the copy to the GPU instead of f32).
     pub copy_dtype: u32,
     /// CUDA sessions: device bytes for the automatic split, which places the first
-    /// sub-groups in forward order on the GPU after a few measured steps (see the README);
-    /// 0 turns it off.
+    /// sub-groups in forward order on the GPU after a few measured steps (see
+    /// docs/library.md); `SO_GPU_BUDGET_AUTO` for a budget the session measures itself; 0
+    /// (the default) turns it off. A host session refuses any other value than 0.
     pub gpu_budget_bytes: u64,
+}
+
+/// `so_session_options.gpu_budget_bytes` for a budget the session measures itself: after 3
+/// steps (when the caller's allocator holds a step's peak) it takes the GPU's free memory less
+/// a headroom of max(1 GiB, 5 % of the GPU's memory), places at once the first sub-groups in
+/// forward order that fit, and may grow the split within it later as with an explicit
+/// budget. `so_session_gpu_budget` reports the budget chosen; the trace names what was
+/// measured and placed.
+pub const SO_GPU_BUDGET_AUTO: u64 = u64::MAX;
+
+/// The core's `gpu_budget_bytes` of a C value (the sentinel maps to the core's).
+fn gpu_budget_from_c(raw: u64, arg: &str) -> Result<usize> {
+    match raw {
+        SO_GPU_BUDGET_AUTO => Ok(SessionOptions::GPU_BUDGET_AUTO),
+        bytes => usize::from_c(bytes, Field::member(arg, "gpu_budget_bytes")),
+    }
+}
+
+fn gpu_budget_to_c(bytes: usize) -> u64 {
+    match bytes {
+        SessionOptions::GPU_BUDGET_AUTO => SO_GPU_BUDGET_AUTO,
+        bytes => bytes as u64,
+    }
 }
 
 abi_struct! {
@@ -132,9 +156,9 @@ abi_struct! {
         host_memory_limit,
         amsgrad,
         copy_dtype,
-        gpu_budget_bytes,
     }
     to_core (unsafe) |raw, arg| {
+        gpu_budget_bytes: gpu_budget_from_c(raw.gpu_budget_bytes, arg)?,
         // SAFETY: `to_core` is unsafe: `pool` is NULL or a live pool.
         pool: if raw.pool.is_null() { None } else { Some(unsafe { pool_arg(raw.pool)? }) },
         // SAFETY: as above, `cores` is NULL or holds `num_cores` entries.
@@ -148,7 +172,13 @@ abi_struct! {
         },
     }
     // The defaults borrow nothing.
-    to_c |o| { pool: std::ptr::null(), cores: std::ptr::null(), num_cores: 0, loss_scaler: std::ptr::null() }
+    to_c |o| {
+        pool: std::ptr::null(),
+        cores: std::ptr::null(),
+        num_cores: 0,
+        loss_scaler: std::ptr::null(),
+        gpu_budget_bytes: gpu_budget_to_c(o.gpu_budget_bytes),
+    }
 }
 
 // SAFETY: both are `#[repr(C)]`, `struct_size` first, the other fields numbers, bools and raw
@@ -269,6 +299,24 @@ pub unsafe extern "C" fn so_session_device_bytes(session: *const so_session, out
         let n = unsafe { session_ref(session)? }.device_bytes();
         // SAFETY: `out_bytes` is NULL or writable (this function's contract).
         unsafe { write_out(out_bytes, "out_bytes", n) }
+    })
+}
+
+/// @brief The budget of the automatic split in bytes: `gpu_budget_bytes` as the session was
+/// created with, or with `SO_GPU_BUDGET_AUTO` the budget it chose after the warm-up steps
+/// (`SO_GPU_BUDGET_AUTO` until then).
+/// @note Thread-safety: see `so_session`.
+///
+/// # Safety
+/// `session` is NULL or a live session handle; `out_bytes` is NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_gpu_budget(session: *const so_session, out_bytes: *mut u64) -> Status {
+    ffi_boundary!({
+        // SAFETY: `session` is NULL or a live session (this function's contract).
+        let budget = unsafe { session_ref(session)? }.gpu_budget().map_or(SO_GPU_BUDGET_AUTO, gpu_budget_to_c);
+        // SAFETY: `out_bytes` is NULL or writable (this function's contract).
+        unsafe { write_out(out_bytes, "out_bytes", budget) }
     })
 }
 

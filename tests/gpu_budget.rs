@@ -1,0 +1,153 @@
+//! The automatic GPU budget (`SessionOptions::GPU_BUDGET_AUTO`): after the warm-up steps the
+//! session measures the device's free memory through its transport and places at once the
+//! first sub-groups that fit in it, less the headroom; a host session refuses it.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use superoffload::error::{Error, Result, Status};
+use superoffload::kernels::{DType, Floats, Isa, Pool, PoolOptions};
+use superoffload::session::{
+    Borrowed, DevicePass, GroupHparams, HostState, NormSource, Placement, Session, SessionOptions, SliceDesc, StepArgs,
+    SubGroupDesc, Transport,
+};
+
+const GIB: usize = 1 << 30;
+/// Device bytes per element of a device-placed sub-group with f32 state and gradient.
+const DEVICE_BYTES_PER_ELEMENT: usize = 16;
+const SUBGROUP_NUMEL: usize = 1000;
+const SUBGROUPS: usize = 5;
+/// Steps before the budget is measured (`policy::AUTO_BUDGET_AFTER`).
+const WARM_UP: u64 = 3;
+
+/// A device that reports `free` of `total` bytes and keeps placed sub-groups "on the device"
+/// (their state is not touched: these tests look at placement, not at the weights). It
+/// refuses placements after the first `accepts`.
+struct ReportedMemory {
+    free: usize,
+    total: usize,
+    accepts: usize,
+    placed: AtomicUsize,
+}
+
+impl ReportedMemory {
+    fn new(free: usize, total: usize) -> ReportedMemory {
+        ReportedMemory { free, total, accepts: usize::MAX, placed: AtomicUsize::new(0) }
+    }
+}
+
+impl Transport for ReportedMemory {
+    transport_without_pinning!();
+    transport_without_publishing!();
+    fn gradient_ready(&self, _: u32) -> Result<()> {
+        Ok(())
+    }
+    fn set_placement(&self, _: u32, placement: Placement, _: HostState<'_>) -> Result<()> {
+        if placement == Placement::Device && self.placed.fetch_add(1, Ordering::Relaxed) >= self.accepts {
+            return Err(Error::new(Status::CudaError, "cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY"));
+        }
+        Ok(())
+    }
+    fn device_step(&self, _: u32, _: &[DevicePass], _: bool) -> Result<()> {
+        Ok(())
+    }
+    fn download_state(&self, _: u32, _: HostState<'_>) -> Result<()> {
+        Ok(())
+    }
+    fn device_memory(&self) -> Result<(usize, usize)> {
+        Ok((self.free, self.total))
+    }
+}
+
+/// A session of [`SUBGROUPS`] sub-groups with the automatic budget over `transport`; the
+/// masters are returned with it (they must outlive it).
+fn session(transport: Arc<ReportedMemory>) -> (Session, Vec<Vec<f32>>) {
+    let pool =
+        Arc::new(Pool::new(&PoolOptions { num_threads: 1, isa: Some(Isa::best()), ..Default::default() }).unwrap());
+    let opts = SessionOptions {
+        pool: Some(pool),
+        gpu_budget_bytes: SessionOptions::GPU_BUDGET_AUTO,
+        ..SessionOptions::default()
+    };
+    let s = Session::with_transport(opts, Some(transport)).unwrap();
+    s.add_group(GroupHparams::default()).unwrap();
+    let mut masters = vec![vec![0.5f32; SUBGROUP_NUMEL]; SUBGROUPS];
+    for (k, m) in masters.iter_mut().enumerate() {
+        // SAFETY: the heap buffer of `m` is returned with the session and outlives its work.
+        let master = unsafe { Borrowed::new("m", m.as_mut_ptr().cast(), m.len(), DType::F32) }.unwrap();
+        let slices = vec![SliceDesc { name: format!("sg{k}"), offset: 0, numel: m.len() }];
+        s.add_subgroup(SubGroupDesc::new(0, master, slices)).unwrap();
+    }
+    (s, masters)
+}
+
+fn run_step(s: &Session) {
+    let grad = vec![1e-3f32; SUBGROUP_NUMEL];
+    for k in 0..SUBGROUPS {
+        s.grad_copy(k as u32, Floats::F32(&grad)).unwrap();
+    }
+    let ticket = s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false }).unwrap();
+    s.wait(ticket, None).unwrap();
+}
+
+/// Runs the warm-up steps and begins the next one; returns the trace.
+fn warm_up_and_begin(s: &Session, name: &str) -> String {
+    s.trace(true);
+    for _ in 0..WARM_UP {
+        s.begin_step(None, 1).unwrap();
+        assert_eq!((s.device_subgroups(), s.gpu_budget()), (0, None), "chosen before the warm-up ended");
+        run_step(s);
+    }
+    s.begin_step(None, 1).unwrap();
+    let path = std::env::temp_dir().join(format!("so-gpu-budget-{}-{name}.json", std::process::id()));
+    s.save_trace(&path).unwrap();
+    let trace = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).ok();
+    trace
+}
+
+#[test]
+fn the_first_subgroups_that_fit_go_to_the_device_after_the_warm_up() {
+    // 16 GiB device: the headroom is 1 GiB; what is free beyond it holds three sub-groups
+    // and most of a fourth.
+    let room = 3 * SUBGROUP_NUMEL * DEVICE_BYTES_PER_ELEMENT + 15_000;
+    let transport = Arc::new(ReportedMemory::new(GIB + room, 16 * GIB));
+    let (s, _masters) = session(transport.clone());
+    let trace = warm_up_and_begin(&s, "fits");
+    assert_eq!(s.gpu_budget(), Some(room), "free less the headroom");
+    assert_eq!(s.device_subgroups(), 3);
+    assert!(trace.contains("automatic GPU budget") && trace.contains("the first 3 of 5 sub-groups"), "{trace}");
+    run_step(&s);
+    assert_eq!(s.step_result(s.last_ticket(), None).unwrap().device_stepped, 3);
+    assert_eq!(transport.placed.load(Ordering::Relaxed), 3, "placed once, all at once");
+}
+
+#[test]
+fn less_free_memory_than_the_headroom_places_nothing() {
+    let (s, _masters) = session(Arc::new(ReportedMemory::new(GIB - 1, 16 * GIB)));
+    let trace = warm_up_and_begin(&s, "full");
+    assert_eq!((s.gpu_budget(), s.device_subgroups()), (Some(0), 0));
+    assert!(trace.contains("the first 0 of 5 sub-groups"), "{trace}");
+    run_step(&s);
+}
+
+#[test]
+fn a_refused_placement_ends_the_placement_but_not_the_step() {
+    let transport = Arc::new(ReportedMemory { accepts: 2, ..ReportedMemory::new(GIB + SUBGROUPS * 16_000, 16 * GIB) });
+    let (s, _masters) = session(transport);
+    let trace = warm_up_and_begin(&s, "refused");
+    assert_eq!(s.device_subgroups(), 2);
+    assert!(trace.contains("the first 2 of 5") && trace.contains("sub-group 2 could not be placed"), "{trace}");
+    run_step(&s);
+}
+
+#[test]
+fn host_sessions_refuse_the_automatic_budget() {
+    let opts = SessionOptions { gpu_budget_bytes: SessionOptions::GPU_BUDGET_AUTO, ..SessionOptions::default() };
+    let e = Session::new(opts).err().expect("a host session has no device to measure");
+    assert_eq!(e.status, Status::Unsupported);
+    let s = Session::new(SessionOptions { gpu_budget_bytes: 0, ..SessionOptions::default() }).unwrap();
+    assert_eq!(s.gpu_budget(), Some(0), "0: everything offloaded");
+}
