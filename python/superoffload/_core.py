@@ -528,6 +528,13 @@ class Session:
         check(lib().so_session_device_bytes(self.handle, C.byref(out)), "so_session_device_bytes")
         return out.value
 
+    def gpu_budget(self):
+        """The automatic split's budget in bytes: gpu_budget_bytes as given, or the one the session
+        chose with the automatic budget (None until the warm-up steps have run)."""
+        out = C.c_uint64()
+        check(lib().so_session_gpu_budget(self.handle, C.byref(out)), "so_session_gpu_budget")
+        return None if out.value == _abi.GPU_BUDGET_AUTO else out.value
+
 
 def _speculation(value):
     """so_speculation from True (on), False (off) or "on" / "off" / "auto"."""

@@ -200,6 +200,28 @@ def compare_structs(parsed, mirrors):
     return problems
 
 
+_LIMITS = {"UINT32_MAX": (1 << 32) - 1, "UINT64_MAX": (1 << 64) - 1}
+
+
+def defines(text):
+    """{name: value} of the header's `#define SO_...` integer constants (literals and stdint limits)."""
+    out = {}
+    for m in re.finditer(r"^#define\s+(SO_\w+)\s+(\w+)\s*$", text, re.M):
+        value = m.group(2)
+        if value in _LIMITS:
+            out[m.group(1)] = _LIMITS[value]
+        elif value.isdigit():
+            out[m.group(1)] = int(value)
+    return out
+
+
+def compare_constants(text, constants):
+    """Differences between the header's constants and the mirrored ones ({name: value})."""
+    found = defines(text)
+    return [f"constant {name}: {found.get(name)} in the header, {value} in the mirror"
+            for name, value in constants.items() if found.get(name) != value]
+
+
 def header_abi_version(text):
     m = re.search(r"#define\s+SO_ABI_VERSION\s+(\d+)", text)
     return int(m.group(1)) if m else None
@@ -219,7 +241,7 @@ def check(path=None):
     from . import _abi
     with open(path or default_header(), encoding="utf-8") as f:
         text = f.read()
-    problems = compare(parse(text), _abi)
+    problems = compare(parse(text), _abi) + compare_constants(text, _abi.CONSTANTS)
     v = header_abi_version(text)
     if v != _abi.ABI_VERSION:
         problems.append(f"SO_ABI_VERSION is {v} in the header, {_abi.ABI_VERSION} in the mirror")

@@ -37,6 +37,8 @@ def test_header_mirrors_match():
                          "so_status so_session_step_count(const struct so_session *session,\n"
                          "                                uint64_t subgroup,"), "so_session_step_count"),
     (lambda h: re.sub(r"#define SO_ABI_VERSION \d+", "#define SO_ABI_VERSION 99", h), "SO_ABI_VERSION"),
+    (lambda h: h.replace("#define SO_GPU_BUDGET_AUTO UINT64_MAX", "#define SO_GPU_BUDGET_AUTO 0"),
+     "SO_GPU_BUDGET_AUTO"),
 ])
 def test_mirror_check_catches_drift(tmp_path, edit, expect):
     text = open(_header_path()).read()
@@ -137,6 +139,17 @@ def test_errors_carry_status_and_message():
     s.close()
     with pytest.raises(so.SuperOffloadError):
         s.add_group(1e-3, 0.9, 0.999, 1e-8, 0.0)
+
+
+def test_gpu_budget_auto_needs_a_device():
+    # The automatic budget measures the GPU's free memory: a host session refuses it, as any
+    # budget other than 0 (everything offloaded).
+    with pytest.raises(so.SuperOffloadError) as e:
+        so.Session(gpu_budget_bytes=_abi.GPU_BUDGET_AUTO)
+    assert e.value.status == so.Status.UNSUPPORTED and "gpu_budget_bytes" in str(e.value)
+    s = so.Session(gpu_budget_bytes=0)
+    assert s.gpu_budget() == 0
+    s.close()
 
 
 def test_checkpoint_round_trip(tmp_path):

@@ -243,6 +243,22 @@ def test_logging_and_metrics(data, caplog, capfd):
     assert capfd.readouterr().err == ""  # nothing printed to stderr
 
 
+def test_gpu_budget_argument(data):
+    m = make_model(0, "cpu", torch.float32)
+    # "auto", the default, means 0 with CPU parameters: nothing to place.
+    for budget in ("auto", 0):
+        opt = ours(m, gpu_budget_bytes=budget)
+        assert opt.session.gpu_budget() == 0
+        train(m, opt, None, data[:1])
+        assert "gpu_budget_bytes" not in opt.metrics() and opt.metrics()["device_bytes"] == 0
+        opt.close()
+    with pytest.raises(ValueError, match="needs CUDA"):
+        ours(m, gpu_budget_bytes=1 << 30)
+    for bad in ("max", -1, 1.5, None):
+        with pytest.raises(ValueError, match="gpu_budget_bytes"):
+            ours(m, gpu_budget_bytes=bad)
+
+
 def test_direct_reads_after_synchronize(data):
     m = make_model(0, "cpu", torch.float32)
     opt = ours(m)

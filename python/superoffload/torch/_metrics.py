@@ -55,9 +55,10 @@ class Nvtx:
             self._pop()
 
 
-def metrics(result, times, *, cuda, pinned_bytes, host_bytes, device_bytes):
+def metrics(result, times, *, cuda, pinned_bytes, host_bytes, device_bytes, gpu_budget_bytes):
     """The latest step's result (every so_step_result field under its own name, and `step`), the
-    training thread's times (`times`: StepTimes.last) with their sum `exposed_s`, and memory.
+    training thread's times (`times`: StepTimes.last) with their sum `exposed_s`, memory, and the
+    automatic split's budget where there is one (`gpu_budget_bytes` None: left out).
 
     exposed_s adds the library's forward_wait_s in CUDA mode, where the compute stream's waits are
     timed on the GPU; in host mode the waits are the training thread's own (wait_s)."""
@@ -67,4 +68,6 @@ def metrics(result, times, *, cuda, pinned_bytes, host_bytes, device_bytes):
     out["pinned_bytes"] = pinned_bytes
     out["host_bytes"] = host_bytes
     out["device_bytes"] = device_bytes
+    if gpu_budget_bytes is not None:
+        out["gpu_budget_bytes"] = gpu_budget_bytes
     return out

@@ -229,16 +229,13 @@ class StateDictMixin:
 
     def _load_into_buffers(self, plan):
         for sg, step, entries in plan:
-            if sg.device_placed:  # the host buffers become authoritative, then go back to the GPU
-                self.session.set_placement(sg.id, "host")
-            for info, master, m, v in entries:
-                span = sg.span(info)
-                sg.master[span].copy_(master if master is not None else local(info.param).reshape(-1))
-                sg.exp_avg[span].copy_(m if m is not None else torch.zeros(()))
-                sg.exp_avg_sq[span].copy_(v if v is not None else torch.zeros(()))
-            self.session.set_step_count(sg.id, step)
-            if sg.device_placed:
-                self.session.set_placement(sg.id, "device")
+            with self._host_authoritative(sg):
+                for info, master, m, v in entries:
+                    span = sg.span(info)
+                    sg.master[span].copy_(master if master is not None else local(info.param).reshape(-1))
+                    sg.exp_avg[span].copy_(m if m is not None else torch.zeros(()))
+                    sg.exp_avg_sq[span].copy_(v if v is not None else torch.zeros(()))
+                self.session.set_step_count(sg.id, step)
             if self.cuda:  # publish the loaded masters into the model's parameters
                 sg.device_param.copy_(sg.master.to(self.device, non_blocking=False).to(self.param_dtype))
 

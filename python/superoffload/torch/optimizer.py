@@ -29,7 +29,8 @@ GPU-resident parameters (CUDA mode, `gpu_fraction > 0`; SuperOffload's `ratio < 
 parameters in forward order, up to that fraction of the elements, keep f32 master weights and
 moments on the GPU: their sub-groups are registered with SO_PLACEMENT_DEVICE and the library's
 GPU kernel steps them with the same decisions. `gpu_budget_bytes` passes through to the
-library's automatic split.
+library's automatic split; its default, "auto", lets the library keep on the GPU, after the
+warm-up steps, the first sub-groups that fit in the free GPU memory less a headroom.
 
 When are the weights final? The next forward of a module waits for its own sub-groups
 (`wait="module"`); `model.state_dict()` / `load_state_dict()`, `state_dict()`, `synchronize()`
@@ -42,6 +43,7 @@ stepped with a zero gradient (torch skips it); `amsgrad`, `maximize`, `capturabl
 `differentiable` are not supported; gradient clipping is built in (`max_grad_norm`, the same
 coefficient as torch.nn.utils.clip_grad_norm_).
 """
+import contextlib
 import logging
 import math
 import warnings
@@ -84,7 +86,13 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             offloaded. Their sub-groups are placed on the GPU by the library
             (SO_PLACEMENT_DEVICE) and stepped by its GPU kernel with the step's decisions.
         gpu_budget_bytes: CUDA mode: device bytes for the library's automatic split (it places
-            the first sub-groups on the GPU after a few measured steps); 0: off.
+            the first sub-groups on the GPU after a few measured steps); 0: everything offloaded.
+            "auto" (the default): after 3 steps (torch's caching allocator then holds its peak)
+            the library takes the GPU's free memory less a headroom of max(1 GiB, 5 % of the
+            GPU) and keeps the first sub-groups in forward order that fit there, stepped on the
+            GPU with the same bits; the rest is offloaded. "auto" means 0 with CPU parameters
+            and with `gpu_fraction` > 0 (which fixes the split itself). `metrics()` reports the
+            budget chosen (`gpu_budget_bytes`) and `device_bytes`; the trace what was measured.
         model: the module holding the parameters: gives the forward order and names, and lets
             each module's forward wait only for its own sub-groups' weights (`wait="module"`).
         wait: "module" (per-module forward pre-hooks; needs `model`), "step" (everything waited
@@ -110,7 +118,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
                  speculation="auto", sub_group_numel=1 << 25, cores=None, cores_fraction=1.0, model=None, wait="auto",
                  copy_dtype="auto", moment_dtype="f32", accumulation_steps=1, distributed="auto", process_group=None,
                  loss_scaler=None, piece_bytes=16 << 20, host_memory_limit=0, bias_correction=True, align_bytes=256,
-                 gpu_fraction=0.0, gpu_budget_bytes=0, nvtx=None, first_touch=True):
+                 gpu_fraction=0.0, gpu_budget_bytes="auto", nvtx=None, first_touch=True):
         _check_arguments(lr, betas, max_grad_norm, accumulation_steps, gpu_fraction, moment_dtype, wait)
         params, names = _params.split_names(params)
         self._constructing = True
@@ -146,6 +154,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             if not self.cuda or self.fsdp:
                 raise ValueError("SuperOffloadAdamW: gpu_fraction needs CUDA parameters without FSDP2")
             self._device_infos = _params.gpu_prefix(infos, float(gpu_fraction))
+        gpu_budget_bytes = _gpu_budget(gpu_budget_bytes, self.cuda and not self._device_infos)
         if gpu_budget_bytes and not self.cuda:
             raise ValueError("SuperOffloadAdamW: gpu_budget_bytes needs CUDA parameters")
 
@@ -161,7 +170,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             cuda=self.cuda, device=(self.device.index or 0) if self.cuda else 0, speculation=speculation,
             mode="adamw", bias_correction=bias_correction, grad_dtype=dt, accum_dtype=dt, moment_dtype=moment_dtype,
             copy_dtype=copy_dtype, pool=self._pool, host_memory_limit=int(host_memory_limit),
-            piece_bytes=int(piece_bytes), loss_scaler=loss_scaler, gpu_budget_bytes=int(gpu_budget_bytes))
+            piece_bytes=int(piece_bytes), loss_scaler=loss_scaler, gpu_budget_bytes=gpu_budget_bytes)
         self._accum_torch = TORCH_DTYPES[dt]
         self._group_hp = [None] * len(self.param_groups)
         for gi, g in enumerate(self.param_groups):
@@ -432,12 +441,24 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         if self._ticket is not None:
             self.session.wait(self._ticket)  # the step ticket: every sub-group is final
         for sg in self._subgroups:
-            for info in sg.params:
-                src = local(info.param).reshape(-1)
-                dst = sg.master[sg.span(info)]
-                if src.device.type == "cpu" and src.data_ptr() == dst.data_ptr():
-                    continue  # host mode: the parameter is its master
-                dst.copy_(src)
+            with self._host_authoritative(sg):
+                for info in sg.params:
+                    src = local(info.param).reshape(-1)
+                    dst = sg.master[sg.span(info)]
+                    if src.device.type == "cpu" and src.data_ptr() == dst.data_ptr():
+                        continue  # host mode: the parameter is its master
+                    dst.copy_(src)
+
+    @contextlib.contextmanager
+    def _host_authoritative(self, sg):
+        """Makes the host buffers the sub-group's state while the block writes them: one the library
+        keeps on the GPU (`gpu_fraction`, the automatic split) comes to the host and goes back."""
+        on_device = self.cuda and self.session.get_subgroup_state(sg.id)["placement"] == _abi.Placement.DEVICE
+        if on_device:
+            self.session.set_placement(sg.id, "host")
+        yield
+        if on_device:
+            self.session.set_placement(sg.id, "device")
 
     def last_step_result(self, wait=True):
         """The latest step's outcome as a dict: the library's so_step_result fields by name
@@ -462,13 +483,16 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         device_stepped counts, forward_wait_s, ...) and `step`; seconds the training thread spent
         in hand-offs, in step() and waiting for weights (host mode) since the step before
         (handoff_s, step_call_s, wait_s; their sum with forward_wait_s in CUDA mode: exposed_s);
-        pinned and host bytes, device bytes of GPU-resident state. {} before the first step."""
+        pinned and host bytes, device bytes of GPU-resident state (device_bytes) and, in CUDA mode,
+        the automatic split's budget (gpu_budget_bytes; with "auto", from when it was chosen on).
+        {} before the first step."""
         r = self.last_step_result(wait=wait)
         if r is None:
             return {}
+        budget = self.session.gpu_budget() if self.cuda and not self.session.closed else None
         return metrics(r, self._times.last, cuda=self.cuda, pinned_bytes=self.session.pinned_bytes(),
                        host_bytes=self.session.host_bytes() + self._master_bytes(),
-                       device_bytes=self._device_state_bytes())
+                       device_bytes=self._device_state_bytes(), gpu_budget_bytes=budget)
 
     def loss_scale(self):
         """The built-in loss scaler's scale for the next backward (1 without one)."""
@@ -578,6 +602,22 @@ def _check_arguments(lr, betas, max_grad_norm, accumulation_steps, gpu_fraction,
         raise ValueError(f'moment_dtype must be "f32" or "bf16", not {moment_dtype!r}')
     if wait not in ("auto", "module", "step"):
         raise ValueError(f'wait must be "auto", "module" or "step", not {wait!r}')
+
+
+def _gpu_budget(value, automatic):
+    """so_session_options.gpu_budget_bytes of the argument: "auto" is the library's automatic budget
+    where it applies (`automatic`), else 0; a number of bytes is passed on."""
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f'gpu_budget_bytes must be "auto" or a number of bytes, not {value!r}')
+        return _abi.GPU_BUDGET_AUTO if automatic else 0
+    try:
+        ok = not isinstance(value, bool) and int(value) == value and 0 <= value < _abi.GPU_BUDGET_AUTO
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise ValueError(f'gpu_budget_bytes must be "auto" or a number of bytes >= 0, not {value!r}')
+    return int(value)
 
 
 def _group_hparams(g):
