@@ -138,7 +138,7 @@ impl Session {
                 gib(bytes),
             );
             if let Some(e) = &refused {
-                what.push_str(&format!("; sub-group {placed} could not be placed: {}", e.message));
+                what.push_str(&format!("; sub-group {} could not be placed: {}", ids[placed], e.message));
             }
             what
         });
