@@ -91,8 +91,8 @@ def test_host_session_matches_the_kernel():
         norm = math.sqrt(sum(float(x) * float(x) for x in buf))  # the f32 gradient, summed in double
         assert r["global_norm"] == pytest.approx(norm, rel=1e-12)
         assert r["clip_coef"] == pytest.approx(min(1.0, 2.0 / (norm + 1e-6)), rel=1e-12)
-        # ABI 2: a speculative step not started at step() is cancelled and folded into the exact pass
-        assert r["speculative"] == 1 and r["kept"] + r["rescaled"] + r.get("cancelled", 0) == 1 and not r["skipped"]
+        # Kept or rescaled, whether its pass ran or was cancelled at step() and done by the final pass
+        assert r["speculative"] == 1 and r["kept"] + r["rescaled"] == 1 and not r["skipped"]
         so.adam_update(C.addressof(p), C.addressof(buf), C.addressof(m), C.addressof(v), n, lr=1e-2, beta1=0.9,
                        beta2=0.99, eps=1e-8, weight_decay=0.1, step=step, grad_scale=r["grad_factor"])
         assert s.step_count(sg) == step
