@@ -9,12 +9,12 @@
 
 /** Version of the header, from Cargo.toml. */
 #define SO_VERSION_MAJOR 0
-#define SO_VERSION_MINOR 2
+#define SO_VERSION_MINOR 3
 #define SO_VERSION_PATCH 0
 /** `(major << 16) | (minor << 8) | patch`. */
 #define SO_VERSION_NUMBER ((SO_VERSION_MAJOR << 16) | (SO_VERSION_MINOR << 8) | SO_VERSION_PATCH)
 /** The ABI this header describes; compare with `so_abi_version()` at start-up. */
-#define SO_ABI_VERSION 2
+#define SO_ABI_VERSION 3
 
 /** A CUDA stream: the same type as `cudaStream_t` and `CUstream` (no CUDA header needed). */
 typedef struct CUstream_st *so_cuda_stream_t;
