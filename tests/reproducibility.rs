@@ -166,7 +166,7 @@ impl Run {
     /// Step `step` of the schedule (from 1).
     fn step(&mut self, step: u64) {
         let s = &self.session;
-        let loss_scale = if step % 3 == 0 { 1024.0 } else { 1.0 };
+        let loss_scale = if step.is_multiple_of(3) { 1024.0 } else { 1.0 };
         let micro_steps = if step == 5 { 2 } else { 1 };
         s.begin_step(Some(loss_scale), micro_steps).unwrap();
         for micro in 0..micro_steps {

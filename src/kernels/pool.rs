@@ -296,6 +296,24 @@ pub fn format_core_list(cores: &[usize]) -> String {
     parts.join(",")
 }
 
+/// Called before every chunk of every pass, in tests that prove that results do not depend
+/// on timing (builds with the `fault-injection` feature only).
+#[cfg(feature = "fault-injection")]
+static CHUNK_PAUSE: std::sync::RwLock<Option<fn()>> = std::sync::RwLock::new(None);
+
+/// Sets (or, with `None`, clears) the function called before every chunk of every pass.
+#[cfg(feature = "fault-injection")]
+pub fn set_chunk_pause(pause: Option<fn()>) {
+    *CHUNK_PAUSE.write().unwrap() = pause;
+}
+
+#[cfg(feature = "fault-injection")]
+fn chunk_pause() {
+    if let Some(pause) = *CHUNK_PAUSE.read().unwrap() {
+        pause();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -325,23 +343,5 @@ mod tests {
         assert!(err.message.contains("listed twice"), "{}", err.message);
         let err = Pool::new(&PoolOptions { cores: Some(vec![]), ..Default::default() }).err().unwrap();
         assert!(err.message.contains("empty"), "{}", err.message);
-    }
-}
-
-/// Called before every chunk of every pass, in tests that prove that results do not depend
-/// on timing (builds with the `fault-injection` feature only).
-#[cfg(feature = "fault-injection")]
-static CHUNK_PAUSE: std::sync::RwLock<Option<fn()>> = std::sync::RwLock::new(None);
-
-/// Sets (or, with `None`, clears) the function called before every chunk of every pass.
-#[cfg(feature = "fault-injection")]
-pub fn set_chunk_pause(pause: Option<fn()>) {
-    *CHUNK_PAUSE.write().unwrap() = pause;
-}
-
-#[cfg(feature = "fault-injection")]
-fn chunk_pause() {
-    if let Some(pause) = *CHUNK_PAUSE.read().unwrap() {
-        pause();
     }
 }
