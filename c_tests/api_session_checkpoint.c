@@ -388,6 +388,27 @@ static void refused_files_change_nothing(void) {
     so_st_model_free(&Y);
 }
 
+/* The speculation history a state dict kept outside a checkpoint file carries: read, restored
+ * into another session, and refused when malformed (without a change). */
+static void speculation_history_round_trips(void) {
+    so_session *a = NULL, *b = NULL;
+    CHECK_OK(so_session_create(NULL, &a));
+    CHECK_OK(so_session_create(NULL, &b));
+    uint32_t bits = 99, steps = 99;
+    CHECK_OK(so_session_get_speculation_history(a, &bits, &steps));
+    CHECK(bits == 0 && steps == 0);
+    CHECK_OK(so_session_set_speculation_history(b, 0x5, 4));
+    CHECK_OK(so_session_get_speculation_history(b, &bits, &steps));
+    CHECK(bits == 0x5 && steps == 4);
+    CHECK_STATUS(so_session_set_speculation_history(b, 0x10, 4), SO_STATUS_INVALID_ARGUMENT);
+    CHECK_STATUS(so_session_set_speculation_history(b, 0, 9), SO_STATUS_INVALID_ARGUMENT);
+    CHECK_STATUS(so_session_get_speculation_history(b, &bits, NULL), SO_STATUS_INVALID_ARGUMENT);
+    CHECK_OK(so_session_get_speculation_history(b, &bits, &steps));
+    CHECK(bits == 0x5 && steps == 4);
+    so_session_destroy(a);
+    so_session_destroy(b);
+}
+
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     int n = snprintf(dir, sizeof dir, "%s/superoffload-ckpt-XXXXXX", tmp != NULL && tmp[0] != '\0' ? tmp : "/tmp");
@@ -396,6 +417,7 @@ int main(void) {
 
     resume_is_bit_exact();
     refused_files_change_nothing();
+    speculation_history_round_trips();
 
     CHECK(stray_files(NULL) == 0);
     CHECK(rmdir(dir) == 0);

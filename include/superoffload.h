@@ -1710,6 +1710,38 @@ SO_NODISCARD so_status so_session_save(struct so_session *session, const char *p
 SO_NODISCARD so_status so_session_load(struct so_session *session, const char *path);
 
 /**
+ * @brief The clip history `SO_SPECULATION_AUTO` decides from (it fixes which sub-groups
+ * speculate, so a resumed run needs it to continue bit for bit): bit `i` of `*out_history` is
+ * 1 when the `i`-th of the last `*out_steps` steps (oldest first, at most 8) kept its
+ * speculative factor (not clipped, not skipped). `so_session_save` keeps it in the file; a
+ * caller that keeps state elsewhere (a framework's state dict) keeps these two numbers.
+ * @return `SO_STATUS_OK`, or `SO_STATUS_INVALID_ARGUMENT` for a NULL pointer.
+ * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_history` and `out_steps` are NULL or
+ * writable.
+ */
+SO_NODISCARD
+so_status so_session_get_speculation_history(const struct so_session *session,
+                                             uint32_t *out_history,
+                                             uint32_t *out_steps);
+
+/**
+ * @brief Restores a history of `so_session_get_speculation_history`, between steps.
+ * @return `SO_STATUS_OK`; `SO_STATUS_INVALID_ARGUMENT` for more than 8 steps or a bit set
+ *         beyond `steps` (nothing changes); `SO_STATUS_INVALID_STATE` during a step.
+ * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle.
+ */
+SO_NODISCARD
+so_status so_session_set_speculation_history(struct so_session *session,
+                                             uint32_t history,
+                                             uint32_t steps);
+
+/**
  * @brief The state of a ticket without waiting.
  * @return `SO_STATUS_OK` if its work completed, `SO_STATUS_PENDING` if not yet, the
  *         work's own error status if it failed (message in `so_last_error_message`), or

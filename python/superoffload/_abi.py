@@ -259,6 +259,8 @@ FUNCTIONS = {
     "so_ticket_wait_all": (so_status, [_session, so_ticket, c_i64]),
     "so_session_save": (so_status, [_session, c_char_p]),
     "so_session_load": (so_status, [_session, c_char_p]),
+    "so_session_get_speculation_history": (so_status, [_session, P(c_u32), P(c_u32)]),
+    "so_session_set_speculation_history": (so_status, [_session, c_u32, c_u32]),
     "so_cuda_options_default": (CudaOptions, []),
     "so_cuda_available": (so_status, []),
     "so_session_grad_device": (so_status, [_session, c_u32, so_device_ptr, c_size_t, c_u32, so_cuda_stream_t,

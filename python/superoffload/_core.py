@@ -501,6 +501,18 @@ class Session:
     def load(self, path):
         check(lib().so_session_load(self.handle, os.fsencode(path)), "so_session_load")
 
+    def speculation_history(self):
+        """(bits, steps): the clip history automatic speculation decides from (a checkpoint file
+        keeps it; a state dict kept elsewhere must, for a resumed run to continue bit for bit)."""
+        bits, steps = C.c_uint32(), C.c_uint32()
+        check(lib().so_session_get_speculation_history(self.handle, C.byref(bits), C.byref(steps)),
+              "so_session_get_speculation_history")
+        return int(bits.value), int(steps.value)
+
+    def set_speculation_history(self, bits, steps):
+        check(lib().so_session_set_speculation_history(self.handle, int(bits), int(steps)),
+              "so_session_set_speculation_history")
+
     def trace(self, enable=True):
         check(lib().so_session_trace(self.handle, bool(enable)), "so_session_trace")
 

@@ -444,3 +444,34 @@ impl Drop for Mapped {
         unsafe { libc::munmap(self.ptr, self.len) };
     }
 }
+
+impl Session {
+    /// The factor history [`Speculation::Auto`](super::Speculation::Auto) decides from, for a
+    /// state dict that is not a checkpoint file: bit `i` of the first value is 1 when the
+    /// `i`-th of the last steps (oldest first; the second value counts them, at most 8) kept
+    /// its speculative factor (not clipped, not skipped). A checkpoint file keeps it by itself.
+    pub fn speculation_history(&self) -> (u32, u32) {
+        let _t = self.lock();
+        // The latest step's decision is part of it.
+        self.shared.tickets.drain();
+        let history = self.shared.policy.lock().unwrap().history();
+        let bits = history.bytes().enumerate().filter(|&(_, b)| b == b'1').fold(0u32, |acc, (i, _)| acc | 1 << i);
+        (bits, history.len() as u32)
+    }
+
+    /// Restores what [`Session::speculation_history`] returned, between steps. Refuses more
+    /// steps than the history keeps, or bits beyond them, and then changes nothing.
+    pub fn set_speculation_history(&self, bits: u32, steps: u32) -> Result<()> {
+        let t = self.lock();
+        if t.phase != Phase::Idle {
+            return Err(super::state_error("the speculation history is restored between steps"));
+        }
+        if steps > 8 || (steps < 32 && bits >> steps != 0) {
+            return Err(Error::invalid(format!(
+                "speculation history {bits:#x} of {steps} steps: at most 8 steps, and no bit beyond them"
+            )));
+        }
+        let history: String = (0..steps).map(|i| if bits >> i & 1 == 1 { '1' } else { '0' }).collect();
+        self.shared.policy.lock().unwrap().restore_history(&history)
+    }
+}

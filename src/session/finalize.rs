@@ -7,7 +7,9 @@ use std::time::Instant;
 use super::passes::{StepInFlight, Worker, buffers, guarded};
 use super::scheduler::Lifecycle;
 use super::trace::Lane;
-use super::{Applied, DevicePass, GroupHparams, Placement, SpecRecord, StepResult, SubGroup, unscale_factor};
+use super::{
+    Applied, DevicePass, GroupHparams, Placement, SpecRecord, StepResult, SubGroup, speculation_stands, unscale_factor,
+};
 use crate::error::Result;
 use crate::kernels::{self, AdamHyper, Resolution, UpdateOptions};
 
@@ -81,14 +83,6 @@ impl Outcome {
 
 fn same_hyperparameters(a: &AdamHyper, b: &AdamHyper) -> bool {
     a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps && a.weight_decay == b.weight_decay
-}
-
-/// Whether a planned speculative step is taken at all: a gradient with an inf or NaN
-/// element, or whose squares (`sumsq`, of the unscaled gradient) exceed f32, is never
-/// stepped speculatively (`exp_avg_sq` would become inf, which nothing can undo). The
-/// speculative pass checks the same before it writes anything.
-pub(crate) fn speculation_stands(sumsq: f64) -> bool {
-    sumsq.is_finite() && sumsq <= f32::MAX as f64
 }
 
 /// The final pass of a sub-group: a function of what the step applied, its verdict and

@@ -7,13 +7,12 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::finalize::speculation_stands;
 use super::plans::{PreparePlan, StepPlan};
 use super::scheduler::{Job, JobKey, Lifecycle};
 use super::trace::Lane;
 use super::{
     Applied, GroupHparams, HandedSumsq, NormSource, Placement, SgData, Shared, SkipReason, StepResult, SubGroup,
-    Ticket, clip_coefficient, grad_factor, unscale_factor, usable_factor,
+    Ticket, clip_coefficient, grad_factor, speculation_stands, unscale_factor, usable_factor,
 };
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, AdamBuffers, CopyOutMut, FloatsMut, MomentsMut, Resolution, UpdateOptions};

@@ -37,6 +37,14 @@ pub(crate) enum Applied {
     Undone,
 }
 
+/// Whether a planned speculative step is taken at all: a gradient with an inf or NaN
+/// element, or whose squares (`sumsq`, of the unscaled gradient) exceed f32, is never
+/// stepped speculatively (`exp_avg_sq` would become inf, which nothing can undo). The
+/// speculative pass checks the same before it writes anything.
+pub(crate) fn speculation_stands(sumsq: f64) -> bool {
+    sumsq.is_finite() && sumsq <= f32::MAX as f64
+}
+
 /// The optimizer-side state of a sub-group (under its data lock).
 #[derive(Default)]
 pub(crate) struct SgWork {

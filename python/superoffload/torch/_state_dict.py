@@ -56,7 +56,9 @@ class StateDictMixin:
             groups.append(entry)
         so = {"format": STATE_DICT_FORMAT, "library_version": _core.version(), "steps": self._nsteps,
               "moment_dtype": self.moment_dtype, "names": {i.index: i.name for i in self._infos},
-              "device_placed": [i.name for i in self._device_infos]}
+              "device_placed": [i.name for i in self._device_infos],
+              # Which sub-groups speculate next is decided from it: a resume continues bit for bit.
+              "speculation_history": list(self.session.speculation_history())}
         if self._nsteps == 0 and not self._loaded:
             # Like torch: no per-parameter state before the first step (and nothing to copy
             # when a wrapper round-trips the state dict, as accelerate's device placement does).
@@ -180,6 +182,8 @@ class StateDictMixin:
             self._load_into_buffers(plan)
         if self.cuda:
             torch.cuda.synchronize(self.device)
+        if so and "speculation_history" in so:
+            self.session.set_speculation_history(*so["speculation_history"])
         steps = [s for _, s, _ in plan]
         self._nsteps = int(so.get("steps", 0)) if so else (max(steps) if steps else 0)
         self._loaded = True
