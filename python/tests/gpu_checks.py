@@ -9,7 +9,9 @@ CUDA mode, SuperOffloadAdamW on a tiny GPT (python/tests/_models.py), determinis
   cuda_parity          bf16 parameters vs torch.optim.AdamW on f32 masters, clipping active:
                        mean relative loss difference <= 1e-3 over 40 steps
   cuda_speculation     clipping off: speculative and non-speculative sessions bit-identical
-  cuda_resume          state_dict() through torch.save half-way: the rest resumes bit for bit
+  cuda_resume          defaults (speculation auto), clipping on some steps: state_dict() through torch.save
+                       half-way, the rest resumes bit for bit
+  cuda_rerun           defaults, clipping on some steps: two runs (one beside a busy thread) bit-identical
   cuda_accumulation    accumulation_steps=2 vs the reference
   cuda_gpu_fraction    gpu_fraction=0.3: parity with clipping, resume bit for bit
   cuda_bf16_moments    moment_dtype="bf16": parity within 1e-2, 12 B/param less 4
@@ -33,6 +35,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -144,8 +147,7 @@ def torch_checks(dev):
         kept = all(r["kept"] + r["stepped"] == n and r["rescaled"] == 0 for r in ra) and sum(r["kept"] for r in ra) > 0
         check("cuda_speculation", same and kept, losses_and_weights_equal=same, all_kept=kept)
 
-    def resume(**kw):  # clipping active: speculation off for bit-for-bit (see test_torch.py)
-        kw.setdefault("speculation", False)
+    def resume(**kw):  # clipping active on some steps, the defaults (speculation auto) unless given
         half = 12
         m = make_model(0, dev, dt)
         opt = ours(m, **kw)
@@ -172,6 +174,31 @@ def torch_checks(dev):
     def resume_check():
         ok = resume()
         check("cuda_resume", ok, losses_and_weights_equal=ok)
+
+    def rerun():
+        # Two identical runs with the defaults and clipping on some steps: the same bits,
+        # whatever the timing of the speculative passes (one run is slowed by a busy thread).
+        runs = []
+        for busy in (False, True):
+            stop = threading.Event()
+
+            def spin():
+                while not stop.is_set():
+                    pass
+
+            spinner = threading.Thread(target=spin, daemon=True)
+            if busy:
+                spinner.start()
+            m = make_model(0, dev, dt)
+            opt = ours(m)
+            la, res = train(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), data[:24])
+            stop.set()
+            runs.append((la, snap(m), sum(r["clip_coef"] < 1 for r in res), sum(r["speculative"] for r in res)))
+            opt.close()
+        (la, wa, clipped, spec), (lb, wb, _, _) = runs
+        same = la == lb and all(torch.equal(p, q) for p, q in zip(wa, wb))
+        check("cuda_rerun", same and clipped > 0 and spec > 0, losses_and_weights_equal=same, clipped_steps=clipped,
+              speculative_steps=spec)
 
     def accumulation():
         m = make_model(0, dev, dt)
@@ -236,6 +263,7 @@ def torch_checks(dev):
         opt.close()
 
     for name, fn in (("cuda_state_dict_read", state_dict_read), ("cuda_parity", parity), ("cuda_speculation", speculation), ("cuda_resume", resume_check),
+                     ("cuda_rerun", rerun),
                      ("cuda_accumulation", accumulation), ("cuda_gpu_fraction", gpu_fraction),
                      ("cuda_bf16_moments", bf16_moments), ("cuda_direct_read", direct_read)):
         if name in ONLY or "torch" in ONLY:
