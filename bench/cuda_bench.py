@@ -25,6 +25,8 @@ import statistics
 import sys
 import time
 
+from renamed_flags import refuse_renamed
+
 def import_abi():
     """superoffload._abi of the installed package, else of the source checkout holding this script
     (bench/../python). Importing it loads neither a library nor torch."""
@@ -315,17 +317,6 @@ def cpu_adam_time(lib, masters, torch):
     return statistics.median(times[1:])
 
 
-class _Renamed(argparse.Action):
-    """A flag of an earlier version: exits with the name it has now."""
-
-    def __init__(self, option_strings, dest, new, **kw):
-        super().__init__(option_strings, dest, **kw)
-        self.new = new
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} is now {self.new}")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
@@ -349,9 +340,7 @@ def main():
                          "(default: all)")
     ap.add_argument("--cores", type=lambda s: [int(c) for c in s.split(",")] if s else None, default=None,
                     help="comma list of cores for the session's pool (default: the default pool)")
-    # Names of earlier versions: refused with the new name.
-    for old, new in (("--fwd-mm", "--forward-matmuls"), ("--bwd-mm", "--backward-matmuls")):
-        ap.add_argument(old, nargs="?", action=_Renamed, new=new, help=argparse.SUPPRESS)
+    refuse_renamed(ap, (("--fwd-mm", "--forward-matmuls"), ("--bwd-mm", "--backward-matmuls")))
     args = ap.parse_args()
     import torch
     if not torch.cuda.is_available():

@@ -47,8 +47,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
 
 import torch  # noqa: E402
+from renamed_flags import refuse_renamed  # noqa: E402
 
 
 def log(*a):
@@ -312,17 +314,6 @@ def mode_no_optimizer(model, batch, args, timer, results, n_params, tokens):
     results["e_fwd_bwd_only"] = summarise("e_fwd_bwd_only", times, window, losses, n_params, tokens)
 
 
-class _Renamed(argparse.Action):
-    """A flag of an earlier version: exits with the name it has now."""
-
-    def __init__(self, option_strings, dest, new, **kw):
-        super().__init__(option_strings, dest, **kw)
-        self.new = new
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} is now {self.new}")
-
-
 def parse_cores(s):
     if s in (None, "", "none"):
         return None
@@ -377,10 +368,8 @@ def main():
                      help="skip the traced extra step of each of our runs (trace_<run>.json and .png)")
     out.add_argument("--out", default=os.environ.get("OUT") or "bench-out",
                      help="output directory (default: $OUT, else bench-out)")
-    # Names of earlier versions: refused with the new name, never taken with another meaning.
-    for old, new in (("--no-clip-runs", "--clipped-only"), ("--clip", "--clip-max-norm"),
-                     ("--no-ckpt", "--no-activation-checkpointing")):
-        ap.add_argument(old, nargs="?", action=_Renamed, new=new, help=argparse.SUPPRESS)
+    refuse_renamed(ap, (("--no-clip-runs", "--clipped-only"), ("--clip", "--clip-max-norm"),
+                        ("--no-ckpt", "--no-activation-checkpointing")))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.smoke:
