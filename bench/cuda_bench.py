@@ -25,25 +25,7 @@ import statistics
 import sys
 import time
 
-from renamed_flags import refuse_renamed
-
-def import_abi():
-    """superoffload._abi of the installed package, else of the source checkout holding this script
-    (bench/../python). Importing it loads neither a library nor torch."""
-    try:
-        from superoffload import _abi
-        return _abi
-    except ImportError:
-        pass
-    checkout = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-    if os.path.isfile(os.path.join(checkout, "superoffload", "_abi.py")):
-        sys.path.insert(0, checkout)
-        from superoffload import _abi
-        return _abi
-    sys.exit("error: this script needs the superoffload Python package (its ctypes declarations of the C ABI): "
-             "`pip install` the package, or run the script from a source checkout "
-             f"(it looks for {checkout}/superoffload)")
-
+from support import import_abi, refuse_renamed
 
 _abi = import_abi()
 DType, NormSource, Speculation = _abi.DType, _abi.NormSource, _abi.Speculation

@@ -45,28 +45,11 @@ import struct
 import sys
 import time
 
+from support import import_abi
+
 # ---------------------------------------------------------------------------------------------
 # The C ABI: the superoffload package's declarations (superoffload._abi)
 # ---------------------------------------------------------------------------------------------
-
-
-def import_abi():
-    """superoffload._abi of the installed package, else of the source checkout holding this script
-    (bench/../python). Importing it loads neither a library nor torch."""
-    try:
-        from superoffload import _abi
-        return _abi
-    except ImportError:
-        pass
-    checkout = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-    if os.path.isfile(os.path.join(checkout, "superoffload", "_abi.py")):
-        sys.path.insert(0, checkout)
-        from superoffload import _abi
-        return _abi
-    raise SystemExit("error: this script needs the superoffload Python package (its ctypes declarations of the "
-                     "C ABI): `pip install` the package, or run the script from a source checkout "
-                     f"(it looks for {checkout}/superoffload)")
-
 
 _abi = import_abi()
 Status, DType, AdamMode, Isa = _abi.Status, _abi.DType, _abi.AdamMode, _abi.Isa

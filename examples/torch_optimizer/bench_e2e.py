@@ -50,7 +50,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
 
 import torch  # noqa: E402
-from renamed_flags import refuse_renamed  # noqa: E402
+from support import refuse_renamed  # noqa: E402
 
 
 def log(*a):

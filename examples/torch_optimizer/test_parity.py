@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from _models import (MasterAdamW, loss_fn, lr_lambda, make_data, make_model, param_groups, rel_diffs,  # noqa: E402
-                     train_reference)
+from _models import (MasterAdamW, backward_batch, loss_fn, lr_lambda, make_data, make_model,  # noqa: E402
+                     param_groups, rel_diffs, train_reference)
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 
@@ -51,11 +51,7 @@ def train(model, opt, sched, batches, device, accumulation=1):
     losses, results = [], []
     for x, y in batches:
         x, y = x.to(device), y.to(device)
-        total = 0.0
-        for xs, ys in zip(x.chunk(accumulation), y.chunk(accumulation)):
-            loss = loss_fn(model, xs, ys) / accumulation
-            loss.backward()
-            total += loss.item()
+        total = backward_batch(model, x, y, accumulation)
         opt.step()
         sched.step()
         losses.append(total)
@@ -167,11 +163,7 @@ def test_accumulation(args, report, device, dtype, data):
     lb = []
     for x, y in data:
         x, y = x.to(device), y.to(device)
-        total = 0.0
-        for xs, ys in zip(x.chunk(2), y.chunk(2)):
-            loss = loss_fn(m_ref, xs, ys) / 2
-            loss.backward()
-            total += loss.item()
+        total = backward_batch(m_ref, x, y, 2)
         ref.step()
         s_ref.step()
         lb.append(total)

@@ -75,6 +75,16 @@ def loss_fn(model, x, y):
     return -logp.gather(-1, y.unsqueeze(-1)).mean()
 
 
+def backward_batch(model, x, y, accumulation=1):
+    """Forward and backward of one batch in `accumulation` micro-batches; the batch's loss."""
+    total = 0.0
+    for xs, ys in zip(x.chunk(accumulation), y.chunk(accumulation)):
+        loss = loss_fn(model, xs, ys) / accumulation
+        loss.backward()
+        total += loss.item()
+    return total
+
+
 def param_groups(named, wd=0.1):
     """Weights decay, biases / norms / embeddings' 1-d params do not (two interleaved groups)."""
     decay = [(n, p) for n, p in named if p.ndim >= 2]

@@ -62,7 +62,7 @@ def rel(a, b):
 # ---- torch ------------------------------------------------------------------------------------
 
 def torch_checks(dev):
-    from _models import MasterAdamW, loss_fn, lr_lambda, make_data, make_model, param_groups
+    from _models import MasterAdamW, backward_batch, loss_fn, lr_lambda, make_data, make_model, param_groups
     from superoffload.torch import SuperOffloadAdamW
 
     LR, BETAS, EPS, WD, CLIP = 3e-3, (0.9, 0.95), 1e-8, 0.1, 1.3
@@ -79,11 +79,7 @@ def torch_checks(dev):
         losses, res = [], []
         for x, y in batches:
             x, y = x.to(dev), y.to(dev)
-            tot = 0.0
-            for xs, ys in zip(x.chunk(acc), y.chunk(acc)):
-                loss = loss_fn(m, xs, ys) / acc
-                loss.backward()
-                tot += loss.item()
+            tot = backward_batch(m, x, y, acc)
             opt.step()
             sched.step()
             losses.append(tot)
@@ -97,11 +93,7 @@ def torch_checks(dev):
         losses = []
         for x, y in batches:
             x, y = x.to(dev), y.to(dev)
-            tot = 0.0
-            for xs, ys in zip(x.chunk(acc), y.chunk(acc)):
-                loss = loss_fn(m, xs, ys) / acc
-                loss.backward()
-                tot += loss.item()
+            tot = backward_batch(m, x, y, acc)
             ref.step()
             s.step()
             losses.append(tot)

@@ -9,7 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from _models import MasterAdamW, loss_fn, lr_lambda, make_data, make_model, param_groups, rel_diffs  # noqa: E402
+from _models import (MasterAdamW, backward_batch, loss_fn, lr_lambda, make_data, make_model, param_groups,  # noqa: E402
+                     rel_diffs)
 
 from superoffload.torch import SuperOffloadAdamW, SuperOffloadError  # noqa: E402
 
@@ -32,11 +33,7 @@ def ours(model, **kw):
 def train(model, opt, sched, batches, accumulation=1):
     losses, results = [], []
     for x, y in batches:
-        total = 0.0
-        for xs, ys in zip(x.chunk(accumulation), y.chunk(accumulation)):
-            loss = loss_fn(model, xs, ys) / accumulation
-            loss.backward()
-            total += loss.item()
+        total = backward_batch(model, x, y, accumulation)
         opt.step()
         opt.zero_grad()
         if sched is not None:
@@ -49,11 +46,7 @@ def train(model, opt, sched, batches, accumulation=1):
 def train_ref(model, ref, sched, batches, accumulation=1):
     losses, norms = [], []
     for x, y in batches:
-        total = 0.0
-        for xs, ys in zip(x.chunk(accumulation), y.chunk(accumulation)):
-            loss = loss_fn(model, xs, ys) / accumulation
-            loss.backward()
-            total += loss.item()
+        total = backward_batch(model, x, y, accumulation)
         ref.step()
         sched.step()
         losses.append(total)
