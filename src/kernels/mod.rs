@@ -23,10 +23,12 @@ use driver::{BLOCK, StepChunk, Stores, SumsqOut};
 use math::{LaneOp, MemoryFloor, Rescale, Resolve, Rollback, StepConstants, Undo, Update};
 use simd::Simd;
 
-/// Calls `$body` with `$s` bound to the token of the pool's instruction set.
+/// Calls `$body` with `$s` bound to the token of instruction set `$isa`: a pool's, or
+/// `Isa::best()` for work on the calling thread (which must not queue behind optimizer work on
+/// a pool).
 macro_rules! with_isa {
-    ($pool:expr, $s:ident => $body:expr) => {
-        match $pool.isa() {
+    ($isa:expr, $s:ident => $body:expr) => {
+        match $isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => {
                 let $s = simd::avx512::Avx512::detect().ok_or_else(isa_vanished)?;
@@ -351,7 +353,7 @@ pub fn grad_sumsq(pool: &Pool, grad: GradRef<'_>, scale: f32) -> Result<f64> {
     let n = grad.len();
     let mut partials = vec![0.0f64; n.div_ceil(BLOCK)];
     let ranges = chunk_ranges(n, pool.num_threads());
-    with_isa!(pool, s => match grad {
+    with_isa!(pool.isa(), s => match grad {
         GradRef::F32(g) => run_sumsq(pool, s, scale, g, &mut partials, &ranges),
         GradRef::Bf16(g) => run_sumsq(pool, s, scale, g, &mut partials, &ranges),
         GradRef::F16(g) => run_sumsq(pool, s, scale, g, &mut partials, &ranges),
@@ -365,29 +367,6 @@ pub fn memory_floor(pool: &Pool, bufs: AdamBuffers<'_>, grad_scale: f32) -> Resu
     check_scale("grad_scale", grad_scale)?;
     bufs.numel()?;
     run_step_pass(pool, &MemoryFloor { grad_scale }, bufs, false, Stores::All).map(drop)
-}
-
-/// Calls `$body` with `$s` bound to the token of the widest instruction set the CPU has
-/// (for work on the calling thread, which must not queue behind optimizer work on a pool).
-macro_rules! with_best_isa {
-    ($s:ident => $body:expr) => {
-        match Isa::best() {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => {
-                let $s = simd::avx512::Avx512::detect().ok_or_else(isa_vanished)?;
-                $body
-            }
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => {
-                let $s = simd::avx2::Avx2::detect().ok_or_else(isa_vanished)?;
-                $body
-            }
-            _ => {
-                let $s = simd::portable::Portable;
-                $body
-            }
-        }
-    };
 }
 
 /// Copies `src` into `dst` (or adds it, with `accumulate`), converting between dtypes:
@@ -415,7 +394,7 @@ pub fn copy_into(
         }
     }
     let out = sumsq_scale.zip(partials.as_deref_mut()).map(|(scale, partials)| SumsqOut { scale, partials });
-    with_best_isa!(s => match dst {
+    with_isa!(Isa::best(), s => match dst {
         FloatsMut::F32(d) => with_src(s, d, src, accumulate, out),
         FloatsMut::Bf16(d) => with_src(s, d, src, accumulate, out),
         FloatsMut::F16(d) => with_src(s, d, src, accumulate, out),
@@ -427,7 +406,7 @@ pub fn copy_into(
 pub fn grad_sumsq_here(grad: GradRef<'_>, scale: f32) -> Result<f64> {
     check_scale("scale", scale)?;
     let mut partials = vec![0.0f64; grad.len().div_ceil(BLOCK)];
-    with_best_isa!(s => match grad {
+    with_isa!(Isa::best(), s => match grad {
         GradRef::F32(g) => s.sumsq_chunk(scale, g, &mut partials),
         GradRef::Bf16(g) => s.sumsq_chunk(scale, g, &mut partials),
         GradRef::F16(g) => s.sumsq_chunk(scale, g, &mut partials),
@@ -463,7 +442,7 @@ fn run_step_pass<O: LaneOp>(
     let mut partials = want_sumsq.then(|| vec![0.0f64; n.div_ceil(BLOCK)]);
     let pass =
         Pass { pool, op, ranges: chunk_ranges(n, pool.num_threads()), partials: partials.as_deref_mut(), stores };
-    with_isa!(pool, s => pass.dispatch_param(s, bufs));
+    with_isa!(pool.isa(), s => pass.dispatch_param(s, bufs));
     Ok(partials.map(|p| p.iter().sum()))
 }
 
