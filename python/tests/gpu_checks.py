@@ -72,6 +72,9 @@ def torch_checks(dev):
     def ours(m, **kw):
         kw.setdefault("max_grad_norm", CLIP)
         kw.setdefault("sub_group_numel", 20000)
+        # The offloaded path unless a check says otherwise: the automatic budget (the default)
+        # would place this small model on the GPU after the warm-up steps.
+        kw.setdefault("gpu_budget_bytes", 0)
         return SuperOffloadAdamW(param_groups(list(m.named_parameters()), WD), lr=LR, betas=BETAS, eps=EPS, model=m,
                                  **kw)
 
@@ -164,7 +167,7 @@ def torch_checks(dev):
         return same
 
     def resume_check():
-        ok = resume()
+        ok = resume(gpu_budget_bytes="auto")
         check("cuda_resume", ok, losses_and_weights_equal=ok)
 
     def rerun():
@@ -182,7 +185,7 @@ def torch_checks(dev):
             if busy:
                 spinner.start()
             m = make_model(0, dev, dt)
-            opt = ours(m)
+            opt = ours(m, gpu_budget_bytes="auto")
             la, res = train(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), data[:24])
             stop.set()
             runs.append((la, snap(m), sum(r["clip_coef"] < 1 for r in res), sum(r["speculative"] for r in res)))
