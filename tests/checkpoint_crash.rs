@@ -79,10 +79,7 @@ impl Big {
         Big { h, masters, grad: vec![0.0; PER_SUBGROUP] }
     }
 
-    /// Step `k` (from 1): gradients of every sub-group in backward order, no clipping. (With
-    /// clipping, a speculative step that ran is rescaled and one that had not started is
-    /// cancelled and stepped exactly: the two differ in the last bits, so runs would depend on
-    /// timing and could not be compared bit for bit.)
+    /// Step `k` (from 1): gradients of every sub-group in backward order, no clipping.
     fn step(&mut self, k: u64) {
         // SAFETY: `self.h` is live until drop.
         assert_eq!(unsafe { self.h.begin_step(1.0, 1) }, Status::Ok);

@@ -103,8 +103,9 @@ fn build_sized(
 #[test]
 fn delayed_copies_give_host_mode_bits() {
     let transport = Arc::new(DelayedCopies::default());
-    // Clipping triggers on some steps: bit for bit needs the same path in both sessions,
-    // which speculation (timing-dependent cancellation) does not promise.
+    // Speculation off: every final pass is an update, which the device session splits into a
+    // weights pass and a moments pass (checked below). (Speculation on, host and transport
+    // sessions agree too: tests/reproducibility.rs.)
     let (host, host_masters) = build(None, Speculation::Off);
     let (dev, dev_masters) = build(Some(transport.clone()), Speculation::Off);
     dev.trace(true);
