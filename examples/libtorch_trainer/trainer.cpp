@@ -44,11 +44,11 @@
 //           master can flip a bf16 weight, so the runs drift apart slowly: at the CUDA
 //           defaults ~1.2e-4 mean (measured on the CPU with --param-dtype bf16).
 //   exact   clipping that never triggers (max_norm 1e6, so every clip coefficient is 1 and
-//           each speculative step is kept, or cancelled at step() and stepped exactly once):
+//           each speculative step is kept, whether its pass ran or was cancelled at step()):
 //           the speculative session must end bit for bit
 //           equal (losses, master weights, model weights) to a session with speculation off.
-//   resume  a run with speculation off (clipping triggers, so a speculative run's bits depend
-//           on timing) saves a checkpoint (so_session_save + the step counter) half-way; a
+//   resume  a run with speculation off (clipping triggers; a speculative run resumes bit for
+//           bit as well, see tests/reproducibility.rs) saves a checkpoint (so_session_save + the step counter) half-way; a
 //           fresh model (other init seed) and a fresh session load it (so_session_load) and
 //           train to the end: losses and final weights must equal the uninterrupted run's
 //           bit for bit.
@@ -648,9 +648,9 @@ RunOut train(const Config& c, const MarkovData& data, const RunSpec& spec) {
         if (r.skipped)
             throw std::runtime_error("step " + std::to_string(pending_step) + " was skipped (non-finite gradient?)");
         const uint32_t n = static_cast<uint32_t>(sgs.size());
-        // Each sub-group's step is exact: a speculative step kept as taken, one not started at
-        // step() cancelled and stepped once with the exact factor, or a GPU-resident sub-group
-        // stepped once on the GPU; never rescaled, redone or rolled back.
+        // Each sub-group's step is exact: a speculative step kept (its pass run, preempted or
+        // cancelled at step()), or a GPU-resident sub-group stepped on the GPU; never rescaled,
+        // redone or rolled back.
         if (!(r.clip_coef == 1.0 && r.kept + r.stepped + r.device_stepped == n && r.rescaled == 0 && r.redone == 0 &&
               r.rolled_back == 0)) {
             out.every_step_kept = false;
@@ -947,8 +947,8 @@ int main(int argc, char** argv) {
         if (args.has("resume") || args.has("save-at") || args.has("losses-out")) {
             RunSpec s;
             s.label = args.has("resume") ? "resumed" : "train";
-            // Speculation off: with clipping that triggers, whether a speculative step is kept,
-            // cancelled or rescaled depends on timing, and a rescaled step rounds differently.
+            // Speculation off: the resume check compares with the non-speculative reference run
+            // (a speculative run repeats bit for bit as well, whatever its timing).
             s.kind = OptKind::SessionNoSpec;
             s.max_norm = c.clip;
             s.init_seed = args.has("resume") ? c.seed + 1000 : c.seed;
@@ -1018,9 +1018,8 @@ int main(int argc, char** argv) {
                 if (r1.stats.clipped == 0) std::printf("  note: clipping never triggered in this configuration\n");
             }
             if (want("resume")) {
-                // Speculation off: with clipping that triggers, a speculative step's outcome (kept,
-                // cancelled or rescaled) depends on timing, and a rescaled step rounds differently
-                // from a direct one, so only a non-speculative run repeats bit for bit.
+                // Speculation off, as run 2's reference (a speculative run repeats bit for bit as
+                // well, whatever its timing).
                 std::printf("\n== run 3: %s, clip %.1f, checkpoint half-way\n", opt_name(OptKind::SessionNoSpec),
                             c.clip);
                 RunSpec s3{"uninterrupted", OptKind::SessionNoSpec, c.clip, c.seed, half, ckpt, "", false};
