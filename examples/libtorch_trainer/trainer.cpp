@@ -48,10 +48,9 @@
 //           the speculative session must end bit for bit
 //           equal (losses, master weights, model weights) to a session with speculation off.
 //   resume  a run with speculation off (clipping triggers; a speculative run resumes bit for
-//           bit as well, see tests/reproducibility.rs) saves a checkpoint (so_session_save + the step counter) half-way; a
-//           fresh model (other init seed) and a fresh session load it (so_session_load) and
-//           train to the end: losses and final weights must equal the uninterrupted run's
-//           bit for bit.
+//           bit as well, see tests/reproducibility.rs) saves a checkpoint (so_session_save + the step counter)
+//           half-way; a fresh model (other init seed) and a fresh session load it (so_session_load) and train to the
+//           end: losses and final weights must equal the uninterrupted run's bit for bit.
 // --save-at/--ckpt and --resume run one training in a process of its own (run.sh uses them
 // to check a resume across processes, with --losses-out files compared by --compare).
 // The bit-for-bit checks need a deterministic forward and backward: the program sets
