@@ -17,10 +17,8 @@ What it does:
   and waits since the step before) and, on a skipped step, `optimizer_skipped`;
 - checkpoints and resumes through Trainer's own `save_steps` / `resume_from_checkpoint`
   (`optimizer.pt` holds the torch-native state dict; it is loaded memory-mapped); the resumed run
-  equals the uninterrupted one bit for bit without clipping or with
-  `superoffload_kwargs=dict(speculation=False)`; with clipping and speculation, to rounding (a
-  speculative step is rescaled or, not started at step(), cancelled and stepped exactly, which
-  depends on timing);
+  equals the uninterrupted one bit for bit, whatever the settings (the speculation history
+  travels in the state dict);
 - weights are final whenever Trainer or a callback reads them at an event that does not cost
   overlap: `on_log`, `on_save`, `on_evaluate`, `on_epoch_end`, `on_train_end` (Trainer's own
   reads, model.state_dict() for saving and forwards for evaluation, wait by themselves).

@@ -99,16 +99,16 @@ def _weights(m):
 
 
 def test_trainer_resume_bit_for_bit(tmp_path):
-    # clipping active: speculation off makes every step exact the same way (see test_torch.py)
+    # clipping active, the default settings (speculation auto)
     ds = dataset()
     kw = dict(save_strategy="steps", save_steps=6)
     full = SuperOffloadTrainer(model=model(), args=args(tmp_path / "run", **kw), train_dataset=ds,
-                               superoffload_kwargs=dict(sub_group_numel=4096, speculation=False))
+                               superoffload_kwargs=dict(sub_group_numel=4096))
     full.train()
     wa = _weights(full.model)
     la = [x["loss"] for x in train_logs(full)][6:]
     resumed = SuperOffloadTrainer(model=model(), args=args(tmp_path / "run", **kw), train_dataset=ds,
-                                  superoffload_kwargs=dict(sub_group_numel=4096, speculation=False))
+                                  superoffload_kwargs=dict(sub_group_numel=4096))
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-6"))
     lb = [x["loss"] for x in train_logs(resumed)]
     wb = _weights(resumed.model)
