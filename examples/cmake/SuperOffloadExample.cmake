@@ -12,7 +12,7 @@ endif()
 
 macro(so_example_find_superoffload name)
   if(NOT TARGET SuperOffload::superoffload)
-    find_package(SuperOffload 0.2 CONFIG REQUIRED)
+    find_package(SuperOffload 0.3 CONFIG REQUIRED)
     message(STATUS "${name}: SuperOffload ${SuperOffload_VERSION} from ${SuperOffload_DIR}")
   endif()
 endmacro()
