@@ -454,9 +454,7 @@ impl Session {
         let _t = self.lock();
         // The latest step's decision is part of it.
         self.shared.tickets.drain();
-        let history = self.shared.policy.lock().unwrap().history();
-        let bits = history.bytes().enumerate().filter(|&(_, b)| b == b'1').fold(0u32, |acc, (i, _)| acc | 1 << i);
-        (bits, history.len() as u32)
+        self.shared.policy.lock().unwrap().history_bits()
     }
 
     /// Restores what [`Session::speculation_history`] returned, between steps. Refuses more
@@ -466,12 +464,6 @@ impl Session {
         if t.phase != Phase::Idle {
             return Err(super::state_error("the speculation history is restored between steps"));
         }
-        if steps > 8 || (steps < 32 && bits >> steps != 0) {
-            return Err(Error::invalid(format!(
-                "speculation history {bits:#x} of {steps} steps: at most 8 steps, and no bit beyond them"
-            )));
-        }
-        let history: String = (0..steps).map(|i| if bits >> i & 1 == 1 { '1' } else { '0' }).collect();
-        self.shared.policy.lock().unwrap().restore_history(&history)
+        self.shared.policy.lock().unwrap().restore_history_bits(bits, steps)
     }
 }

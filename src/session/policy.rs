@@ -172,6 +172,24 @@ impl Policy {
         Ok(())
     }
 
+    /// [`Policy::history`] as bits (bit `i`: the `i`-th step, oldest first) and a count.
+    pub(crate) fn history_bits(&self) -> (u32, u32) {
+        let bits = self.unchanged.iter().enumerate().fold(0u32, |acc, (i, &u)| acc | u32::from(u) << i);
+        (bits, self.unchanged.len() as u32)
+    }
+
+    /// Restores [`Policy::history_bits`]; refuses more steps than [`HISTORY`] or a bit beyond
+    /// them, changing nothing.
+    pub(crate) fn restore_history_bits(&mut self, bits: u32, steps: u32) -> Result<()> {
+        if steps as usize > HISTORY || bits >> steps != 0 {
+            return Err(Error::invalid(format!(
+                "speculation history {bits:#x} of {steps} steps: at most {HISTORY} steps, and no bit beyond them"
+            )));
+        }
+        self.unchanged = (0..steps).map(|i| bits >> i & 1 == 1).collect();
+        Ok(())
+    }
+
     pub(crate) fn pass_measured(&mut self, elements: usize, took: Duration) {
         if elements == 0 {
             return;
@@ -278,6 +296,10 @@ mod tests {
         q.restore_history(&p.history()).unwrap();
         assert_eq!((q.history(), q.should_speculate()), ("100100".to_string(), p.should_speculate()));
         assert!(q.restore_history("102").is_err());
+        assert_eq!(p.history_bits(), (0b001001, 6));
+        q.restore_history_bits(0b001001, 6).unwrap();
+        assert_eq!(q.history(), p.history());
+        assert!(q.restore_history_bits(0b1000000, 6).is_err() && q.restore_history_bits(0, 9).is_err());
         assert!(q.restore_history(&"1".repeat(HISTORY + 1)).is_err());
     }
 
