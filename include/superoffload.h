@@ -943,8 +943,8 @@ typedef struct so_step_result {
   /**
    * Elements the optimizer passes touched after `so_session_step` was called (a pass over
    * a sub-group counts its elements): the work left after backward before the weights
-   * are final. (The pass that writes a sub-group's moments after its weights were
-   * published, in CUDA sessions, is not counted.)
+   * are final. (The pass that writes a sub-group's master weights and moments after the
+   * copy of its weights was published, in CUDA sessions, is not counted.)
    */
   uint64_t final_pass_elements;
   /**

@@ -126,30 +126,30 @@ fn a_split_update_writes_exactly_the_bits_of_one_update() {
     let mut rng = Rng::new(12);
     let pools = [pool(Isa::best(), 1), pool(Isa::best(), 3)];
     for dtypes in all_dtype_combinations() {
-        for &n in &LENGTHS {
-            let hp = AdamHyper { weight_decay: 0.05, ..random_hyper(&mut rng, AdamMode::AdamW) };
-            let start = State::random(&mut rng, n, dtypes, true, 1.0);
-            let mut whole = start.clone();
-            let opts = UpdateOptions { grad_scale: 0.75, ..UpdateOptions::default() };
-            kernels::update(&pools[0], &hp, whole.buffers(), &opts).unwrap();
-            for pool in &pools {
+        for mode in [AdamMode::AdamW, AdamMode::L2] {
+            for &n in &LENGTHS {
+                let hp = AdamHyper { weight_decay: 0.05, ..random_hyper(&mut rng, mode) };
+                let start = State::random(&mut rng, n, dtypes, true, 1.0);
+                let mut whole = start.clone();
+                let opts = UpdateOptions { grad_scale: 0.75, ..UpdateOptions::default() };
+                kernels::update(&pools[0], &hp, whole.buffers(), &opts).unwrap();
                 let mut split = start.clone();
-                kernels::update_weights(pool, &hp, split.buffers(), 0.75).unwrap();
-                let mut weights_only = whole.clone();
-                weights_only.m = start.m.clone();
-                weights_only.v = start.v.clone();
-                assert!(split == weights_only, "the weights pass wrote the moments or other bits, {dtypes:?} n {n}");
-                kernels::update_moments(pool, &hp, split.buffers(), 0.75).unwrap();
-                assert!(split == whole, "weights then moments differ from one update, {dtypes:?} n {n}");
+                if !kernels::can_split_update(&split.buffers()) {
+                    let err = kernels::update_copy(&pools[0], &hp, split.buffers(), 0.75).unwrap_err();
+                    assert_eq!(err.status, superoffload::error::Status::Unsupported);
+                    assert!(split == start, "a refused split changed the state, {dtypes:?}");
+                    continue;
+                }
+                for pool in &pools {
+                    let mut split = start.clone();
+                    kernels::update_copy(pool, &hp, split.buffers(), 0.75).unwrap();
+                    let mut copy_only = start.clone();
+                    copy_only.out = whole.out.clone();
+                    assert!(split == copy_only, "the copy pass wrote more than the copy, {dtypes:?} {mode:?} n {n}");
+                    kernels::update_state(pool, &hp, split.buffers(), 0.75).unwrap();
+                    assert!(split == whole, "copy then state differ from one update, {dtypes:?} {mode:?} n {n}");
+                }
             }
         }
     }
-    // Adam-L2 with weight decay forms the moments' gradient from the parameter: no split.
-    let hp = AdamHyper { mode: AdamMode::L2, weight_decay: 0.1, ..AdamHyper::default() };
-    let mut state = State::random(&mut rng, 100, (DType::F32, DType::F32, DType::F32, None), true, 1.0);
-    let before = state.clone();
-    assert!(!kernels::can_split_update(&hp));
-    let err = kernels::update_weights(&pools[0], &hp, state.buffers(), 1.0).unwrap_err();
-    assert_eq!(err.status, superoffload::error::Status::Unsupported);
-    assert!(state == before, "a refused split changed the state");
 }

@@ -83,6 +83,8 @@ fn build_sized(
         pool: Some(pool),
         grad_dtype: DType::Bf16,
         accum_dtype: DType::Bf16,
+        // A device model in bf16: the final pass writes this copy and publishes it first.
+        copy_dtype: Some(DType::Bf16),
         speculation,
         ..Default::default()
     };
@@ -104,7 +106,7 @@ fn build_sized(
 fn delayed_copies_give_host_mode_bits() {
     let transport = Arc::new(DelayedCopies::default());
     // Speculation off: every final pass is an update, which the device session splits into a
-    // weights pass and a moments pass (checked below). (Speculation on, host and transport
+    // copy pass and a state pass (checked below). (Speculation on, host and transport
     // sessions agree too: tests/reproducibility.rs.)
     let (host, host_masters) = build(None, Speculation::Off);
     let (dev, dev_masters) = build(Some(transport.clone()), Speculation::Off);
@@ -142,13 +144,14 @@ fn delayed_copies_give_host_mode_bits() {
             }
         }
     }
-    // With a device to publish to, final passes wrote the weights first and the moments in a
-    // pass of their own (and the next step's hand-offs waited for it): the bits above cover it.
+    // With a device to publish to, final passes wrote the weights' copy first and the master
+    // weights and moments in a pass of their own (and the next step's hand-offs waited for
+    // it): the bits above cover it.
     let trace = std::env::temp_dir().join(format!("so-transport-trace-{}.json", std::process::id()));
     dev.save_trace(&trace).unwrap();
     let timeline = std::fs::read_to_string(&trace).unwrap();
     std::fs::remove_file(&trace).ok();
-    assert!(timeline.contains("moments, sub-group"), "no moments pass ran");
+    assert!(timeline.contains("state, sub-group"), "no state pass ran");
     // Weights are staged after every change and published only for steps that were not skipped.
     let log = transport.log.lock().unwrap();
     assert!(log.iter().any(|l| l.starts_with("publish")));

@@ -25,7 +25,7 @@ Reported per run: s/step (median of --steps timed steps after --warmup), tokens/
 (1 - max(0, t - t_e) / t_cpu_adam, t_cpu_adam measured once with the library's kernel alone on the
 same cores), host bytes per parameter and pinned bytes (so_session_pinned_bytes), the last step's
 result (kept / rescaled / stepped). Targets: a <= 1.10 x d without clipping, a <= 1.15 x d with
-clipping on every step, a >= 1.4 x faster than c. Also writes a timeline of one extra step of each
+clipping on every step, a >= 1.4 x faster than c. Also writes a timeline of two extra steps of each
 of our runs (trace_<run>.json, e.g. trace_a_clip.json) and renders it with bench/trace_plot.py
 (.png, and a summary line in the log).
 
@@ -218,8 +218,10 @@ def mode_ours(model, batch, args, timer, speculation, clips, results, n_params, 
 
 
 def trace_step(opt, step, args, name):
-    """Timeline of one extra step of run `name`, through its finalization."""
+    """Timeline of two extra steps of run `name`, through the second one's finalization: the
+    second backward's hand-offs show what they waited for of the first step's work."""
     opt.trace(True)
+    step()
     step()
     opt.last_step_result()  # waits until every sub-group is final
     opt.trace(False)

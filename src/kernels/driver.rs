@@ -20,10 +20,10 @@ pub(crate) const BLOCK: usize = 8192;
 pub(crate) enum Stores {
     /// The parameter, its copy and the moments.
     All,
-    /// The parameter and its copy; the moments keep their values.
-    Weights,
-    /// The moments only.
-    Moments,
+    /// The parameter's copy only; the parameter and the moments keep their values.
+    Copy,
+    /// The parameter and the moments; the copy keeps its value.
+    State,
 }
 
 /// The slices of one thread's share of a step-shaped pass.
@@ -45,7 +45,7 @@ pub(crate) fn step_chunk<S: Simd, O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>
     chunk: StepChunk<'_, P, G, M, C>,
 ) {
     let StepChunk { stores, p, g, m, v, mut out, mut partials } = chunk;
-    let (weights, moments) = (stores != Stores::Moments, stores != Stores::Weights);
+    let (state, copy) = (stores != Stores::Copy, stores != Stores::State);
     let n = p.len();
     let lanes = S::LANES;
     let mut start = 0;
@@ -62,15 +62,13 @@ pub(crate) fn step_chunk<S: Simd, O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>
                 s.load(&m[i..i + lanes]),
                 s.load(&v[i..i + lanes]),
             );
-            if weights {
+            if state {
                 s.store(&mut p[i..i + lanes], r.p);
-                if let Some(out) = out.as_deref_mut() {
-                    s.store(&mut out[i..i + lanes], stored_param(s, r.p, &p[i..i + lanes]));
-                }
-            }
-            if moments {
                 s.store(&mut m[i..i + lanes], r.m);
                 s.store(&mut v[i..i + lanes], r.v);
+            }
+            if copy && let Some(out) = out.as_deref_mut() {
+                s.store(&mut out[i..i + lanes], stored_param(s, r.p, &p[i..i + lanes]));
             }
             if partials.is_some() {
                 acc = s.acc_add_squares(acc, r.g);
@@ -88,20 +86,18 @@ pub(crate) fn step_chunk<S: Simd, O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>
             tm[..len].copy_from_slice(&m[i..end]);
             tv[..len].copy_from_slice(&v[i..end]);
             let r = op.apply(s, s.load(&tp[..lanes]), s.load(&tg[..lanes]), s.load(&tm[..lanes]), s.load(&tv[..lanes]));
-            if weights {
+            if state {
                 s.store(&mut tp[..lanes], r.p);
                 p[i..end].copy_from_slice(&tp[..len]);
-                if let Some(out) = out.as_deref_mut() {
-                    let mut to = [C::ZERO; MAX_LANES];
-                    s.store(&mut to[..lanes], stored_param(s, r.p, &tp[..lanes]));
-                    out[i..end].copy_from_slice(&to[..len]);
-                }
-            }
-            if moments {
                 s.store(&mut tm[..lanes], r.m);
                 s.store(&mut tv[..lanes], r.v);
                 m[i..end].copy_from_slice(&tm[..len]);
                 v[i..end].copy_from_slice(&tv[..len]);
+            }
+            if copy && let Some(out) = out.as_deref_mut() {
+                let mut to = [C::ZERO; MAX_LANES];
+                s.store(&mut to[..lanes], stored_param(s, r.p, &tp[..lanes]));
+                out[i..end].copy_from_slice(&to[..len]);
             }
             if partials.is_some() {
                 // Padding lanes hold a zero gradient, which adds exactly nothing.

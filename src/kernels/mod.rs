@@ -218,34 +218,40 @@ pub fn update(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, opts: &UpdateO
     Ok(UpdateReport { grad_sumsq: if opts.grad_sumsq { prechecked.or(fused) } else { None } })
 }
 
-/// The first half of [`update`] split in two passes: writes the parameter (and its copy)
-/// as [`update`] would, leaving the moments as they were. [`update_moments`] with the same
-/// arguments then writes the moments as [`update`] would: together they write exactly its
-/// bits. The parameter is what the next forward needs; the moments can wait. Only where the
-/// moments do not depend on the parameter: AdamW, or Adam-L2 without weight decay.
-pub fn update_weights(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, grad_scale: f32) -> Result<()> {
-    split_update(pool, hp, bufs, grad_scale, Stores::Weights)
+/// The first half of [`update`] split in two passes: writes the parameter's copy as
+/// [`update`] would, and nothing else. [`update_state`] with the same arguments then writes
+/// the parameter and the moments as [`update`] would: together they write exactly its bits.
+/// The copy is what the device needs for the next forward; it reads what [`update`] reads
+/// and writes a fraction of it. Needs [`can_split_update`].
+pub fn update_copy(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, grad_scale: f32) -> Result<()> {
+    split_update(pool, hp, bufs, grad_scale, Stores::Copy)
 }
 
-/// The second half of [`update_weights`]: the moments of the same step. The gradient and the
-/// moments must be as [`update_weights`] found them (the parameter is not read).
-pub fn update_moments(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, grad_scale: f32) -> Result<()> {
-    split_update(pool, hp, bufs, grad_scale, Stores::Moments)
+/// The second half of [`update_copy`]: the parameter and the moments of the same step, from
+/// the buffers as [`update_copy`] found them (it changed none of them). The copy is not
+/// written.
+pub fn update_state(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, grad_scale: f32) -> Result<()> {
+    split_update(pool, hp, bufs, grad_scale, Stores::State)
 }
 
-/// Whether [`update_weights`] and [`update_moments`] can split a step with `hp`.
-pub fn can_split_update(hp: &AdamHyper) -> bool {
-    hp.mode == AdamMode::AdamW || hp.weight_decay == 0.0
+/// Whether [`update_copy`] and [`update_state`] can split a step over `bufs`: there is a
+/// copy to write, rounded from the f32 parameter (a low-precision parameter's copy is
+/// rounded from the parameter as stored, which the first pass does not write).
+pub fn can_split_update(bufs: &AdamBuffers<'_>) -> bool {
+    bufs.param.dtype() == DType::F32 && bufs.copy_out.is_some()
 }
 
 fn split_update(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, grad_scale: f32, stores: Stores) -> Result<()> {
     hp.validate()?;
     check_scale("grad_scale", grad_scale)?;
-    if !can_split_update(hp) {
-        return Err(Error::unsupported(
-            "a step with Adam-L2 weight decay cannot be split: its moments depend on the parameter",
-        ));
+    if !can_split_update(&bufs) {
+        return Err(Error::unsupported(format!(
+            "a split update needs an f32 parameter and a copy to write; got a {} parameter {} a copy",
+            bufs.param.dtype().name(),
+            if bufs.copy_out.is_some() { "and" } else { "without" }
+        )));
     }
+    bufs.numel()?;
     run_step_pass(pool, &Update { k: StepConstants::new(hp), grad_scale }, bufs, false, stores).map(drop)
 }
 

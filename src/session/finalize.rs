@@ -44,8 +44,9 @@ pub(crate) enum Action {
 pub(crate) enum Outcome {
     Unchanged,
     Stepped,
-    /// Stepped, the moments written by a pass of their own after publication.
-    SteppedMomentsAfter,
+    /// Stepped: the weights' copy written and published first, the master weights and
+    /// moments by a pass of their own after it.
+    SteppedStateAfter,
     Kept,
     Rescaled,
     Redone,
@@ -58,7 +59,7 @@ impl Outcome {
         match self {
             Outcome::Unchanged => "unchanged",
             Outcome::Stepped => "stepped",
-            Outcome::SteppedMomentsAfter => "stepped, moments after",
+            Outcome::SteppedStateAfter => "stepped, state after",
             Outcome::Kept => "kept",
             Outcome::Rescaled => "rescaled",
             Outcome::Redone => "redone",
@@ -70,7 +71,7 @@ impl Outcome {
     fn count(self, result: &mut StepResult) {
         let counter = match self {
             Outcome::Unchanged => return,
-            Outcome::Stepped | Outcome::SteppedMomentsAfter => &mut result.stepped,
+            Outcome::Stepped | Outcome::SteppedStateAfter => &mut result.stepped,
             Outcome::Kept => &mut result.kept,
             Outcome::Rescaled => &mut result.rescaled,
             Outcome::Redone => &mut result.redone,
@@ -148,11 +149,11 @@ fn resolve_elements(spec: &SpecRecord, resolution: Resolution, numel: usize) -> 
     (resolved + (numel - spec.done)) as u64
 }
 
-/// What one final pass did, and the moments pass it left for later.
+/// What one final pass did, and the state pass it left for later.
 struct FinalPass {
     outcome: Outcome,
     elements: u64,
-    moments_after: Option<(AdamHyper, f32)>,
+    state_after: Option<(AdamHyper, f32)>,
 }
 
 impl Worker {
@@ -165,21 +166,21 @@ impl Worker {
         let group = step.groups[sg.group as usize];
         let span = self.shared.tracer.span(Lane::CpuAdam, || format!("finalize sub-group {}", sg.id));
         let start = Instant::now();
-        let mut done = FinalPass { outcome: Outcome::Unchanged, elements: 0, moments_after: None };
-        let outcome = guarded(|| self.final_pass(sg, group, step.moments_may_wait, &step.result, &mut done));
-        let FinalPass { outcome: what, elements, moments_after } = done;
+        let mut done = FinalPass { outcome: Outcome::Unchanged, elements: 0, state_after: None };
+        let outcome = guarded(|| self.final_pass(sg, group, step.state_may_wait, &step.result, &mut done));
+        let FinalPass { outcome: what, elements, state_after } = done;
         what.count(&mut step.result);
-        if matches!(what, Outcome::Stepped | Outcome::SteppedMomentsAfter) && elements > 0 {
-            // With the moments after, what the next forward waits for is the weights pass.
+        if matches!(what, Outcome::Stepped | Outcome::SteppedStateAfter) && elements > 0 {
+            // With the state after, what the next forward waits for is the copy pass.
             self.shared.policy.lock().unwrap().pass_measured(elements as usize, start.elapsed());
         }
         step.result.final_pass_elements += elements;
-        match moments_after {
+        match state_after {
             Some((hp, scale)) => {
-                // The weights were written, so the moments follow even if staging failed.
-                // Before the final ticket completes: a hand-off released by it must see the
-                // moments pending.
-                self.shared.sched.submit_moments(serial, sg.clone(), hp, scale);
+                // The copy was written, so the state follows even if staging failed. Before
+                // the final ticket completes: a hand-off released by it must see the state
+                // pending.
+                self.shared.sched.submit_state(serial, sg.clone(), hp, scale);
                 step.settling += 1;
             }
             None => self.shared.sched.set_lifecycle(sg.id, Lifecycle::Idle),
@@ -194,19 +195,20 @@ impl Worker {
         self.continue_step(step);
     }
 
-    /// The moments of a sub-group whose final pass wrote only its weights: the second half
-    /// of that step (`kernels::update_moments`), from the gradient and moments it left.
-    pub(crate) fn moments(&mut self, sg: &Arc<SubGroup>, hp: &AdamHyper, scale: f32) {
+    /// The master weights and moments of a sub-group whose final pass wrote only the weights'
+    /// copy: the second half of that step (`kernels::update_state`), from the buffers that
+    /// pass read and left as they were.
+    pub(crate) fn deferred_state(&mut self, sg: &Arc<SubGroup>, hp: &AdamHyper, scale: f32) {
         let mut step = self.step.take().expect("a decided step is settling");
-        let span = self.shared.tracer.span(Lane::CpuAdam, || format!("moments, sub-group {}", sg.id));
+        let span = self.shared.tracer.span(Lane::CpuAdam, || format!("state, sub-group {}", sg.id));
         let outcome = guarded(|| {
             let mut data = sg.data.lock().unwrap();
-            kernels::update_moments(&self.shared.pool, hp, buffers(&mut data, 0..sg.numel), scale)
+            kernels::update_state(&self.shared.pool, hp, buffers(&mut data, 0..sg.numel), scale)
         });
         self.shared.sched.settle(sg.id);
         drop(span.arg("ok", outcome.is_ok()));
         if let Err(e) = outcome {
-            // The moments are not those of the step the weights took: the step fails.
+            // The state is not that of the step the published copy took: the step fails.
             step.prepared = step.prepared.and(Err(e));
         }
         step.settling -= 1;
@@ -226,7 +228,7 @@ impl Worker {
         &self,
         sg: &SubGroup,
         group: GroupHparams,
-        moments_may_wait: bool,
+        state_may_wait: bool,
         result: &StepResult,
         out: &mut FinalPass,
     ) -> Result<()> {
@@ -297,15 +299,15 @@ impl Worker {
             }
             Action::Update { factor, hp } => {
                 self.master_write(sg)?;
-                // The next forward waits for the weights alone: with a device to publish to,
-                // the moments are written by a pass of their own after publication
-                // (`Class::Moments`), off that wait, where the CPU has time for it (the
-                // policy). Not with a caller-provided gradient buffer, which the caller may
-                // rewrite once the weights are final.
-                let defer = moments_may_wait
+                // The next forward waits for the weights' copy alone: with a device to publish
+                // to, the pass writes the copy, and the master weights and moments are written
+                // by a pass of their own after publication (`Class::State`), off that wait,
+                // where the CPU has time for it (the policy). Not with a caller-provided
+                // gradient buffer, which the caller may rewrite once the weights are final.
+                let defer = state_may_wait
                     && self.shared.transport().is_some()
                     && data.grad.is_owned()
-                    && kernels::can_split_update(&hp);
+                    && kernels::can_split_update(&buffers(&mut data, 0..0));
                 // With a device to publish to, in pieces, each staged as it is done: the next
                 // forward waits for this pass and the staging copy of its last piece only.
                 let piece_len = if self.shared.transport().is_some() { PUBLISH_PIECE } else { n.max(1) };
@@ -313,7 +315,7 @@ impl Worker {
                 for start in (0..n).step_by(piece_len) {
                     let piece = start..(start + piece_len).min(n);
                     if defer {
-                        kernels::update_weights(pool, &hp, buffers(&mut data, piece.clone()), factor)?;
+                        kernels::update_copy(pool, &hp, buffers(&mut data, piece.clone()), factor)?;
                     } else {
                         kernels::update(pool, &hp, buffers(&mut data, piece.clone()), &update)?;
                     }
@@ -321,9 +323,9 @@ impl Worker {
                 }
                 out.elements += n as u64;
                 if defer {
-                    out.moments_after = Some((hp, factor));
+                    out.state_after = Some((hp, factor));
                     if out.outcome == Outcome::Stepped {
-                        out.outcome = Outcome::SteppedMomentsAfter;
+                        out.outcome = Outcome::SteppedStateAfter;
                     }
                 }
             }

@@ -28,10 +28,11 @@ pub(crate) struct StepInFlight {
     pub finals: std::collections::HashMap<u32, Ticket>,
     /// Final passes still to run.
     pub remaining: usize,
-    /// Moments passes still to run (the step ticket completes after them too).
+    /// State passes still to run (the step ticket completes after them too).
     pub settling: usize,
-    /// Whether final passes may write the moments after publishing the weights (`policy.rs`).
-    pub moments_may_wait: bool,
+    /// Whether final passes may write the master weights and moments after publishing the
+    /// weights' copy (`policy.rs`).
+    pub state_may_wait: bool,
     step_ticket: Ticket,
     pub prepared: Result<()>,
 }
@@ -111,7 +112,7 @@ impl Worker {
             }
             Job::Decide(plan) => self.decide(*plan),
             Job::Finalize(sg) => self.finalize(key.serial, &sg),
-            Job::Moments { sg, hp, scale } => self.moments(&sg, &hp, scale),
+            Job::State { sg, hp, scale } => self.deferred_state(&sg, &hp, scale),
         }
     }
 
@@ -422,10 +423,10 @@ impl Worker {
             result.next_loss_scale = plan.loss_scale;
         }
         let unchanged = !result.skipped && result.grad_factor == unscale_factor(plan.loss_scale);
-        let moments_may_wait = {
+        let state_may_wait = {
             let mut policy = self.shared.policy.lock().unwrap();
             policy.decided(unchanged);
-            policy.moments_can_wait(plan.speculative > 0)
+            policy.state_can_wait(plan.speculative > 0)
         };
         let subgroups: Vec<Arc<SubGroup>> = plan.subgroups.iter().map(|(sg, _)| sg.clone()).collect();
         result.cancelled = self.shared.sched.finalize_all(plan.serial, &subgroups);
@@ -443,7 +444,7 @@ impl Worker {
             finals: plan.subgroups.iter().map(|(sg, t)| (sg.id, *t)).collect(),
             remaining: plan.subgroups.len(),
             settling: 0,
-            moments_may_wait,
+            state_may_wait,
             step_ticket: plan.step_ticket,
             prepared,
         };

@@ -1,5 +1,5 @@
 //! Decisions made from measurements of earlier steps: whether a sub-group speculates
-//! (`Speculation::Auto`), whether a step's final passes may leave the moments for later, and
+//! (`Speculation::Auto`), whether a step's final passes may leave the state for later, and
 //! how many first sub-groups to keep on the device (the automatic split).
 //!
 //! Speculation. A speculative step pays when the step's final factor equals the factor it
@@ -11,15 +11,16 @@
 //! of the recent steps (the last [`HISTORY`], counted with one pseudo-step each way, so a
 //! new session speculates).
 //!
-//! Moments after the weights. A final pass with a device to publish to can write the
-//! weights alone, publish them, and write the moments in a pass of its own: the next forward
-//! waits for 20 bytes per element instead of 28, and the CPU does 38 in all. That pays when
-//! the CPU-Adam thread has idle time for the extra pass before the next step's work: always
-//! in a step that did not speculate (its passes all run after backward, and the next ones
-//! only after the next backward), and in one that did when the thread was busy for at most
-//! [`MOMENTS_AFTER_BUSY`] of the previous step period. Where the CPU is about as busy as the
-//! GPU, the moments passes would delay the next step's speculative passes by more than they
-//! save.
+//! State after the copy. A final pass with a device to publish to can write the weights'
+//! low-precision copy alone, publish it, and write the master weights and moments in a pass
+//! of its own: the next forward waits for a pass that reads what an update reads (14 bytes
+//! per element with a bf16 gradient) and writes 2 bytes instead of 14, and the CPU moves 42
+//! bytes per element in all instead of 28. That pays when the CPU-Adam thread has idle time
+//! for the extra pass before the next step's work: always in a step that did not speculate
+//! (its passes all run after backward, and the next ones only after the next backward), and
+//! in one that did when the thread was busy for at most [`STATE_AFTER_BUSY`] of the previous
+//! step period. Where the CPU is about as busy as the GPU, the state passes would delay the
+//! next step's speculative passes by more than they save.
 //!
 //! Split. Every [`SPLIT_AFTER`] measured steps, the exposed optimizer time `W` (mean
 //! `forward_wait_s` of those steps, the first after a change of the split excluded) is what
@@ -57,9 +58,9 @@ const HEADROOM_MIN_BYTES: usize = 1 << 30;
 /// ...and at least this fraction of the device's memory: room for what the caller allocates
 /// later (fragmentation, a longer batch, an evaluation pass).
 const HEADROOM_FRACTION: f64 = 0.05;
-/// A step that speculated defers its moments when the CPU-Adam thread was busy for at most
+/// A step that speculated defers its state when the CPU-Adam thread was busy for at most
 /// this fraction of the previous step period.
-const MOMENTS_AFTER_BUSY: f64 = 0.5;
+const STATE_AFTER_BUSY: f64 = 0.5;
 
 /// What the automatic budget measured and chose (bytes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,9 +150,10 @@ impl Policy {
         self.busy_s += took.as_secs_f64();
     }
 
-    /// Whether the final passes of a step may write the moments after publishing the weights.
-    pub(crate) fn moments_can_wait(&self, speculated: bool) -> bool {
-        !speculated || self.busy_fraction.is_some_and(|f| f <= MOMENTS_AFTER_BUSY)
+    /// Whether the final passes of a step may write the master weights and moments after
+    /// publishing the weights' copy.
+    pub(crate) fn state_can_wait(&self, speculated: bool) -> bool {
+        !speculated || self.busy_fraction.is_some_and(|f| f <= STATE_AFTER_BUSY)
     }
 
     pub(crate) fn decided(&mut self, unchanged: bool) {
@@ -304,19 +306,19 @@ mod tests {
     }
 
     #[test]
-    fn moments_wait_where_the_cpu_has_idle_time() {
+    fn state_waits_where_the_cpu_has_idle_time() {
         let mut p = Policy::new(Speculation::Auto);
         let start = Instant::now();
-        assert!(p.moments_can_wait(false), "a step that did not speculate always defers");
-        assert!(!p.moments_can_wait(true), "nothing measured yet");
+        assert!(p.state_can_wait(false), "a step that did not speculate always defers");
+        assert!(!p.state_can_wait(true), "nothing measured yet");
         p.step_called_at(start, 0.0);
         p.job_ran(Duration::from_millis(40));
         p.step_called_at(start + Duration::from_millis(100), 0.0);
-        assert!(p.moments_can_wait(true), "busy 40 % of the period");
+        assert!(p.state_can_wait(true), "busy 40 % of the period");
         p.job_ran(Duration::from_millis(70));
         p.step_called_at(start + Duration::from_millis(200), 0.0);
-        assert!(!p.moments_can_wait(true), "busy 70 % of the period");
-        assert!(p.moments_can_wait(false));
+        assert!(!p.state_can_wait(true), "busy 70 % of the period");
+        assert!(p.state_can_wait(false));
     }
 
     #[test]

@@ -220,7 +220,8 @@ impl Session {
         let track = t.reg.track(info.sg)?;
         let (sg, final_ticket) = (track.sg.clone(), track.final_ticket);
         // The previous step's final pass first: until it ran, the sub-group is not idle; and
-        // its moments, when that pass left them for later (the gradient buffer is read).
+        // its state pass, when the final pass left the master weights and moments for later (the
+        // gradient buffer is read).
         self.wait_final(final_ticket);
         self.wait_settled(sg.id);
         if self.shared.sched.is_complete(sg.id) {
@@ -289,7 +290,7 @@ impl Session {
         }
     }
 
-    /// Waits while the sub-group's moments pass of the previous step is pending, counting
+    /// Waits while the sub-group's state pass of the previous step is pending, counting
     /// the time as the caller's wait (it holds the backward up).
     fn wait_settled(&self, sg: u32) {
         let start = std::time::Instant::now();

@@ -5,8 +5,8 @@
 //! serial, class, forward index)`: everything of an earlier step before anything of a later
 //! one; within a step the decision (and the preparation before it) first, then
 //! finalizations, then speculative steps; among finalizations and among speculative steps,
-//! the sub-group the next forward needs first (registration order) first; last, the moments
-//! of sub-groups whose final pass wrote only the weights, in backward order (the order the
+//! the sub-group the next forward needs first (registration order) first; last, the master
+//! weights and moments of sub-groups whose final pass wrote only the weights' copy, in backward order (the order the
 //! next step's gradients arrive in, each of which waits for them). A job is runnable
 //! when it would not wait on the device: a speculative step once its sub-group's gradient
 //! has landed, the decision once every gradient of its step has (a CUDA caller reaches
@@ -42,9 +42,10 @@ pub(crate) enum Lifecycle {
     Speculated(Option<Ticket>),
     /// Decided: its final pass is queued.
     FinalQueued(Option<Ticket>),
-    /// Its weights are final and published; its moments are written by a pass of their own,
-    /// queued. The gradient buffer is still read: the next hand-off waits.
-    MomentsPending,
+    /// The copy of its weights is final and published; its master weights and moments are
+    /// written by a pass of their own, queued. The gradient buffer is still read: the next
+    /// hand-off waits.
+    StatePending,
     Removed,
 }
 
@@ -55,7 +56,7 @@ pub(crate) enum Class {
     Decide,
     Finalize,
     Speculate,
-    Moments,
+    State,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -71,7 +72,7 @@ pub(crate) enum Job {
     Decide(Box<StepPlan>),
     Finalize(Arc<SubGroup>),
     Speculate(Arc<SubGroup>),
-    Moments { sg: Arc<SubGroup>, hp: AdamHyper, scale: f32 },
+    State { sg: Arc<SubGroup>, hp: AdamHyper, scale: f32 },
 }
 
 #[derive(Default)]
@@ -105,7 +106,7 @@ impl Job {
         match self {
             Job::Speculate(sg) => landed(sg.id),
             Job::Decide(plan) => plan.subgroups.iter().all(|(sg, _)| landed(sg.id)),
-            Job::Prepare { .. } | Job::Finalize(_) | Job::Moments { .. } => true,
+            Job::Prepare { .. } | Job::Finalize(_) | Job::State { .. } => true,
         }
     }
 }
@@ -114,7 +115,7 @@ impl Job {
 pub(crate) struct Scheduler {
     queue: Mutex<Queue>,
     wake: Condvar,
-    /// A sub-group left `MomentsPending`.
+    /// A sub-group left `StatePending`.
     settled: Condvar,
     /// A job of a higher class than a speculative step is waiting.
     preempt: AtomicBool,
@@ -208,28 +209,28 @@ impl Scheduler {
         Some(ticket)
     }
 
-    /// Queues the pass that writes the moments of a sub-group whose final pass wrote only its
-    /// weights (a `u32::MAX - id` forward key: backward order).
-    pub(crate) fn submit_moments(&self, serial: u64, sg: Arc<SubGroup>, hp: AdamHyper, scale: f32) {
+    /// Queues the pass that writes the master weights and moments of a sub-group whose final
+    /// pass wrote only the weights' copy (a `u32::MAX - id` forward key: backward order).
+    pub(crate) fn submit_state(&self, serial: u64, sg: Arc<SubGroup>, hp: AdamHyper, scale: f32) {
         let mut q = self.queue.lock().unwrap();
-        q.lifecycle[sg.id as usize] = Lifecycle::MomentsPending;
+        q.lifecycle[sg.id as usize] = Lifecycle::StatePending;
         let forward = u32::MAX - sg.id;
-        q.push(serial, Class::Moments, forward, Job::Moments { sg, hp, scale });
+        q.push(serial, Class::State, forward, Job::State { sg, hp, scale });
         self.update_preempt(&q);
         self.wake.notify_one();
     }
 
-    /// The sub-group's moments are written: it is idle.
+    /// The sub-group's state is written: it is idle.
     pub(crate) fn settle(&self, id: u32) {
         self.queue.lock().unwrap().lifecycle[id as usize] = Lifecycle::Idle;
         self.settled.notify_all();
     }
 
-    /// Waits while the sub-group's moments are pending; returns whether it waited.
+    /// Waits while the sub-group's state pass is pending; returns whether it waited.
     pub(crate) fn wait_settled(&self, id: u32) -> bool {
         let mut q = self.queue.lock().unwrap();
         let mut waited = false;
-        while q.lifecycle[id as usize] == Lifecycle::MomentsPending {
+        while q.lifecycle[id as usize] == Lifecycle::StatePending {
             waited = true;
             q = self.settled.wait(q).unwrap();
         }

@@ -102,8 +102,8 @@ pub struct so_step_result {
     pub device_subgroups: u32,
     /// Elements the optimizer passes touched after `so_session_step` was called (a pass over
     /// a sub-group counts its elements): the work left after backward before the weights
-    /// are final. (The pass that writes a sub-group's moments after its weights were
-    /// published, in CUDA sessions, is not counted.)
+    /// are final. (The pass that writes a sub-group's master weights and moments after the
+    /// copy of its weights was published, in CUDA sessions, is not counted.)
     pub final_pass_elements: u64,
     /// Seconds the compute stream (CUDA sessions, through `so_ticket_enqueue_wait`, timed on
     /// the GPU) or the calling threads (`so_ticket_wait` and the other host waits) waited on

@@ -15,8 +15,10 @@
 //! 3. rollback of that step;
 //! 4. update with a bf16 gradient, grad_scale 0.5 and a bf16 copy-out;
 //! 5. its floor, then an untimed rollback of 4;
-//! 6. update with check_finite and the sum of squares;
-//! 7. rescale of that step from scale 1 to 0.5; then t += 1.
+//! 6. the same update split in two passes: the copy, then the state (the parameter and the
+//!    moments; what a CUDA session's final pass leaves for later), then an untimed rollback;
+//! 7. update with check_finite and the sum of squares;
+//! 8. rescale of that step from scale 1 to 0.5; then t += 1.
 //!
 //! So the state advances one real step per repetition, the bias correction differs every
 //! time, and rollback and rescale run on exactly the state they are meant for. The floors
@@ -234,14 +236,25 @@ enum Op {
     FloorF32,
     UpdateBf16,
     FloorBf16,
+    SplitCopy,
+    SplitState,
     Rollback,
     Rescale,
     UpdateChecked,
 }
 
 impl Op {
-    const ALL: [Op; 7] =
-        [Op::UpdateF32, Op::FloorF32, Op::UpdateBf16, Op::FloorBf16, Op::Rollback, Op::Rescale, Op::UpdateChecked];
+    const ALL: [Op; 9] = [
+        Op::UpdateF32,
+        Op::FloorF32,
+        Op::UpdateBf16,
+        Op::FloorBf16,
+        Op::SplitCopy,
+        Op::SplitState,
+        Op::Rollback,
+        Op::Rescale,
+        Op::UpdateChecked,
+    ];
 
     fn id(self) -> &'static str {
         match self {
@@ -249,6 +262,8 @@ impl Op {
             Op::FloorF32 => "floor_f32",
             Op::UpdateBf16 => "update_bf16grad_bf16copy",
             Op::FloorBf16 => "floor_bf16grad_bf16copy",
+            Op::SplitCopy => "split_copy_bf16grad_bf16copy",
+            Op::SplitState => "split_state_bf16grad",
             Op::Rollback => "rollback_f32",
             Op::Rescale => "rescale_f32",
             Op::UpdateChecked => "update_f32_checkfinite_sumsq",
@@ -261,6 +276,8 @@ impl Op {
             Op::FloorF32 => "(b) floor f32",
             Op::UpdateBf16 => "(c) update bf16 grad+copy",
             Op::FloorBf16 => "(d) floor bf16 grad+copy",
+            Op::SplitCopy => "(c1) split: copy pass",
+            Op::SplitState => "(c2) split: state pass",
             Op::Rollback => "(e) rollback f32",
             Op::Rescale => "(f) rescale f32 1->0.5",
             Op::UpdateChecked => "(g) update check+sumsq",
@@ -274,6 +291,10 @@ impl Op {
             Op::UpdateF32 | Op::FloorF32 | Op::Rollback | Op::Rescale => 28,
             // read p 4, g 2, m 4, v 4; write p 4, m 4, v 4, copy 2
             Op::UpdateBf16 | Op::FloorBf16 => 28,
+            // read p 4, g 2, m 4, v 4; write the copy 2
+            Op::SplitCopy => 16,
+            // read p 4, g 2, m 4, v 4; write p, m, v 12
+            Op::SplitState => 26,
             // the finiteness check reads g once more before the step
             Op::UpdateChecked => 32,
         }
@@ -284,6 +305,7 @@ impl Op {
         match self {
             Op::UpdateF32 => Some(Op::FloorF32),
             Op::UpdateBf16 => Some(Op::FloorBf16),
+            Op::SplitCopy | Op::SplitState => Some(Op::UpdateBf16),
             Op::Rollback | Op::Rescale | Op::UpdateChecked => Some(Op::UpdateF32),
             Op::FloorF32 | Op::FloorBf16 => None,
         }
@@ -349,6 +371,9 @@ fn run(pool: &Pool, d: &mut Data, warmup: usize, iters: usize) -> Result<Vec<Vec
         rec.push((Op::Rollback, timed(|| kernels::rollback(pool, &hp, f32_bufs(d), 1.0))?));
         rec.push((Op::UpdateBf16, timed(|| kernels::update(pool, &hp, bf16_bufs(d, true), &bf16_opts).map(drop))?));
         rec.push((Op::FloorBf16, timed(|| kernels::memory_floor(pool, bf16_bufs(d, true), FLOOR_SCALE))?));
+        kernels::rollback(pool, &hp, bf16_bufs(d, false), 0.5).map_err(|e| e.to_string())?;
+        rec.push((Op::SplitCopy, timed(|| kernels::update_copy(pool, &hp, bf16_bufs(d, true), 0.5))?));
+        rec.push((Op::SplitState, timed(|| kernels::update_state(pool, &hp, bf16_bufs(d, true), 0.5))?));
         kernels::rollback(pool, &hp, bf16_bufs(d, false), 0.5).map_err(|e| e.to_string())?;
         let mut sumsq = None;
         rec.push((
@@ -468,7 +493,7 @@ fn real_main(args: Args) -> Result<(), String> {
     for r in &rows {
         let ratio = match (r.ratio, r.op.baseline()) {
             (Some(x), Some(Op::FloorF32 | Op::FloorBf16)) => format!("{x:.3} x floor"),
-            (Some(x), Some(_)) => format!("{x:.3} x (a)"),
+            (Some(x), Some(b)) => format!("{x:.3} x {}", b.label().split_once(' ').map_or("", |l| l.0)),
             _ => String::new(),
         };
         println!(
@@ -490,6 +515,8 @@ fn real_main(args: Args) -> Result<(), String> {
         ("rescale_over_update", "rescale / update (f/a)", ratio(Op::Rescale, Op::UpdateF32)),
         ("checked_over_update", "check+sumsq / update (g/a)", ratio(Op::UpdateChecked, Op::UpdateF32)),
         ("bf16_update_over_f32_update", "bf16 update / f32 update (c/a)", ratio(Op::UpdateBf16, Op::UpdateF32)),
+        ("split_copy_over_update", "split copy pass / update (c1/c)", ratio(Op::SplitCopy, Op::UpdateBf16)),
+        ("split_state_over_update", "split state pass / update (c2/c)", ratio(Op::SplitState, Op::UpdateBf16)),
     ];
     println!();
     for (_, label, x) in &ratios {
