@@ -10,7 +10,7 @@ import argparse
 import json
 
 COLOURS = [("speculative step", "#2a9d8f"), ("rescaled", "#e9c46a"), ("rolled back", "#e76f51"),
-           ("redone", "#f4a261"), ("stepped", "#457b9d"), ("kept", "#8ab17d"), ("sum of squares", "#a8dadc"),
+           ("redone", "#f4a261"), ("stepped", "#457b9d"), ("state, sub-group", "#b5838d"), ("kept", "#8ab17d"), ("sum of squares", "#a8dadc"),
            ("decide", "#6d597a"), ("wait for gradient copies", "#bbbbbb"), ("gradient", "#264653"),
            ("wait", "#d62828")]
 
