@@ -587,12 +587,14 @@ __attribute__((visibility("default"))) int sojax_read_master(int64_t handle, uin
         g_error = "sojax_read_master: no such sub-group, or a wrong size";
         return 1;
     }
-    so_ticket fin = 0;
-    so_status st = so_session_final_ticket(t->session, sg, &fin);
-    if (st == SO_STATUS_OK) st = so_ticket_wait(t->session, fin, -1);
-    if (st != SO_STATUS_OK) {
-        g_error = so_message(st, "waiting for the sub-group's final ticket");
-        return 1;
+    // The step's ticket (none before the first step): a CUDA session writes the master
+    // weights after it publishes a sub-group (its final ticket).
+    if (t->last_step != 0) {
+        const so_status st = so_ticket_wait(t->session, t->last_step, -1);
+        if (st != SO_STATUS_OK) {
+            g_error = so_message(st, "waiting for the step's ticket");
+            return 1;
+        }
     }
     std::memcpy(out, t->sgs[sg].master, numel * sizeof(float));
     return 0;

@@ -237,8 +237,9 @@ struct StepResult : so_step_result {
  *
  * One step: begin_step(); grad_copy() (or grad_written()) for every slice, next_micro_step()
  * between micro-steps; optionally local_grad_sumsq(); step(), which returns at once with a
- * ticket; step_result(ticket). Master weights may be read again once the sub-group's
- * final_ticket() (or the step's ticket) is complete.
+ * ticket; step_result(ticket). Master weights may be read again once the step's ticket is
+ * complete (host sessions: the sub-group's final_ticket() suffices; a CUDA session writes
+ * them after publishing the low-precision copy).
  *
  * Borrowed memory: the master weights (and caller gradient buffers) given to add_subgroup
  * are borrowed until the sub-group is removed or the session destroyed (see

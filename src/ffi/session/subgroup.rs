@@ -189,9 +189,12 @@ pub extern "C" fn so_subgroup_desc_default() -> so_subgroup_desc {
 /// The session allocates its moments (and its gradient buffer unless `desc->grad` is
 /// given). `desc->master` (and `desc->grad`) are **borrowed** until the sub-group is
 /// removed or the session destroyed: the memory must stay valid, and the caller must not
-/// access it from the moment a gradient hand-off completes the sub-group until the
-/// sub-group's final ticket (`so_session_final_ticket`) of that step is complete. Reading
-/// the master weights between steps, after the final ticket, is the normal use.
+/// access it from the moment a gradient hand-off completes the sub-group until that step's
+/// ticket (`so_session_step`'s) is complete. Reading the master weights between steps, after
+/// the step's ticket, is the normal use; in a host session (no CUDA transport) the
+/// sub-group's final ticket (`so_session_final_ticket`) suffices. A CUDA session that
+/// publishes a low-precision copy writes the copy first and the master weights and moments
+/// after it, before the step's ticket completes.
 /// Sub-groups are finalized at `so_session_step` in the order they were registered:
 /// register them in forward order.
 ///
@@ -271,7 +274,9 @@ pub unsafe extern "C" fn so_session_slice_id(
 }
 
 /// @brief The ticket that completes when the sub-group's latest step is final (0 before
-/// its first step): its master weights may be read once it is complete.
+/// its first step): the weights it publishes to the device are final, and in a host
+/// session its master weights may be read. A CUDA session that publishes a low-precision
+/// copy writes the master weights and moments after it: read them after the step's ticket.
 /// @note Thread-safety: see `so_session`.
 ///
 /// # Safety
