@@ -349,6 +349,11 @@ static void registration(so_st_model *A) {
     EXPECT_REFUSED(so_ticket_wait_all(NULL, 1, 0), SO_STATUS_NULL_ARGUMENT, "so_ticket_wait_all", "session");
     EXPECT_REFUSED(so_session_save(NULL, "/tmp/x"), SO_STATUS_NULL_ARGUMENT, "so_session_save", "session");
     EXPECT_REFUSED(so_session_save(s, NULL), SO_STATUS_NULL_ARGUMENT, "so_session_save", "path");
+    EXPECT_REFUSED(so_session_limit_device_memory(NULL, 1u << 30), SO_STATUS_NULL_ARGUMENT,
+                   "so_session_limit_device_memory", "session");
+    /* A host session has no automatic budget for the limit to bound: accepted, no effect. */
+    CHECK_OK(so_session_limit_device_memory(s, 1u << 30));
+    CHECK_OK(so_session_limit_device_memory(s, SO_DEVICE_MEMORY_UNLIMITED));
     EXPECT_REFUSED(so_session_load(NULL, "/tmp/x"), SO_STATUS_NULL_ARGUMENT, "so_session_load", "session");
     EXPECT_REFUSED(so_session_load(s, NULL), SO_STATUS_NULL_ARGUMENT, "so_session_load", "path");
     EXPECT_REFUSED(so_session_load(s, "/nonexistent-dir/checkpoint.safetensors"), SO_STATUS_IO, "so_session_load",

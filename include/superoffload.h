@@ -38,6 +38,12 @@ typedef struct CUstream_st *so_cuda_stream_t;
 #define SO_GPU_BUDGET_AUTO UINT64_MAX
 
 /**
+ * `so_session_limit_device_memory`'s value for no limit: the automatic budget counts on the
+ * device's free memory (the default).
+ */
+#define SO_DEVICE_MEMORY_UNLIMITED UINT64_MAX
+
+/**
  * The lane of step-wide tickets; sub-group `k` has lane `k + 1`.
  */
 #define STEP_LANE 0
@@ -1287,6 +1293,24 @@ SO_NODISCARD so_status so_session_device_bytes(const struct so_session *session,
  * `session` is NULL or a live session handle; `out_bytes` is NULL or writable.
  */
 SO_NODISCARD so_status so_session_gpu_budget(const struct so_session *session, uint64_t *out_bytes);
+
+/**
+ * @brief Limits the free device memory the automatic budget (`SO_GPU_BUDGET_AUTO`) counts on
+ * to `limit_bytes`, or lifts the limit (`SO_DEVICE_MEMORY_UNLIMITED`). For a caller whose
+ * allocator works under a cap the device's free memory does not show (PyTorch's
+ * `set_per_process_memory_fraction`): give the cap less what the caller's allocator and this
+ * session (`so_session_device_bytes`) hold on the device. The budget is then at most the
+ * limit less a headroom of max(1 GiB, 5 % of the limit). It takes effect when the budget is
+ * measured, after the warm-up steps; a budget already chosen stays. No effect in a host
+ * session.
+ * @note Thread-safety: see `so_session`.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle.
+ */
+SO_NODISCARD
+so_status so_session_limit_device_memory(struct so_session *session,
+                                         uint64_t limit_bytes);
 
 /**
  * @brief Starts recording a timeline of the session's work (clearing an earlier one) when

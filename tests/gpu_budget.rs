@@ -125,6 +125,21 @@ fn the_first_subgroups_that_fit_go_to_the_device_after_the_warm_up() {
 }
 
 #[test]
+fn the_callers_limit_caps_what_the_budget_counts_as_free() {
+    // The device shows 16 GiB free; the caller's allocator works under a cap that leaves 1 GiB
+    // (the headroom's minimum) and two sub-groups: the budget takes the limit, not the device.
+    let room = 2 * SUBGROUP_NUMEL * DEVICE_BYTES_PER_ELEMENT;
+    let (s, _masters) = session(Arc::new(ReportedMemory::new(16 * GIB, 16 * GIB)));
+    s.limit_device_memory(Some(GIB + room));
+    let trace = warm_up_and_begin(&s, "limited");
+    assert_eq!((s.gpu_budget(), s.device_subgroups()), (Some(room), 2));
+    assert!(trace.contains("the caller's limit") && trace.contains("the first 2 of 5 sub-groups"), "{trace}");
+    run_step(&s);
+    s.limit_device_memory(None);
+    assert_eq!(s.gpu_budget(), Some(room), "a chosen budget stays");
+}
+
+#[test]
 fn less_free_memory_than_the_headroom_places_nothing() {
     let (s, _masters) = session(Arc::new(ReportedMemory::new(GIB - 1, 16 * GIB)));
     let trace = warm_up_and_begin(&s, "full");

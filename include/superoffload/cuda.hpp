@@ -68,6 +68,11 @@ inline std::optional<std::uint64_t> Session::gpu_budget() const {
     return bytes;
 }
 
+/** @throws Error only for an empty handle. */
+inline void Session::limit_device_memory(std::optional<std::uint64_t> limit_bytes) {
+    check(so_session_limit_device_memory(handle_.get(), limit_bytes.value_or(SO_DEVICE_MEMORY_UNLIMITED)));
+}
+
 /**
  * `numel` elements of `dtype` (the session's accumulation dtype); the copy to the host is
  * queued and this returns at once. The device buffer must stay valid until copy_stream() has

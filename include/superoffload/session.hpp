@@ -722,6 +722,13 @@ public:
     [[nodiscard]] std::optional<std::uint64_t> gpu_budget() const;
 
     /**
+     * Limits the free GPU memory the automatic budget counts on to `limit_bytes`, or lifts the
+     * limit (std::nullopt; `so_session_limit_device_memory`): for an allocator that works under
+     * a cap the device does not show, give the cap less what it and the session hold.
+     */
+    void limit_device_memory(std::optional<std::uint64_t> limit_bytes);
+
+    /**
      * Hands over the gradient of `slice` ready at device address `grad` on `stream`
      * (`so_session_grad_device`). @return The ticket of the speculative step this queued, or
      * no_ticket.

@@ -14,8 +14,11 @@ ABI_VERSION = 3
 CONSTANTS = {
     # so_session_options.gpu_budget_bytes for a budget the session measures itself.
     "SO_GPU_BUDGET_AUTO": (1 << 64) - 1,
+    # so_session_limit_device_memory's value for no limit.
+    "SO_DEVICE_MEMORY_UNLIMITED": (1 << 64) - 1,
 }
 GPU_BUDGET_AUTO = CONSTANTS["SO_GPU_BUDGET_AUTO"]
+DEVICE_MEMORY_UNLIMITED = CONSTANTS["SO_DEVICE_MEMORY_UNLIMITED"]
 
 c_size_t, c_u32, c_u64, c_i32, c_i64 = C.c_size_t, C.c_uint32, C.c_uint64, C.c_int32, C.c_int64
 c_f64, c_f32, c_bool, c_void_p, c_char_p = C.c_double, C.c_float, C.c_bool, C.c_void_p, C.c_char_p
@@ -276,6 +279,7 @@ FUNCTIONS = {
     "so_session_set_placement": (so_status, [_session, c_u32, c_u32]),
     "so_session_device_bytes": (so_status, [_session, P(c_size_t)]),
     "so_session_gpu_budget": (so_status, [_session, P(c_u64)]),
+    "so_session_limit_device_memory": (so_status, [_session, c_u64]),
     "so_abi_version": (c_u32, []),
     "so_version_string": (c_char_p, []),
     "so_status_str": (c_char_p, [c_u32]),

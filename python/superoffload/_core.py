@@ -547,6 +547,11 @@ class Session:
         check(lib().so_session_gpu_budget(self.handle, C.byref(out)), "so_session_gpu_budget")
         return None if out.value == _abi.GPU_BUDGET_AUTO else out.value
 
+    def limit_device_memory(self, limit_bytes):
+        """Limits the free device memory the automatic budget counts on (None: no limit)."""
+        value = _abi.DEVICE_MEMORY_UNLIMITED if limit_bytes is None else int(limit_bytes)
+        check(lib().so_session_limit_device_memory(self.handle, value), "so_session_limit_device_memory")
+
 
 def _speculation(value):
     """so_speculation from True (on), False (off) or "on" / "off" / "auto"."""

@@ -17,6 +17,8 @@ CUDA mode, SuperOffloadAdamW on a tiny GPT (python/tests/_models.py), determinis
   cuda_bf16_moments    moment_dtype="bf16": parity within 1e-2, 12 B/param less 4
   cuda_direct_read     after step() + synchronize() the parameters equal the masters bit for bit
   cuda_state_dict_read model.state_dict() read right after each step (no other host wait)
+  cuda_budget_fraction gpu_budget_bytes="auto" under torch's per-process memory fraction: the budget
+                       is what the cap leaves, not the device's free memory
 Hugging Face Trainer on a LlamaConfig-built model (f32 parameters, bf16 autocast, full_determinism):
   trainer_parity       SuperOffloadTrainer vs Trainer's AdamW, max_grad_norm active, >= 30 steps:
                        mean relative loss difference <= 1e-3
@@ -257,7 +259,31 @@ def torch_checks(dev):
         check("cuda_state_dict_read", n == 8 and all(math.isfinite(v) for v in sums), steps=n)
         opt.close()
 
-    for name, fn in (("cuda_state_dict_read", state_dict_read), ("cuda_parity", parity), ("cuda_speculation", speculation), ("cuda_resume", resume_check),
+    def budget_under_fraction():
+        # torch's per-process cap, which the device's free memory does not show: the automatic
+        # budget takes what the cap leaves (64 MiB beyond the headroom's 1 GiB), not the device.
+        m = make_model(0, dev, dt)
+        opt = ours(m, gpu_budget_bytes="auto")
+        x, y = data[0][0].to(dev), data[0][1].to(dev)
+        loss_fn(m, x, y).backward()
+        opt.step()
+        opt.synchronize()
+        room = 64 << 20
+        total = torch.cuda.get_device_properties(dev).total_memory
+        cap = torch.cuda.memory_reserved(dev) + opt.session.device_bytes() + (1 << 30) + room
+        torch.cuda.set_per_process_memory_fraction(cap / total, dev)
+        try:
+            for x, y in data[1:6]:
+                loss_fn(m, x.to(dev), y.to(dev)).backward()
+                opt.step()
+            budget = opt.session.gpu_budget()
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        check("cuda_budget_fraction", budget is not None and 0 < budget <= room, budget_bytes=budget,
+              cap_bytes=cap)
+        opt.close()
+
+    for name, fn in (("cuda_state_dict_read", state_dict_read), ("cuda_budget_fraction", budget_under_fraction), ("cuda_parity", parity), ("cuda_speculation", speculation), ("cuda_resume", resume_check),
                      ("cuda_rerun", rerun),
                      ("cuda_accumulation", accumulation), ("cuda_gpu_fraction", gpu_fraction),
                      ("cuda_bf16_moments", bf16_moments), ("cuda_direct_read", direct_read)):

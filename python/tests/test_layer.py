@@ -149,6 +149,10 @@ def test_gpu_budget_auto_needs_a_device():
     assert e.value.status == so.Status.UNSUPPORTED and "gpu_budget_bytes" in str(e.value)
     s = so.Session(gpu_budget_bytes=0)
     assert s.gpu_budget() == 0
+    # A limit on the free device memory the budget counts on: accepted, no effect on the host.
+    s.limit_device_memory(1 << 30)
+    s.limit_device_memory(None)
+    assert s.gpu_budget() == 0
     s.close()
 
 

@@ -34,7 +34,9 @@
 //! Automatic budget (`SessionOptions::GPU_BUDGET_AUTO`). After [`AUTO_BUDGET_AFTER`] steps
 //! the caller's allocator holds its peak (PyTorch's caching allocator keeps what a step
 //! reserved), so the device's free memory then is what the optimizer may take: the budget is
-//! that less a headroom ([`AutoBudget::measured`]), and the first sub-groups in forward order
+//! that less a headroom ([`AutoBudget::measured`]), within the limit the caller gave where its
+//! allocator works under a cap the device does not show (PyTorch's per-process memory
+//! fraction), and the first sub-groups in forward order
 //! that fit in it ([`fitting_prefix`]) go to the device at once. The split may grow within it
 //! afterwards as with an explicit budget. Sub-groups the caller placed on the device count
 //! against it as they do against an explicit budget.
@@ -65,18 +67,25 @@ const STATE_AFTER_BUSY: f64 = 0.5;
 /// What the automatic budget measured and chose (bytes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct AutoBudget {
+    /// Free device memory, within the caller's limit where it gave one.
     pub(crate) free: usize,
     pub(crate) total: usize,
+    /// The caller's limit on free memory (`Session::limit_device_memory`).
+    pub(crate) limit: Option<usize>,
     pub(crate) headroom: usize,
     /// `free - headroom`, 0 where the headroom takes it all.
     pub(crate) budget: usize,
 }
 
 impl AutoBudget {
-    /// The budget left by a device with `free` of `total` bytes free.
-    pub(crate) fn measured(free: usize, total: usize) -> AutoBudget {
-        let headroom = HEADROOM_MIN_BYTES.max((total as f64 * HEADROOM_FRACTION) as usize);
-        AutoBudget { free, total, headroom, budget: free.saturating_sub(headroom) }
+    /// The budget left by a device with `free` of `total` bytes free, of which the caller
+    /// lets the session take at most `limit`. The headroom is a fraction of the memory in
+    /// question: the device's, or the limit where it is smaller.
+    pub(crate) fn measured(free: usize, total: usize, limit: Option<usize>) -> AutoBudget {
+        let free = limit.map_or(free, |l| free.min(l));
+        let usable = limit.map_or(total, |l| total.min(l));
+        let headroom = HEADROOM_MIN_BYTES.max((usable as f64 * HEADROOM_FRACTION) as usize);
+        AutoBudget { free, total, limit, headroom, budget: free.saturating_sub(headroom) }
     }
 }
 
@@ -111,6 +120,8 @@ pub(crate) struct Policy {
     placed: usize,
     /// The automatic budget, once measured.
     auto_budget: Option<AutoBudget>,
+    /// The most free device memory the automatic budget may count on (the caller's).
+    memory_limit: Option<usize>,
 }
 
 impl Policy {
@@ -125,6 +136,7 @@ impl Policy {
             busy_fraction: None,
             placed: 0,
             auto_budget: None,
+            memory_limit: None,
         }
     }
 
@@ -249,6 +261,16 @@ impl Policy {
         self.auto_budget
     }
 
+    pub(crate) fn limit_device_memory(&mut self, limit: Option<usize>) {
+        self.memory_limit = limit;
+    }
+
+    /// The automatic budget for a device with `free` of `total` bytes free, within the
+    /// caller's limit.
+    pub(crate) fn measure_budget(&self, free: usize, total: usize) -> AutoBudget {
+        AutoBudget::measured(free, total, self.memory_limit)
+    }
+
     /// The automatic budget was chosen and the first `placed` sub-groups went to the device:
     /// the split grows from there, measured afresh (earlier steps ran with another placement).
     pub(crate) fn budget_chosen(&mut self, chosen: AutoBudget, placed: usize) {
@@ -342,11 +364,20 @@ mod tests {
 
     #[test]
     fn the_automatic_budget_is_the_free_memory_less_the_headroom() {
-        let b = AutoBudget::measured(30 * GIB, 80 * GIB);
+        let b = AutoBudget::measured(30 * GIB, 80 * GIB, None);
         assert_eq!((b.headroom, b.budget), (4 * GIB, 26 * GIB), "5 % of an 80 GiB device");
-        let b = AutoBudget::measured(3 * GIB, 16 * GIB);
+        let b = AutoBudget::measured(3 * GIB, 16 * GIB, None);
         assert_eq!((b.headroom, b.budget), (GIB, 2 * GIB), "at least 1 GiB");
-        assert_eq!(AutoBudget::measured(GIB / 2, 16 * GIB).budget, 0, "the headroom takes it all");
+        assert_eq!(AutoBudget::measured(GIB / 2, 16 * GIB, None).budget, 0, "the headroom takes it all");
+        // A caller's cap the device does not show: 24 GiB of a 141 GiB device, 15 GiB of it
+        // held by the caller's allocator, 120 GiB free on the device.
+        let mut p = Policy::new(Speculation::Auto);
+        p.limit_device_memory(Some(9 * GIB));
+        let b = p.measure_budget(120 * GIB, 141 * GIB);
+        assert_eq!((b.free, b.headroom, b.budget), (9 * GIB, GIB, 8 * GIB), "the limit, less 1 GiB");
+        assert_eq!(p.measure_budget(4 * GIB, 141 * GIB).budget, 3 * GIB, "the device's free memory is less");
+        p.limit_device_memory(None);
+        assert_eq!(p.measure_budget(120 * GIB, 141 * GIB), AutoBudget::measured(120 * GIB, 141 * GIB, None));
     }
 
     #[test]
@@ -364,7 +395,7 @@ mod tests {
         let sizes: [&[usize]; 4] = [&[1 << 28; 40], &[1 << 20, 1 << 30, 1 << 26], &[7_000_000; 300], &[]];
         for total in [16 * GIB, 80 * GIB, 141 * GIB] {
             for free in [0, GIB / 2, GIB, 3 * GIB + 12345, total / 2, total] {
-                let b = AutoBudget::measured(free, total);
+                let b = AutoBudget::measured(free, total, None);
                 assert!(b.budget + b.headroom <= free.max(b.headroom), "{b:?}");
                 for numels in sizes {
                     for per_element in [12, 16, 20] {
@@ -386,7 +417,7 @@ mod tests {
         for wait in [9.0, 0.004, 0.004] {
             p.step_called(wait);
         }
-        let chosen = AutoBudget { free: 0, total: 0, headroom: 0, budget: 4 * 1000 * 16 };
+        let chosen = AutoBudget { free: 0, total: 0, limit: None, headroom: 0, budget: 4 * 1000 * 16 };
         p.budget_chosen(chosen, 2);
         assert_eq!(p.auto_budget(), Some(chosen));
         assert_eq!(p.split(&[1000; 6], 16, chosen.budget), None, "steps before the placement are not measured");

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::buffers::HostBuf;
 use super::plans::{PrepareEntry, PreparePlan, StepPlan};
-use super::policy::{AUTO_BUDGET_AFTER, AutoBudget, fitting_prefix};
+use super::policy::{AUTO_BUDGET_AFTER, fitting_prefix};
 use super::trace::Lane;
 use super::{
     Applied, HandOff, HandedSumsq, LateGrads, NormSource, Phase, Placement, STEP_LANE, Session, SessionOptions,
@@ -112,7 +112,7 @@ impl Session {
     fn choose_budget(&self, t: &mut Tracking, numels: &[usize], per_element: usize) -> Result<()> {
         let transport = self.shared.transport().ok_or_else(|| Error::unsupported("a GPU budget needs a device"))?;
         let (free, total) = transport.device_memory()?;
-        let chosen = AutoBudget::measured(free, total);
+        let chosen = self.shared.policy.lock().unwrap().measure_budget(free, total);
         let fits = fitting_prefix(numels, per_element, chosen.budget);
         let ids: Vec<u32> = t.reg.live().take(fits).map(|tr| tr.sg.id).collect();
         let mut placed = 0;
@@ -127,8 +127,9 @@ impl Session {
         self.shared.policy.lock().unwrap().budget_chosen(chosen, placed);
         self.shared.tracer.instant(Lane::Caller, || {
             let bytes: usize = numels[..placed].iter().map(|n| n * per_element).sum();
+            let limit = chosen.limit.map_or(String::new(), |l| format!(", the caller's limit {}", gib(l)));
             let mut what = format!(
-                "automatic GPU budget {} ({} free of {} after {AUTO_BUDGET_AFTER} steps, less a headroom of {}): \
+                "automatic GPU budget {} ({} free of {} after {AUTO_BUDGET_AFTER} steps{limit}, less a headroom of {}): \
                  the first {placed} of {} sub-groups on the GPU ({})",
                 gib(chosen.budget),
                 gib(free),
@@ -143,6 +144,15 @@ impl Session {
             what
         });
         Ok(())
+    }
+
+    /// Limits the free device memory the automatic budget counts on to `limit` bytes (`None`:
+    /// the device's free memory, the default), for a caller whose allocator works under a cap
+    /// the device does not show, such as PyTorch's per-process memory fraction: give the cap
+    /// less what the caller's allocator and this session hold on the device. It takes effect
+    /// when the budget is measured, after the warm-up steps; a chosen budget stays.
+    pub fn limit_device_memory(&self, limit: Option<usize>) {
+        self.shared.policy.lock().unwrap().limit_device_memory(limit);
     }
 
     /// The budget of the automatic split in bytes: `gpu_budget_bytes` as given, or the one

@@ -90,8 +90,10 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             "auto" (the default): after 3 steps (torch's caching allocator then holds its peak)
             the library takes the GPU's free memory less a headroom of max(1 GiB, 5 % of the
             GPU) and keeps the first sub-groups in forward order that fit there, stepped on the
-            GPU with the same bits; the rest is offloaded. "auto" means 0 with CPU parameters
-            and with `gpu_fraction` > 0 (which fixes the split itself). `metrics()` reports the
+            GPU with the same bits; the rest is offloaded. Under
+            `torch.cuda.set_per_process_memory_fraction` it counts only on what the cap leaves
+            (the cap less torch's reserved memory and the session's). "auto" means 0 with CPU
+            parameters and with `gpu_fraction` > 0 (which fixes the split itself). `metrics()` reports the
             budget chosen (`gpu_budget_bytes`) and `device_bytes`; the trace what was measured.
         model: the module holding the parameters: gives the forward order and names, and lets
             each module's forward wait only for its own sub-groups' weights (`wait="module"`).
@@ -155,6 +157,9 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
                 raise ValueError("SuperOffloadAdamW: gpu_fraction needs CUDA parameters without FSDP2")
             self._device_infos = _params.gpu_prefix(infos, float(gpu_fraction))
         gpu_budget_bytes = _gpu_budget(gpu_budget_bytes, self.cuda and not self._device_infos)
+        # Until the library measures it (after the warm-up steps), the automatic budget is kept
+        # within torch's per-process memory fraction, which the device's free memory does not show.
+        self._budget_unmeasured = gpu_budget_bytes == _abi.GPU_BUDGET_AUTO
         if gpu_budget_bytes and not self.cuda:
             raise ValueError("SuperOffloadAdamW: gpu_budget_bytes needs CUDA parameters")
 
@@ -335,8 +340,25 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             self._pending.clear()
             self._wait_subgroups(todo)
         self._sync_groups()
+        if self._budget_unmeasured:
+            self._limit_budget_to_fraction()
         self.session.begin_step(0.0 if self._loss_scaler else 1.0, 1)
         self._in_step = True
+
+    def _limit_budget_to_fraction(self):
+        """Under torch.cuda.set_per_process_memory_fraction the automatic budget may count on
+        what the cap leaves: the cap less what torch's allocator reserved and the session holds on
+        the device (the library measures it at a begin_step after the warm-up steps)."""
+        if self.session.gpu_budget() is not None:
+            self._budget_unmeasured = False
+            return
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        fraction = get_fraction(self.device) if get_fraction else 1.0
+        if fraction >= 1.0:
+            return
+        cap = int(fraction * torch.cuda.get_device_properties(self.device).total_memory)
+        held = torch.cuda.memory_reserved(self.device) + self.session.device_bytes()
+        self.session.limit_device_memory(max(0, cap - held))
 
     def _sync_groups(self):
         for gi, g in enumerate(self.param_groups):

@@ -320,6 +320,36 @@ pub unsafe extern "C" fn so_session_gpu_budget(session: *const so_session, out_b
     })
 }
 
+/// `so_session_limit_device_memory`'s value for no limit: the automatic budget counts on the
+/// device's free memory (the default).
+pub const SO_DEVICE_MEMORY_UNLIMITED: u64 = u64::MAX;
+
+/// @brief Limits the free device memory the automatic budget (`SO_GPU_BUDGET_AUTO`) counts on
+/// to `limit_bytes`, or lifts the limit (`SO_DEVICE_MEMORY_UNLIMITED`). For a caller whose
+/// allocator works under a cap the device's free memory does not show (PyTorch's
+/// `set_per_process_memory_fraction`): give the cap less what the caller's allocator and this
+/// session (`so_session_device_bytes`) hold on the device. The budget is then at most the
+/// limit less a headroom of max(1 GiB, 5 % of the limit). It takes effect when the budget is
+/// measured, after the warm-up steps; a budget already chosen stays. No effect in a host
+/// session.
+/// @note Thread-safety: see `so_session`.
+///
+/// # Safety
+/// `session` is NULL or a live session handle.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_limit_device_memory(session: *mut so_session, limit_bytes: u64) -> Status {
+    ffi_boundary!({
+        let limit = match limit_bytes {
+            SO_DEVICE_MEMORY_UNLIMITED => None,
+            bytes => Some(usize::from_c(bytes, Field::arg("limit_bytes"))?),
+        };
+        // SAFETY: `session` is NULL or a live session (this function's contract).
+        unsafe { session_ref(session)? }.limit_device_memory(limit);
+        Ok(())
+    })
+}
+
 /// @brief Starts recording a timeline of the session's work (clearing an earlier one) when
 /// `enable`, or stops recording: gradient hand-offs and waits of the calling threads, and
 /// the CPU-Adam thread's speculative steps, sums of squares, decisions and per-sub-group
