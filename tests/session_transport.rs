@@ -163,7 +163,7 @@ fn delayed_copies_give_host_mode_bits() {
 }
 
 /// A transport whose gradient copies land at once, as the hand-off queues them: a hand-off
-/// that did not wait for the previous step's moments pass would overwrite the gradient
+/// that did not wait for the previous step's state pass would overwrite the gradient
 /// that pass still reads.
 struct ImmediateCopies;
 
@@ -176,8 +176,8 @@ impl Transport for ImmediateCopies {
 }
 
 #[test]
-fn a_hand_off_waits_for_the_previous_steps_moments() {
-    // Moments passes run in backward order: while the last (large) sub-group's runs, the
+fn a_hand_off_waits_for_the_previous_steps_state_pass() {
+    // State passes run in backward order: while the last (large) sub-group's runs, the
     // first's is queued, and its gradient is handed over first.
     const SIZES: [usize; 3] = [5_000, 2_000_000, 2_000_000];
     let (host, host_masters) = build_sized(None, Speculation::Off, &SIZES);

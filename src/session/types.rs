@@ -217,7 +217,7 @@ pub struct StepResult {
     pub device_stepped: u32,
     /// Elements the optimizer passes touched after `step()` was called (each pass over a
     /// sub-group counts its elements): the work left after backward before the weights are
-    /// final (a moments pass after publication is not counted).
+    /// final (the state pass after publication is not counted).
     pub final_pass_elements: u64,
     /// Seconds the compute stream (CUDA) or the calling threads (host mode) waited on this
     /// session's tickets between the previous `step()` and this one: the optimizer time the
