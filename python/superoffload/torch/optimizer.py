@@ -93,8 +93,9 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             GPU with the same bits; the rest is offloaded. Under
             `torch.cuda.set_per_process_memory_fraction` it counts only on what the cap leaves
             (the cap less torch's reserved memory and the session's). "auto" means 0 with CPU
-            parameters and with `gpu_fraction` > 0 (which fixes the split itself). `metrics()` reports the
-            budget chosen (`gpu_budget_bytes`) and `device_bytes`; the trace what was measured.
+            parameters and with `gpu_fraction` > 0 (which fixes the split itself). `metrics()`
+            reports the budget chosen (`gpu_budget_bytes`) and `device_bytes`; the trace what was
+            measured.
         model: the module holding the parameters: gives the forward order and names, and lets
             each module's forward wait only for its own sub-groups' weights (`wait="module"`).
         wait: "module" (per-module forward pre-hooks; needs `model`), "step" (everything waited
