@@ -617,7 +617,8 @@ typedef struct so_session_options {
    */
   bool bias_correction;
   /**
-   * `SO_DTYPE_F32` or `SO_DTYPE_BF16` (bf16 moments never speculate: rollback needs f32).
+   * `SO_DTYPE_F32` or `SO_DTYPE_BF16` (bf16 moments cannot be rolled back: with a
+   * `copy_dtype`, their speculative step writes the copy alone, the rest after the decision).
    */
   uint32_t moment_dtype;
   /**

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use common::Rng;
 use superoffload::error::Result;
-use superoffload::kernels::{DType, Floats, Isa, Pool, PoolOptions, pool::set_chunk_pause};
+use superoffload::kernels::{DType, Floats, Isa, Pool, PoolOptions, bf16, pool::set_chunk_pause};
 use superoffload::session::{
     Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, Speculation, StepArgs, StepResult,
     SubGroupDesc, Transport,
@@ -43,28 +43,40 @@ impl Jitter {
     }
 }
 
-/// Copies that land late and hooks that pause, on the CPU-Adam thread.
-struct JitteryTransport(Arc<Jitter>);
+/// Copies that land late and hooks that pause, on the CPU-Adam thread; it keeps the weights'
+/// copy as staged and as published, the way a device would see them.
+struct JitteryTransport {
+    jitter: Arc<Jitter>,
+    staged: Mutex<Vec<Vec<u16>>>,
+    published: Arc<Mutex<Vec<Vec<u16>>>>,
+}
 
 impl Transport for JitteryTransport {
     transport_without_pinning!();
     fn gradient_ready(&self, _: u32) -> Result<()> {
-        self.0.pause(300);
+        self.jitter.pause(300);
         Ok(())
     }
     fn gradient_landed(&self, _: u32) -> bool {
-        !self.0.chance(0.4)
+        !self.jitter.chance(0.4)
     }
     fn master_write(&self, _: u32) -> Result<()> {
-        self.0.pause(200);
+        self.jitter.pause(200);
         Ok(())
     }
-    fn weights_updated(&self, _: u32, _: usize, _: Floats<'_>, _: Option<Floats<'_>>) -> Result<()> {
-        self.0.pause(200);
+    fn weights_updated(&self, sg: u32, offset: usize, _: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()> {
+        let Some(Floats::Bf16(copy)) = copy else { panic!("the runs keep a bf16 copy") };
+        let mut staged = self.staged.lock().unwrap();
+        let staged = &mut staged[sg as usize];
+        for (d, s) in staged[offset..offset + copy.len()].iter_mut().zip(copy) {
+            *d = s.to_bits();
+        }
+        self.jitter.pause(200);
         Ok(())
     }
-    fn publish(&self, _: u32) -> Result<()> {
-        self.0.pause(100);
+    fn publish(&self, sg: u32) -> Result<()> {
+        self.published.lock().unwrap()[sg as usize] = self.staged.lock().unwrap()[sg as usize].clone();
+        self.jitter.pause(100);
         Ok(())
     }
 }
@@ -86,15 +98,24 @@ struct Setup {
     threads: usize,
     transport: bool,
     speculation: Speculation,
+    moments: DType,
 }
 
-/// What a run ends with: the bits of every master weight and moment, and each step's result
-/// without what measures timing (`cancelled`, `final_pass_elements`, `forward_wait_s`).
+impl Setup {
+    fn new(threads: usize, transport: bool, speculation: Speculation) -> Setup {
+        Setup { threads, transport, speculation, moments: DType::F32 }
+    }
+}
+
+/// What a run ends with: the bits of every master weight and moment, each step's result
+/// without what measures timing (`cancelled`, `final_pass_elements`, `forward_wait_s`), and
+/// with a transport the weights' copy it was last given to publish.
 #[derive(Debug, PartialEq)]
 struct Outcome {
     masters: Vec<Vec<u32>>,
     moments: Vec<(Vec<u32>, Vec<u32>)>,
     results: Vec<StepResult>,
+    published: Option<Vec<Vec<u16>>>,
 }
 
 struct Run {
@@ -102,6 +123,7 @@ struct Run {
     masters: Vec<Vec<f32>>,
     jitter: Arc<Jitter>,
     results: Vec<StepResult>,
+    published: Option<Arc<Mutex<Vec<Vec<u16>>>>>,
 }
 
 fn gradient(sg: usize, n: usize, step: u64, scale: f32) -> Vec<f32> {
@@ -126,15 +148,21 @@ impl Run {
         let options = SessionOptions {
             pool: Some(Arc::new(pool.unwrap())),
             speculation: setup.speculation,
+            moment_dtype: setup.moments,
             copy_dtype: Some(DType::Bf16),
             ..SessionOptions::default()
         };
-        let transport: Option<Arc<dyn Transport>> =
-            setup.transport.then(|| Arc::new(JitteryTransport(jitter.clone())) as Arc<dyn Transport>);
-        let session = Session::with_transport(options, transport).unwrap();
-        session.add_group(GroupHparams { weight_decay: 0.05, ..GroupHparams::default() }).unwrap();
         let mut masters: Vec<Vec<f32>> =
             SIZES.iter().map(|&n| (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-3).collect()).collect();
+        let initial_copy = || masters.iter().map(|m| m.iter().map(|&x| bf16::from_f32(x).to_bits()).collect());
+        let published = setup.transport.then(|| Arc::new(Mutex::new(initial_copy().collect::<Vec<Vec<u16>>>())));
+        let transport = published.as_ref().map(|published| {
+            let staged = Mutex::new(initial_copy().collect());
+            Arc::new(JitteryTransport { jitter: jitter.clone(), staged, published: published.clone() })
+                as Arc<dyn Transport>
+        });
+        let session = Session::with_transport(options, transport).unwrap();
+        session.add_group(GroupHparams { weight_decay: 0.05, ..GroupHparams::default() }).unwrap();
         for (k, m) in masters.iter_mut().enumerate() {
             // SAFETY: the heap buffer of `m` moves with the run, which waits for every step
             // before it ends (the session is dropped first).
@@ -147,7 +175,7 @@ impl Run {
             ];
             session.add_subgroup(SubGroupDesc::new(0, master, slices)).unwrap();
         }
-        Run { session, masters, jitter, results: Vec::new() }
+        Run { session, masters, jitter, results: Vec::new(), published }
     }
 
     fn hand_over(&self, step: u64, scale: f32) {
@@ -194,10 +222,16 @@ impl Run {
         let mut result = s.step_result(ticket, None).unwrap();
         (result.cancelled, result.final_pass_elements, result.forward_wait_s) = (0, 0, 0.0);
         self.results.push(result);
+        if let Some(published) = &self.published {
+            for (k, (copy, master)) in published.lock().unwrap().iter().zip(&self.masters).enumerate() {
+                let rounded: Vec<u16> = master.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+                assert!(*copy == rounded, "step {step}: sub-group {k}'s published copy is not its master weights");
+            }
+        }
     }
 
     fn finish(self) -> Outcome {
-        let Run { session, masters, results, .. } = self;
+        let Run { session, masters, results, published, .. } = self;
         let moments = (0..SIZES.len() as u32)
             .map(|k| {
                 let (m, v) = session.moments(k).unwrap();
@@ -205,7 +239,8 @@ impl Run {
             })
             .collect();
         drop(session);
-        Outcome { masters: masters.iter().map(|m| bits(m)).collect(), moments, results }
+        let published = published.map(|p| std::mem::take(&mut *p.lock().unwrap()));
+        Outcome { masters: masters.iter().map(|m| bits(m)).collect(), moments, results, published }
     }
 }
 
@@ -223,11 +258,8 @@ fn run(setup: Setup, seed: u64) -> Outcome {
 #[test]
 fn speculation_is_invisible_in_the_bits() {
     set_chunk_pause(Some(chunk_pause));
-    let setups = [(1, false), (2, true), (7, false), (7, true)].map(|(threads, transport)| Setup {
-        threads,
-        transport,
-        speculation: Speculation::On,
-    });
+    let setups = [(1, false), (2, true), (7, false), (7, true)]
+        .map(|(threads, transport)| Setup::new(threads, transport, Speculation::On));
     let reference = run(setups[0], 1);
     let results = &reference.results;
     assert!(results.iter().any(|r| r.clip_coef < 1.0) && results.iter().any(|r| r.clip_coef == 1.0 && !r.skipped));
@@ -245,9 +277,45 @@ fn speculation_is_invisible_in_the_bits() {
     set_chunk_pause(None);
 }
 
+/// A step's decisions, without the counters of how its passes ran.
+fn decisions(r: &StepResult) -> StepResult {
+    StepResult { speculative: 0, kept: 0, rescaled: 0, rolled_back: 0, redone: 0, stepped: 0, ..*r }
+}
+
+/// bf16 moments speculate on the weights' copy alone: the same bits as stepping after
+/// backward (speculation off), in the masters, the moments and the published copy, whatever
+/// the timing and whichever way the step goes (kept, clipped, skipped, a late gradient, a
+/// learning rate changed before `step()`).
+#[test]
+fn bf16_moments_speculate_with_the_bits_of_stepping_after_backward() {
+    set_chunk_pause(Some(chunk_pause));
+    let bf16_moments =
+        |threads, transport, speculation| Setup { moments: DType::Bf16, ..Setup::new(threads, transport, speculation) };
+    let reference = run(bf16_moments(2, true, Speculation::Off), 1);
+    let off = run(bf16_moments(1, false, Speculation::Off), 2);
+    assert!(reference.masters == off.masters && reference.moments == off.moments);
+    for (i, (threads, transport)) in [(1, false), (2, true), (7, true)].into_iter().enumerate() {
+        let setup = bf16_moments(threads, transport, Speculation::On);
+        for seed in 3 + i as u64 * 3..6 + i as u64 * 3 {
+            let again = run(setup, seed);
+            let counted = |f: fn(&StepResult) -> u32| again.results.iter().map(f).sum::<u32>();
+            assert!(counted(|r| r.kept) > 0 && counted(|r| r.rescaled) > 0 && counted(|r| r.redone) > 0);
+            assert!(counted(|r| r.rolled_back) > 0, "{setup:?}: the skipped step had a copy ahead");
+            assert!(reference.masters == again.masters, "{setup:?}, seed {seed}: the master weights differ");
+            assert!(reference.moments == again.moments, "{setup:?}, seed {seed}: the moments differ");
+            let decided: Vec<StepResult> = again.results.iter().map(decisions).collect();
+            assert_eq!(reference.results.iter().map(decisions).collect::<Vec<_>>(), decided, "{setup:?}, seed {seed}");
+            if transport {
+                assert!(reference.published == again.published, "{setup:?}, seed {seed}: the published copies differ");
+            }
+        }
+    }
+    set_chunk_pause(None);
+}
+
 #[test]
 fn a_checkpoint_resumes_the_run_bit_for_bit() {
-    let setup = Setup { threads: 2, transport: true, speculation: Speculation::Auto };
+    let setup = Setup::new(2, true, Speculation::Auto);
     let uninterrupted = run(setup, 11);
     let path: PathBuf = std::env::temp_dir().join(format!("so-repro-{}.safetensors", std::process::id()));
     let mut first = Run::new(setup, 12);

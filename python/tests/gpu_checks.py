@@ -219,16 +219,25 @@ def torch_checks(dev):
               device_stepped=res[-1]["device_stepped"])
 
     def bf16_moments():
-        m = make_model(0, dev, dt)
-        opt = ours(m, moment_dtype="bf16")
+        # Speculation on (the copy steps ahead, clipping on some steps) and off: the same bits.
+        runs = []
+        for spec in (True, False):
+            m = make_model(0, dev, dt)
+            opt = ours(m, moment_dtype="bf16", speculation=spec)
+            la, res = train(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), data[:20])
+            runs.append((la, snap(m), res, opt.memory()["host_bytes_per_param"]))
+            opt.close()
+        (la, wa, res, host_bytes), (lb, wb, _, _) = runs
         f32 = ours(make_model(0, dev, dt))
-        saved = f32.memory()["host_bytes_per_param"] - opt.memory()["host_bytes_per_param"]
+        saved = f32.memory()["host_bytes_per_param"] - host_bytes
         f32.close()
-        la, res = train(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), data[:20])
         d = rel(la, ref_losses[:20])
-        check("cuda_bf16_moments", sum(d) / len(d) <= 1e-2 and saved >= 3.9 and res[-1]["speculative"] == 0,
-              mean_rel_loss_diff=f"{sum(d) / len(d):.3e}", host_bytes_saved_per_param=f"{saved:.2f}")
-        opt.close()
+        same = la == lb and all(torch.equal(p, q) for p, q in zip(wa, wb))
+        kept = sum(r["kept"] for r in res)
+        clipped = sum(r["clip_coef"] < 1 for r in res)
+        check("cuda_bf16_moments", sum(d) / len(d) <= 1e-2 and saved >= 3.9 and same and kept > 0 and clipped > 0,
+              mean_rel_loss_diff=f"{sum(d) / len(d):.3e}", host_bytes_saved_per_param=f"{saved:.2f}",
+              same_bits_as_speculation_off=same, kept=kept, clipped_steps=clipped)
 
     def direct_read():
         m = make_model(0, dev, dt)

@@ -1,6 +1,7 @@
 //! Each sub-group's final pass: what it must do, decided from what the step applied and the
 //! step's verdict alone (the table in ARCHITECTURE.md), and the pass that does it.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -8,7 +9,8 @@ use super::passes::{StepInFlight, Worker, buffers, guarded};
 use super::scheduler::Lifecycle;
 use super::trace::Lane;
 use super::{
-    Applied, DevicePass, GroupHparams, Placement, SpecRecord, StepResult, SubGroup, speculation_stands, unscale_factor,
+    Applied, DevicePass, GroupHparams, Placement, SgData, SpecKind, SpecRecord, StepResult, SubGroup,
+    speculation_stands, unscale_factor,
 };
 use crate::error::Result;
 use crate::kernels::{self, AdamHyper, Resolution, UpdateOptions};
@@ -37,6 +39,12 @@ pub(crate) enum Action {
     /// The speculative step, made final: resolved where its update is applied, applied and
     /// resolved in one pass elsewhere.
     Resolve { spec: SpecRecord, resolution: Resolution },
+    /// The copy that stepped ahead stands: the rest of the copy, then the master weights and
+    /// moments of the same step.
+    KeepCopy { spec: SpecRecord },
+    /// The copy that stepped ahead is not the step's: it is written from the master weights
+    /// again (the step is skipped).
+    RestoreCopy { done: usize },
 }
 
 /// What a final pass did: drives the step result's counters and the trace label.
@@ -98,6 +106,18 @@ pub(crate) fn decide(applied: Applied, verdict: Verdict, stands: bool) -> (Actio
         other => other,
     };
     match (applied, verdict) {
+        (Applied::Speculative(spec), verdict) if spec.kind == SpecKind::CopyAhead => match verdict {
+            Verdict::Skip => (Action::RestoreCopy { done: spec.done }, Outcome::RolledBack),
+            Verdict::Step { factor, hp } => {
+                if !same_hyperparameters(&spec.hp, &hp) {
+                    (Action::Update { factor, hp }, Outcome::Redone)
+                } else if spec.scale != factor {
+                    (Action::Update { factor, hp }, Outcome::Rescaled)
+                } else {
+                    (Action::KeepCopy { spec }, Outcome::Kept)
+                }
+            }
+        },
         (Applied::Nothing, Verdict::Skip) => (Action::Leave, Outcome::Unchanged),
         (Applied::Nothing, Verdict::Step { factor, hp }) => (Action::Update { factor, hp }, Outcome::Stepped),
         (Applied::Undone, Verdict::Skip) => (Action::Leave, Outcome::RolledBack),
@@ -122,8 +142,9 @@ pub(crate) fn decide(applied: Applied, verdict: Verdict, stands: bool) -> (Actio
 /// applied before the final pass: the same operations, one pass each, as on the host.
 fn device_passes(action: Action) -> Vec<DevicePass> {
     match action {
-        Action::Leave => Vec::new(),
+        Action::Leave | Action::RestoreCopy { .. } => Vec::new(),
         Action::Update { factor, hp } => vec![DevicePass::Update { hp, scale: factor }],
+        Action::KeepCopy { spec } => vec![DevicePass::Update { hp: spec.hp, scale: spec.scale }],
         Action::Resolve { spec, resolution } => {
             let (hp, scale) = (spec.hp, spec.scale);
             let mut passes = vec![DevicePass::Update { hp, scale }];
@@ -223,6 +244,40 @@ impl Worker {
         }
     }
 
+    /// Whether a step's master weights and moments can be written after its copy is
+    /// published: there is a device to publish to, and the gradient buffer is the session's
+    /// (a caller-provided one may be rewritten once the weights are final).
+    fn state_can_follow(&self, data: &mut SgData) -> bool {
+        self.shared.transport().is_some() && data.grad.is_owned() && kernels::can_split_update(&buffers(data, 0..0))
+    }
+
+    /// Writes elements `range` of a step (the copy alone with `copy_only`), with a device to
+    /// publish to in pieces, each staged as it is done: the next forward waits for this pass
+    /// and the staging copy of its last piece only.
+    fn write_pieces(
+        &self,
+        sg: &SubGroup,
+        data: &mut SgData,
+        hp: &AdamHyper,
+        factor: f32,
+        range: Range<usize>,
+        copy_only: bool,
+    ) -> Result<()> {
+        let pool = &self.shared.pool;
+        let piece_len = if self.shared.transport().is_some() { PUBLISH_PIECE } else { range.len().max(1) };
+        let update = UpdateOptions { grad_scale: factor, ..Default::default() };
+        for start in range.clone().step_by(piece_len) {
+            let piece = start..(start + piece_len).min(range.end);
+            if copy_only {
+                kernels::update_copy(pool, hp, buffers(data, piece.clone()), factor)?;
+            } else {
+                kernels::update(pool, hp, buffers(data, piece.clone()), &update)?;
+            }
+            self.staged_range(sg, data, piece)?;
+        }
+        Ok(())
+    }
+
     /// Makes one sub-group exact with the step's verdict ([`decide`]) and publishes it.
     fn final_pass(
         &self,
@@ -250,9 +305,9 @@ impl Worker {
         let (action, outcome) = decide(applied, verdict, stands);
         out.outcome = outcome;
         let reads_gradient = match action {
-            Action::Leave => result.skipped,
+            Action::Leave | Action::RestoreCopy { .. } => result.skipped,
             Action::Resolve { spec, resolution } => resolution != Resolution::Keep || spec.done < n,
-            Action::Update { .. } => true,
+            Action::Update { .. } | Action::KeepCopy { .. } => true,
         };
         if reads_gradient {
             // The gradient is read below, or (skipped) this step's copies end here: none may
@@ -297,36 +352,41 @@ impl Worker {
                     self.staged(sg, &data)?;
                 }
             }
+            Action::RestoreCopy { done } => {
+                self.restore_copy(sg, &mut data, done)?;
+                out.elements += done as u64;
+                // The model keeps its weights: those of a skipped step are never published.
+                return Ok(());
+            }
             Action::Update { factor, hp } => {
                 self.master_write(sg)?;
-                // The next forward waits for the weights' copy alone: with a device to publish
-                // to, the pass writes the copy, and the master weights and moments are written
-                // by a pass of their own after publication (`Class::State`), off that wait,
-                // where the CPU has time for it (the policy). Not with a caller-provided
-                // gradient buffer, which the caller may rewrite once the weights are final.
-                let defer = state_may_wait
-                    && self.shared.transport().is_some()
-                    && data.grad.is_owned()
-                    && kernels::can_split_update(&buffers(&mut data, 0..0));
-                // With a device to publish to, in pieces, each staged as it is done: the next
-                // forward waits for this pass and the staging copy of its last piece only.
-                let piece_len = if self.shared.transport().is_some() { PUBLISH_PIECE } else { n.max(1) };
-                let update = UpdateOptions { grad_scale: factor, ..Default::default() };
-                for start in (0..n).step_by(piece_len) {
-                    let piece = start..(start + piece_len).min(n);
-                    if defer {
-                        kernels::update_copy(pool, &hp, buffers(&mut data, piece.clone()), factor)?;
-                    } else {
-                        kernels::update(pool, &hp, buffers(&mut data, piece.clone()), &update)?;
-                    }
-                    self.staged_range(sg, &data, piece)?;
-                }
+                // The next forward waits for the weights' copy alone: the pass can write the
+                // copy, and the master weights and moments be written by a pass of their own
+                // after publication, where the CPU has time for it (the policy).
+                let defer = state_may_wait && self.state_can_follow(&mut data);
+                self.write_pieces(sg, &mut data, &hp, factor, 0..n, defer)?;
                 out.elements += n as u64;
                 if defer {
                     out.state_after = Some((hp, factor));
                     if out.outcome == Outcome::Stepped {
                         out.outcome = Outcome::SteppedStateAfter;
                     }
+                }
+            }
+            Action::KeepCopy { spec } => {
+                if spec.done < n {
+                    self.master_write(sg)?;
+                    // A preempted pass staged nothing of what it wrote.
+                    self.staged_range(sg, &data, 0..spec.done)?;
+                    self.write_pieces(sg, &mut data, &spec.hp, spec.scale, spec.done..n, true)?;
+                    out.elements += (n - spec.done) as u64;
+                }
+                // The state pass is due either way: after publication where it can be.
+                if self.state_can_follow(&mut data) {
+                    out.state_after = Some((spec.hp, spec.scale));
+                } else {
+                    kernels::update_state(pool, &spec.hp, buffers(&mut data, 0..n), spec.scale)?;
+                    out.elements += n as u64;
                 }
             }
         }
@@ -345,7 +405,7 @@ mod tests {
     const N: usize = 100;
 
     fn spec(done: usize) -> SpecRecord {
-        SpecRecord { hp: AdamHyper::default(), scale: 0.5, done }
+        SpecRecord { kind: SpecKind::Full, hp: AdamHyper::default(), scale: 0.5, done }
     }
 
     fn step(factor: f32, lr: f64) -> Verdict {
@@ -384,6 +444,25 @@ mod tests {
             assert!(!speculation_stands(sumsq), "{sumsq}");
         }
         assert!(speculation_stands(f32::MAX as f64));
+    }
+
+    /// A copy that stepped ahead is kept, or replaced by one update (the state never moved),
+    /// or written from the master weights again; never rolled back.
+    #[test]
+    fn a_copy_ahead_is_kept_or_replaced() {
+        let lr = AdamHyper::default().lr;
+        let update = |factor: f32, lr: f64| Action::Update { factor, hp: AdamHyper { lr, ..AdamHyper::default() } };
+        for done in [N, N / 2, 0] {
+            let s = SpecRecord { kind: SpecKind::CopyAhead, ..spec(done) };
+            let applied = Applied::Speculative(s);
+            assert_eq!(decide(applied, step(0.5, lr), true), (Action::KeepCopy { spec: s }, Outcome::Kept));
+            assert_eq!(decide(applied, step(0.25, lr), true), (update(0.25, lr), Outcome::Rescaled));
+            assert_eq!(decide(applied, step(0.5, 2.0 * lr), true), (update(0.5, 2.0 * lr), Outcome::Redone));
+            assert_eq!(decide(applied, Verdict::Skip, true), (Action::RestoreCopy { done }, Outcome::RolledBack));
+        }
+        let declined = Applied::Speculative(SpecRecord { kind: SpecKind::CopyAhead, ..spec(0) });
+        assert_eq!(decide(declined, step(0.5, lr), false), (update(0.5, lr), Outcome::Stepped));
+        assert_eq!(decide(declined, Verdict::Skip, false), (Action::Leave, Outcome::Unchanged));
     }
 
     #[test]

@@ -58,7 +58,7 @@ use crate::error::{Error, Result, Status};
 use crate::kernels::{AdamHyper, DType, Floats, Pool, PoolOptions};
 use registry::Registry;
 use scheduler::Scheduler;
-pub(crate) use subgroup::{Applied, LateGrads, SgData, SgWork, SpecRecord, SubGroup, speculation_stands};
+pub(crate) use subgroup::{Applied, LateGrads, SgData, SgWork, SpecKind, SpecRecord, SubGroup, speculation_stands};
 use tickets::Tickets;
 use trace::Lane;
 

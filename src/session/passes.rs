@@ -11,8 +11,8 @@ use super::plans::{PreparePlan, StepPlan};
 use super::scheduler::{Job, JobKey, Lifecycle};
 use super::trace::Lane;
 use super::{
-    Applied, GroupHparams, HandedSumsq, NormSource, Placement, SgData, Shared, SkipReason, StepResult, SubGroup,
-    Ticket, clip_coefficient, grad_factor, speculation_stands, unscale_factor, usable_factor,
+    Applied, GroupHparams, HandedSumsq, NormSource, Placement, SgData, Shared, SkipReason, SpecKind, StepResult,
+    SubGroup, Ticket, clip_coefficient, grad_factor, speculation_stands, unscale_factor, usable_factor,
 };
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, AdamBuffers, CopyOutMut, FloatsMut, MomentsMut, Resolution, UpdateOptions};
@@ -144,6 +144,15 @@ impl Worker {
         }
     }
 
+    /// Writes the weights' copy of elements `[0, done)` from the master weights again, as
+    /// registration wrote it: what a copy that stepped ahead ([`SpecKind::CopyAhead`]) holds
+    /// when its step is not taken.
+    pub(crate) fn restore_copy(&self, sg: &SubGroup, data: &mut SgData, done: usize) -> Result<()> {
+        let Some(copy) = data.copy.as_mut().filter(|_| done > 0) else { return Ok(()) };
+        self.master_write(sg)?;
+        kernels::copy_into(copy.range_mut(0..done), data.master.range(0..done), false, None).map(drop)
+    }
+
     /// The sum of squares of one slice as the hand-off (or the preparation) left it.
     fn slice_sumsq(&self, sg: &SubGroup, data: &mut SgData, index: usize, scale: f32) -> Result<f64> {
         match data.sumsq[index] {
@@ -228,7 +237,11 @@ impl Worker {
                     break;
                 }
                 let end = (spec.done + SPECULATION_CHUNK).min(sg.numel);
-                kernels::update(&self.shared.pool, &spec.hp, buffers(&mut data, spec.done..end), &opts)?;
+                let chunk = buffers(&mut data, spec.done..end);
+                match spec.kind {
+                    SpecKind::Full => kernels::update(&self.shared.pool, &spec.hp, chunk, &opts).map(drop)?,
+                    SpecKind::CopyAhead => kernels::update_copy(&self.shared.pool, &spec.hp, chunk, spec.scale)?,
+                }
                 spec.done = end;
                 data.work.applied = Applied::Speculative(spec);
             }
@@ -305,7 +318,11 @@ impl Worker {
                     // The gradient the planned speculative step is taken with is about to
                     // change: the step is undone (as a skipped step undoes it), wherever its
                     // pass got, and taken anew at step().
-                    if spec.done > 0 || speculation_stands(self.subgroup_sumsq(sg, &mut data, plan.scale)?) {
+                    if spec.kind == SpecKind::CopyAhead {
+                        // Only the copy stepped ahead: it is the master weights' again.
+                        self.restore_copy(sg, &mut data, spec.done)?;
+                        data.work.applied = Applied::Nothing;
+                    } else if spec.done > 0 || speculation_stands(self.subgroup_sumsq(sg, &mut data, plan.scale)?) {
                         self.master_write(sg)?;
                         let (n, hp, scale) = (sg.numel, spec.hp, spec.scale);
                         kernels::resolve(

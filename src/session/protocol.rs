@@ -11,7 +11,8 @@ use super::policy::{AUTO_BUDGET_AFTER, fitting_prefix};
 use super::trace::Lane;
 use super::{
     Applied, HandOff, HandedSumsq, LateGrads, NormSource, Phase, Placement, STEP_LANE, Session, SessionOptions,
-    SpecRecord, StepArgs, SubGroup, Ticket, Tracking, check_loss_scale, state_error, subgroup_lane, unscale_factor,
+    SpecKind, SpecRecord, StepArgs, SubGroup, Ticket, Tracking, check_loss_scale, state_error, subgroup_lane,
+    unscale_factor,
 };
 use crate::error::{Error, Result};
 use crate::kernels::{self, Floats};
@@ -335,13 +336,18 @@ impl Session {
     fn submit_complete(&self, t: &mut Tracking, sg: &Arc<SubGroup>) -> Option<Ticket> {
         let group = t.reg.groups[sg.group as usize];
         let mut data = sg.data.lock().unwrap();
-        let speculate = sg.can_speculate(group) && self.shared.policy.lock().unwrap().should_speculate();
-        if speculate {
+        // A device-placed sub-group's plan is carried out on the device by its final pass, which
+        // has no copy to write ahead of its state.
+        let kind = sg
+            .speculation(group)
+            .filter(|&k| k == SpecKind::Full || data.placement == Placement::Host)
+            .filter(|_| self.shared.policy.lock().unwrap().should_speculate());
+        if let Some(kind) = kind {
             let hp = sg.hyper(group, data.work.step_count + 1);
-            data.work.applied = Applied::Speculative(SpecRecord { hp, scale: unscale_factor(t.loss_scale), done: 0 });
+            data.work.applied =
+                Applied::Speculative(SpecRecord { kind, hp, scale: unscale_factor(t.loss_scale), done: 0 });
         }
-        // A device-placed sub-group's plan is carried out on the device by its final pass.
-        if !speculate || data.placement == Placement::Device {
+        if kind.is_none() || data.placement == Placement::Device {
             drop(data);
             self.shared.sched.mark_complete(sg.id);
             return None;

@@ -208,6 +208,7 @@ impl Session {
             }
         }
         let speculative_dtypes = data.master.dtype() == DType::F32 && o.moment_dtype == DType::F32;
+        let copy_ahead = data.master.dtype() == DType::F32 && data.copy.is_some();
         let sg = Arc::new(SubGroup {
             id,
             group: desc.group,
@@ -216,6 +217,7 @@ impl Session {
             mode: o.mode,
             bias_correction: o.bias_correction,
             speculative_dtypes,
+            copy_ahead,
             data: Mutex::new(data),
             late: Mutex::new(None),
         });

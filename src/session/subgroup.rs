@@ -13,10 +13,23 @@ pub(crate) struct LateGrads {
     pub ranges: Vec<Range<usize>>,
 }
 
-/// The speculative step of this step: the hyperparameters and gradient factor it is taken
-/// with, and how far its update has been applied (elements `[0, done)`).
+/// What a speculative step writes before the step is decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SpecKind {
+    /// The whole update: the final pass keeps, rescales or rolls it back (f32 master
+    /// weights and moments, an invertible step).
+    Full,
+    /// The weights' low-precision copy alone (`kernels::update_copy`): the master weights and
+    /// moments keep their values until the step is decided, so nothing is ever undone. For
+    /// sub-groups whose step cannot be rolled back exactly (bf16 moments).
+    CopyAhead,
+}
+
+/// The speculative step of this step: what it writes, the hyperparameters and gradient
+/// factor it is taken with, and how far it has been applied (elements `[0, done)`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct SpecRecord {
+    pub kind: SpecKind,
     pub hp: AdamHyper,
     pub scale: f32,
     pub done: usize,
@@ -86,7 +99,10 @@ pub(crate) struct SubGroup {
     pub slices: Vec<Range<usize>>,
     pub mode: AdamMode,
     pub bias_correction: bool,
+    /// f32 master weights and moments: a speculative update can be rolled back.
     pub speculative_dtypes: bool,
+    /// f32 master weights and a low-precision copy: the copy can step ahead of the rest.
+    pub copy_ahead: bool,
     pub data: Mutex<SgData>,
     pub late: Mutex<Option<LateGrads>>,
 }
@@ -105,8 +121,14 @@ impl SubGroup {
         }
     }
 
-    /// Rollback needs f32 master weights and moments, nonzero betas and an invertible decay.
-    pub(crate) fn can_speculate(&self, g: GroupHparams) -> bool {
-        self.speculative_dtypes && g.beta1 > 0.0 && g.beta2 > 0.0 && self.hyper(g, 1).decay_factor() > 0.0
+    /// How the sub-group can speculate, if at all: the whole update where it can be rolled
+    /// back (f32 master weights and moments, nonzero betas and an invertible decay), else the
+    /// weights' copy alone where there is one to write ahead.
+    pub(crate) fn speculation(&self, g: GroupHparams) -> Option<SpecKind> {
+        if self.speculative_dtypes && g.beta1 > 0.0 && g.beta2 > 0.0 && self.hyper(g, 1).decay_factor() > 0.0 {
+            Some(SpecKind::Full)
+        } else {
+            self.copy_ahead.then_some(SpecKind::CopyAhead)
+        }
     }
 }

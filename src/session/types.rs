@@ -57,7 +57,8 @@ pub struct SessionOptions {
     pub cores: Option<Vec<usize>>,
     pub mode: AdamMode,
     pub bias_correction: bool,
-    /// dtype of both moments: f32, or bf16 (then nothing speculates: rollback needs f32).
+    /// dtype of both moments: f32, or bf16 (no rollback: with a copy, speculation writes the
+    /// copy alone, ahead of the master weights and moments).
     pub moment_dtype: DType,
     /// dtype of the gradients handed over.
     pub grad_dtype: DType,

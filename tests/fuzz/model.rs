@@ -195,6 +195,8 @@ pub struct SpecM {
     pub applied: bool,
     /// It is known to have been submitted (speculation on, or a ticket came back).
     pub certain: bool,
+    /// It writes the weights' copy alone (no exact rollback): every outcome is exact.
+    pub copy_ahead: bool,
 }
 
 pub struct SgM {
@@ -1449,19 +1451,19 @@ impl Sess {
         }
     }
 
-    /// Can the sub-group step speculatively with these hyperparameters?
-    fn can_speculate(&self, sg: &SgM, g: &GroupHparams) -> bool {
+    /// Can the sub-group step speculatively with these hyperparameters, and does it write the
+    /// copy alone (`Some(true)`: no exact rollback, but a copy to write ahead)?
+    fn speculation(&self, sg: &SgM, g: &GroupHparams) -> Option<bool> {
         let o = &self.opts;
         let decay = match o.mode {
             AdamMode::AdamW => (1.0 - g.lr * g.weight_decay) as f32,
             AdamMode::L2 => 1.0,
         };
-        o.speculation != api::SPEC_OFF
-            && sg.master_dtype == DType::F32
-            && o.moment == DType::F32
-            && g.beta1 > 0.0
-            && g.beta2 > 0.0
-            && decay > 0.0
+        if o.speculation == api::SPEC_OFF || sg.master_dtype != DType::F32 {
+            return None;
+        }
+        let rollback = o.moment == DType::F32 && g.beta1 > 0.0 && g.beta2 > 0.0 && decay > 0.0;
+        if rollback { Some(false) } else { o.copy.is_some().then_some(true) }
     }
 
     /// A gradient of the slice arrived in the current micro-step: returns whether it
@@ -1484,10 +1486,10 @@ impl Sess {
         };
         let sg = self.sgs[sgid as usize].as_ref().unwrap();
         let certain = self.opts.speculation == api::SPEC_ON;
-        let spec = self.can_speculate(sg, &group).then(|| {
+        let spec = self.speculation(sg, &group).map(|copy_ahead| {
             // Non-finite: the speculative step fails; squares beyond f32: it is declined.
             let applied = slices_sumsq(&self.slices, sg, unscale_of(self.s)) <= f32::MAX as f64;
-            SpecM { hp: group, g: sg.g.clone(), applied, certain }
+            SpecM { hp: group, g: sg.g.clone(), applied, certain, copy_ahead }
         });
         if spec.is_some() {
             self.spec_min += certain as u32;
@@ -1929,25 +1931,27 @@ impl Sess {
         // Per sub-group: what its speculative step becomes if it ran; a speculative step that
         // did not run (not submitted by the policy, or cancelled at the decision, or at a late
         // gradient) leaves the sub-group to one exact pass ("stepped"), as if it never
-        // speculated.
+        // speculated. A copy written ahead is exact whatever it becomes; a late gradient
+        // writes it from the masters again, and the step is then one exact pass.
         let mut kinds = Vec::new();
         let mut n = [0u32; 5];
         for ps in &p.plan {
             let group = self.sgs[ps.id as usize].as_ref().unwrap().group as usize;
             let kind = match &ps.spec {
-                Some(s) if s.applied => {
+                Some(s) if s.applied && !(s.copy_ahead && ps.late) => {
+                    let approx = |k| (!s.copy_ahead).then_some(k);
                     if skip {
                         n[2] += 1;
-                        Some(Approx::RolledBack)
+                        approx(Approx::RolledBack)
                     } else if ps.late || !same_hp(&s.hp, &p.groups[group]) {
                         n[3] += 1;
-                        Some(Approx::Redone)
+                        approx(Approx::Redone)
                     } else if factor == p.unscale {
                         n[0] += 1;
                         None
                     } else {
                         n[1] += 1;
-                        Some(Approx::Rescaled)
+                        approx(Approx::Rescaled)
                     }
                 }
                 _ => {

@@ -80,7 +80,8 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         cores_fraction: the fraction of this rank's share (after one core left to the training
             thread) given to the pool when `cores` is None (DeepSpeed's cpuadam_cores_perc).
         moment_dtype: "f32" (16 bytes of host memory per offloaded parameter with bf16 gradients)
-            or "bf16" (12 bytes; those sub-groups are stepped at step(), without speculation).
+            or "bf16" (12 bytes; with a copy to publish, those sub-groups speculate on the copy
+            alone, with the bits of stepping after backward).
         gpu_fraction: CUDA mode: keep the first parameters in forward order, up to this fraction
             of the trainable elements, on the GPU (f32 masters and moments there). 0: everything
             offloaded. Their sub-groups are placed on the GPU by the library

@@ -95,7 +95,8 @@ pub struct so_session_options {
     pub mode: u32,
     /// Divide the moments by `1 - beta^t`.
     pub bias_correction: bool,
-    /// `SO_DTYPE_F32` or `SO_DTYPE_BF16` (bf16 moments never speculate: rollback needs f32).
+    /// `SO_DTYPE_F32` or `SO_DTYPE_BF16` (bf16 moments cannot be rolled back: with a
+    /// `copy_dtype`, their speculative step writes the copy alone, the rest after the decision).
     pub moment_dtype: u32,
     /// dtype of the gradients handed to `so_session_grad_copy`.
     pub grad_dtype: u32,
