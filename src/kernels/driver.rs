@@ -68,7 +68,7 @@ pub(crate) fn step_chunk<S: Simd, O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>
                 s.store(&mut v[i..i + lanes], r.v);
             }
             if copy && let Some(out) = out.as_deref_mut() {
-                s.store(&mut out[i..i + lanes], stored_param(s, r.p, &p[i..i + lanes]));
+                s.store_streaming(&mut out[i..i + lanes], stored_param(s, r.p, &p[i..i + lanes]));
             }
             if partials.is_some() {
                 acc = s.acc_add_squares(acc, r.g);
@@ -109,6 +109,9 @@ pub(crate) fn step_chunk<S: Simd, O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>
         }
         start = end;
         block += 1;
+    }
+    if copy && out.is_some() {
+        s.fence();
     }
 }
 

@@ -111,25 +111,26 @@ impl Simd for Avx2 {
         unsafe {
             match E::DTYPE {
                 DType::F32 => _mm256_storeu_ps(dst.as_mut_ptr().cast(), v),
-                DType::Bf16 => {
-                    let bits = _mm256_castps_si256(v);
-                    let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
-                    let bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF));
-                    let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(bits, bias));
-                    let magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFF_FFFF));
-                    let nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F80_0000));
-                    let out = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(BF16_NAN as i32), nan);
-                    // Pack within 128-bit halves, then gather the two low quadwords.
-                    let packed = _mm256_packus_epi32(out, out);
-                    let ordered = _mm256_permute4x64_epi64::<0b00_00_10_00>(packed);
-                    _mm_storeu_si128(dst.as_mut_ptr().cast(), _mm256_castsi256_si128(ordered));
-                }
-                DType::F16 => {
-                    let halves = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
-                    _mm_storeu_si128(dst.as_mut_ptr().cast(), halves);
-                }
+                DType::Bf16 | DType::F16 => _mm_storeu_si128(dst.as_mut_ptr().cast(), halves::<E>(v)),
             }
         }
+    }
+
+    #[inline(always)]
+    fn store_streaming<E: Elem>(self, dst: &mut [E], v: __m256) {
+        if E::DTYPE == DType::F32 || !(dst.as_ptr() as usize).is_multiple_of(16) {
+            return self.store(dst, v);
+        }
+        assert!(dst.len() >= 8);
+        // SAFETY: AVX2 is present (`self`); after the assert `dst` holds at least 8 two-byte
+        // elements, the 16 bytes the store writes, at a 16-byte aligned address.
+        unsafe { _mm_stream_si128(dst.as_mut_ptr().cast(), halves::<E>(v)) }
+    }
+
+    #[inline(always)]
+    fn fence(self) {
+        // SAFETY: SSE is part of every x86-64 CPU.
+        unsafe { _mm_sfence() }
     }
 
     #[inline(always)]
@@ -177,6 +178,29 @@ impl Simd for Avx2 {
     fn copy_chunk<D: Elem, G: Elem>(self, dst: &mut [D], src: &[G], accumulate: bool, sumsq: Option<SumsqOut<'_>>) {
         // SAFETY: the token proves AVX2, FMA and F16C are available.
         unsafe { copy_entry(self, dst, src, accumulate, sumsq) }
+    }
+}
+
+/// Eight f32 lanes rounded to nearest even into a 16-bit dtype (`E`: bf16 with the bits of
+/// `dtype.rs`, or f16).
+#[inline(always)]
+fn halves<E: Elem>(v: __m256) -> __m128i {
+    // SAFETY: called from the back-end's methods only, whose token proves AVX2, FMA and F16C;
+    // the intrinsics work on registers only.
+    unsafe {
+        if E::DTYPE == DType::F16 {
+            return _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+        }
+        let bits = _mm256_castps_si256(v);
+        let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+        let bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF));
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(bits, bias));
+        let magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFF_FFFF));
+        let nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F80_0000));
+        let out = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(BF16_NAN as i32), nan);
+        // Pack within 128-bit halves, then gather the two low quadwords.
+        let packed = _mm256_packus_epi32(out, out);
+        _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b00_00_10_00>(packed))
     }
 }
 

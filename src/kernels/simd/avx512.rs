@@ -98,26 +98,35 @@ impl Simd for Avx512 {
     fn store<E: Elem>(self, dst: &mut [E], v: __m512) {
         assert!(dst.len() >= 16);
         // SAFETY: AVX-512F is present (`self`); after the assert `dst` holds at least 16
-        // elements, exactly what the unaligned store writes.
+        // elements, exactly what the unaligned stores write.
         unsafe {
             match E::DTYPE {
                 DType::F32 => _mm512_storeu_ps(dst.as_mut_ptr().cast(), v),
-                DType::Bf16 => {
-                    let bits = _mm512_castps_si512(v);
-                    let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
-                    let bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
-                    let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, bias));
-                    let magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFF_FFFF));
-                    let nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7F80_0000));
-                    let out = _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(BF16_NAN as i32));
-                    _mm256_storeu_si256(dst.as_mut_ptr().cast(), _mm512_cvtepi32_epi16(out));
-                }
-                DType::F16 => {
-                    let halves = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
-                    _mm256_storeu_si256(dst.as_mut_ptr().cast(), halves);
-                }
+                DType::Bf16 | DType::F16 => _mm256_storeu_si256(dst.as_mut_ptr().cast(), halves::<E>(v)),
             }
         }
+    }
+
+    #[inline(always)]
+    fn store_streaming<E: Elem>(self, dst: &mut [E], v: __m512) {
+        if E::DTYPE == DType::F32 || !(dst.as_ptr() as usize).is_multiple_of(16) {
+            return self.store(dst, v);
+        }
+        assert!(dst.len() >= 16);
+        // SAFETY: AVX-512F is present (`self`); after the assert `dst` holds at least 16
+        // two-byte elements, the 32 bytes the two stores write, at a 16-byte aligned address.
+        unsafe {
+            let h = halves::<E>(v);
+            let p: *mut __m128i = dst.as_mut_ptr().cast();
+            _mm_stream_si128(p, _mm256_castsi256_si128(h));
+            _mm_stream_si128(p.add(1), _mm256_extracti128_si256::<1>(h));
+        }
+    }
+
+    #[inline(always)]
+    fn fence(self) {
+        // SAFETY: SSE is part of every x86-64 CPU.
+        unsafe { _mm_sfence() }
     }
 
     #[inline(always)]
@@ -160,6 +169,26 @@ impl Simd for Avx512 {
     fn copy_chunk<D: Elem, G: Elem>(self, dst: &mut [D], src: &[G], accumulate: bool, sumsq: Option<SumsqOut<'_>>) {
         // SAFETY: the token proves AVX-512F is available.
         unsafe { copy_entry(self, dst, src, accumulate, sumsq) }
+    }
+}
+
+/// Sixteen f32 lanes rounded to nearest even into a 16-bit dtype (`E`: bf16 with the bits of
+/// `dtype.rs`, or f16).
+#[inline(always)]
+fn halves<E: Elem>(v: __m512) -> __m256i {
+    // SAFETY: called from the back-end's methods only, whose token proves AVX-512F; the
+    // intrinsics work on registers only.
+    unsafe {
+        if E::DTYPE == DType::F16 {
+            return _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
+        }
+        let bits = _mm512_castps_si512(v);
+        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+        let bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, bias));
+        let magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFF_FFFF));
+        let nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7F80_0000));
+        _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(BF16_NAN as i32)))
     }
 }
 

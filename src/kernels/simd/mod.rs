@@ -42,6 +42,17 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     fn load<E: Elem>(self, src: &[E]) -> Self::F;
     /// Stores `LANES` elements to the front of `dst`, rounding to nearest even.
     fn store<E: Elem>(self, dst: &mut [E], v: Self::F);
+    /// [`Simd::store`] of values the CPU does not read again soon (the weights' copy, which the
+    /// device reads): where the back-end can, a 16-byte aligned `dst` of a 16-bit dtype is
+    /// written around the cache, sparing the read of every line it overwrites. The same bits;
+    /// [`Simd::fence`] makes them visible to other threads.
+    #[inline(always)]
+    fn store_streaming<E: Elem>(self, dst: &mut [E], v: Self::F) {
+        self.store(dst, v)
+    }
+    /// Orders the streaming stores before every later store (the end of a chunk).
+    #[inline(always)]
+    fn fence(self) {}
 
     fn acc_zero(self) -> Self::Acc;
     /// Adds the squares of the lanes of `x`, in f64, to the eight logical lanes.
