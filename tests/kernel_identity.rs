@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use superoffload::kernels::{self, AdamHyper, AdamMode, DType, GradRef, Isa, UpdateOptions};
+use superoffload::kernels::{self, AdamHyper, AdamMode, CopyOutMut, DType, GradRef, Isa, UpdateOptions, bf16, f16};
 
 const LENGTHS: [usize; 9] = [1, 7, 15, 16, 17, 31, 1000, 8191, 8192 * 6 + 13];
 
@@ -149,6 +149,40 @@ fn a_split_update_writes_exactly_the_bits_of_one_update() {
                     kernels::update_state(pool, &hp, split.buffers(), 0.75).unwrap();
                     assert!(split == whole, "copy then state differ from one update, {dtypes:?} {mode:?} n {n}");
                 }
+            }
+        }
+    }
+}
+
+/// The copy is written around the cache where it is 16-byte aligned and with plain stores
+/// elsewhere: the same bits at every offset, for both copy dtypes and every instruction set.
+#[test]
+fn the_copy_has_the_same_bits_at_any_alignment() {
+    let mut rng = Rng::new(13);
+    let n = 8192 * 3 + 21;
+    for isa in supported_isas() {
+        let pool = pool(isa, 2);
+        for copy in [DType::Bf16, DType::F16] {
+            let hp = random_hyper(&mut rng, AdamMode::AdamW);
+            let start = State::random(&mut rng, n, (DType::F32, DType::Bf16, DType::F32, Some(copy)), true, 1.0);
+            let mut aligned = start.clone();
+            kernels::update_copy(&pool, &hp, aligned.buffers(), 0.5).unwrap();
+            let want = aligned.out.unwrap();
+            for offset in 1..8 {
+                // The same copy, `offset` two-byte elements into a larger buffer.
+                let mut shifted = start.clone();
+                let mut buffers = shifted.buffers();
+                let (mut wide_bf16, mut wide_f16) = (vec![bf16::ZERO; n + offset], vec![f16::ZERO; n + offset]);
+                buffers.copy_out = Some(match copy {
+                    DType::Bf16 => CopyOutMut::Bf16(&mut wide_bf16[offset..]),
+                    _ => CopyOutMut::F16(&mut wide_f16[offset..]),
+                });
+                kernels::update_copy(&pool, &hp, buffers, 0.5).unwrap();
+                let got = match copy {
+                    DType::Bf16 => Store::Bf16(wide_bf16[offset..].to_vec()),
+                    _ => Store::F16(wide_f16[offset..].to_vec()),
+                };
+                assert!(got == want, "{isa:?} {copy:?} at offset {offset}");
             }
         }
     }
