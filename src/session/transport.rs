@@ -97,7 +97,9 @@ pub trait Transport: Send + Sync + Any {
     /// `sg`'s master weights from element `offset` on changed (its low-precision copy too,
     /// when the session keeps one): `master` and `copy` hold those elements. Stage them for
     /// the device, not yet visible to the model. A pass may report its sub-group piece by
-    /// piece, so that staging copies overlap the rest of the pass.
+    /// piece, so that staging copies overlap the rest of the pass. Where the session keeps a
+    /// copy, the copy is what the device is given: a speculative pass may write it ahead of
+    /// the master weights (`master` then still holds the previous step's weights).
     fn weights_updated(&self, sg: u32, offset: usize, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()>;
     /// `sg` is final for this step: make the staged weights the model's.
     fn publish(&self, sg: u32) -> Result<()>;
