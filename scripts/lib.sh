@@ -13,6 +13,7 @@
 #                            (PKG defaults to CMD), or fails saying what is missing
 #   so_find_cargo            puts cargo on PATH (from ~/.cargo/bin if needed), or fails
 #   so_cargo_target_dir      cargo's target directory of this workspace
+#   so_free_gib PATH         whole GiB free on the file system of PATH
 #   so_cmake_at_least VER    fails unless cmake is at least VER
 #   so_gpu_setup "$@"        the arguments of the GPU-machine scripts, <prefix> [output dir]
 #                            [parts]: sets prefix (absolute), out (created), parts, threads,
@@ -92,6 +93,8 @@ so_cargo_target_dir() {
         sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')"
     echo "${dir:-$so_root/target}"
 }
+
+so_free_gib() { df -Pk "$1" | awk 'NR == 2 { print int($4 / 1048576) }'; }
 
 so_cmake_at_least() {
     local have

@@ -10,13 +10,16 @@
 #      the torch tests (host mode: parity, speculation, resume, migration, accumulation, bf16
 #      moments, FSDP2 + DCP with 2 gloo ranks, Hugging Face Trainer).
 #
+# Step 3 needs about 9 GiB of disk while pip installs (5.6 GiB once installed): with less
+# than SO_PY_TORCH_MIN_FREE_GIB (10) free it says so and exits 77 after step 2.
+#
 # Environment: PYTHON (default python3), SO_PY_WORK (default target/python-test), SO_PY_TORCH
 # (1), SO_BUILD_DIR (build: where scripts/test.sh's CMake build is), SO_PY_REBUILD=1 (let cargo
 # build the library even if the CMake build has one), SO_PY_TORCH_SPEC (default "torch"),
 # PIP_FIND_LINKS etc. as for pip.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-root="$PWD"
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+root="$so_root"
 py="${PYTHON:-python3}"
 work="${SO_PY_WORK:-$root/target/python-test}"
 start=$(date +%s)
@@ -54,6 +57,13 @@ isolated python -m pytest -q -p no:cacheprovider "$root/python/tests/test_layer.
 
 if [ "${SO_PY_TORCH:-1}" = 1 ]; then
     section "torch, transformers, accelerate"
+    free_gib="$(so_free_gib "$work")"
+    min_free_gib="${SO_PY_TORCH_MIN_FREE_GIB:-10}"
+    echo "free disk at $work: $free_gib GiB"
+    if [ "$free_gib" -lt "$min_free_gib" ]; then
+        echo "SKIPPED: the torch tests: $free_gib GiB free, installing torch, transformers and accelerate needs $min_free_gib"
+        exit 77
+    fi
     t0=$(date +%s)
     "$venv/bin/pip" install -q ${SO_PY_TORCH_SPEC:-torch} transformers accelerate
     echo "installed in $(( $(date +%s) - t0 )) s; environment size $(du -sh "$venv" | cut -f1)"
