@@ -22,9 +22,13 @@ script with --worker), without clipping and with clipping on every step (max_gra
                        of each per-parameter optimizer by the norm of the GPU gradients
   ds-zero3-offload     DeepSpeed ZeRO-3, offload_optimizer {device: cpu, pin_memory: true}, AdamW
                        (DeepSpeedCPUAdam), top-level gradient_clipping
-  torch-fsdp2-offload  FSDP2 fully_shard per decoder layer and at the root, one rank, with
+  torch-fsdp2-offload  FSDP2 fully_shard per decoder layer and at the root, with
                        CPUOffloadPolicy and MixedPrecisionPolicy(bf16 params): fused CPU AdamW on
                        f32 masters after backward, clip_grad_norm_ on the CPU
+  torch-fsdp2-gpu-adamw  FSDP2 as above on bf16 parameters, no offload: torch AdamW(fused) on the
+                       GPU shards (the baseline of --ranks above 1)
+  ours-fsdp2           FSDP2 as above on bf16 parameters, SuperOffloadAdamW's defaults stepping
+                       each rank's shards on that rank's share of the cores
   ds-superoffload      DeepSpeed ZeRO-3 + offload_optimizer.super_offload, as DeepSpeed's
                        SuperOffload examples configure it (ratio 0.9, cpuadam_cores_perc 0.9,
                        sub_group_size = reduce_bucket_size = 4e8, overlap_comm off)
@@ -33,11 +37,15 @@ Models: 1.1b (TinyLlama's shape: 22 x 2048, intermediate 5632, 32 heads, 4 KV he
 seq 2048 = 32K tokens a step), 2.8b (26 x 3072, intermediate 8192, 24 heads, 8 KV heads, batch 8
 x 2048 = 16K tokens), tiny (2 x 64, for --device cpu: the harness, no numbers).
 
+--ranks N (N > 1; the three FSDP2 systems only) starts every worker as N processes, one per GPU
+(NCCL; gloo with --device cpu), each on its own data: the tables then hold N times the tokens a
+step, and their baseline is torch-fsdp2-gpu-adamw with as many ranks.
+
 Per row: the median s/step of --steps timed steps after --warmup, its ratio to the uncapped
-torch-gpu-adamw row of the same model and clipping, GPU memory as torch's peak (allocated) plus
+baseline row of the same model, clipping and ranks, GPU memory as torch's peak (allocated) plus
 the device bytes our session holds outside torch's allocator (metrics()["device_bytes"]; 0 for
-the others, whose GPU memory is all torch's), the loss after the last step, and the error of a
-failed run. With --mem-cap-gib each worker first calls torch.cuda.set_per_process_memory_fraction;
+the others, whose GPU memory is all torch's; the largest of the ranks), rank 0's loss after the
+last step, and the error of a failed run. With --mem-cap-gib each worker first calls torch.cuda.set_per_process_memory_fraction;
 an out-of-memory error is a result (status oom), not a crash. A system that errs or times out is
 not run again for the later models and caps (--retry-failed runs it anyway).
 
@@ -57,7 +65,9 @@ completes the tables.
   python3 bench/peers.py --systems ds-zero3-offload,torch-fsdp2-offload --baseline first/peers.json
   python3 bench/peers.py --models 2.8b --mem-cap-gib 24,48 \\
       --systems torch-gpu-adamw,ours-offload-all,ours-budget-auto,torchao-offload,ds-zero3-offload
+  python3 bench/peers.py --models 2.8b --ranks 2 --systems torch-fsdp2-gpu-adamw,ours-fsdp2
   python3 bench/peers.py --device cpu --models tiny --systems torch-gpu-adamw,ours   # CPU dry run
+  python3 bench/peers.py --device cpu --models tiny --ranks 2 --systems torch-fsdp2-gpu-adamw,ours-fsdp2
 
 Writes peers.json, peers.md (one table per model and cap) and peers.log (every worker's output)
 to --out (default $OUT/peers, else bench-out/peers), after every worker, and prints the tables.
@@ -111,24 +121,53 @@ def is_oom(exc):
 
 
 class Context:
-    """What every system shares: the model's shape, the device, the batch, the cap."""
+    """What every system shares: the model's shape, the device, the batch, the cap, the ranks."""
 
     def __init__(self, args):
         import bench_e2e
         self.e2e = bench_e2e
         self.spec = MODELS[args.model]
         self.cuda = args.device == "cuda"
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        if self.cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self.cap_bytes = int(args.cap_gib * GIB) if args.cap_gib else 0
         self.clips = args.clips
-        generator = torch.Generator().manual_seed(0)
+        # Data parallel: each rank its own tokens.
+        generator = torch.Generator().manual_seed(self.rank)
         shape = (self.spec["batch"], self.spec["seq"])
         self.batch = torch.randint(0, self.spec["vocab"], shape, generator=generator).to(self.device)
 
     def build_model(self, dtype=None):
         shape = argparse.Namespace(**self.spec, dtype=dtype or self.dtype, activation_checkpointing=True)
         return self.e2e.build_model(shape, self.device)
+
+    def init_distributed(self):
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.cuda else "gloo")
+
+    def fully_shard(self, model, **policies):
+        """FSDP2 over every rank: each decoder layer, then the root."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        self.init_distributed()
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, **policies)
+        fully_shard(model, mesh=mesh, **policies)
+        return model
+
+    def largest_of_ranks(self, value):
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
+        t = torch.tensor([float(value)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
 
     def budget_within_cap(self, model):
         """The cap less the peak of one forward and backward without an optimizer, less a headroom."""
@@ -175,12 +214,15 @@ class Trainer:
 
 
 class TorchGpuAdamW(Trainer):
-    def __init__(self, ctx):
+    def __init__(self, ctx, sharded=False):
         super().__init__(ctx)
         self.model = ctx.build_model()
+        if sharded:
+            ctx.fully_shard(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, fused=True, **HPARAMS)
-        self.config = {"optimizer": "torch.optim.AdamW(fused=True)", "state": str(ctx.dtype)}
+        self.config = {"optimizer": "torch.optim.AdamW(fused=True)", "state": str(ctx.dtype),
+                       "fsdp2_ranks": ctx.world if sharded else None}
 
     def train_step(self):
         loss = self.ctx.e2e.forward_backward(self.model, self.ctx.batch)
@@ -192,10 +234,12 @@ class TorchGpuAdamW(Trainer):
 
 
 class Ours(Trainer):
-    def __init__(self, ctx, options):
+    def __init__(self, ctx, options, sharded=False):
         from superoffload.torch import SuperOffloadAdamW
         super().__init__(ctx)
         self.model = ctx.build_model()
+        if sharded:
+            ctx.fully_shard(self.model)
         options = dict(options)
         if ctx.cap_bytes and options.get("gpu_budget") == "auto":
             del options["gpu_budget"]
@@ -207,7 +251,7 @@ class Ours(Trainer):
         # after a few measured steps.
         self.splits = options.get("gpu_budget_bytes") != 0
         self.speculation_auto = options.get("speculation", "auto") == "auto"
-        self.config = {**options, "subgroups": len(self.opt.subgroups())}
+        self.config = {**options, "subgroups": len(self.opt.subgroups()), "cores": self.opt.cores}
 
     def set_clip(self, max_norm):
         self.max_norm = max_norm
@@ -291,7 +335,7 @@ class DeepSpeedZero3(Trainer):
             "zero_optimization": zero,
             "steps_per_print": 1 << 30,
         }
-        deepspeed.init_distributed(dist_backend="nccl" if ctx.cuda else "gloo")
+        ctx.init_distributed()
         self.engine, *_ = deepspeed.initialize(model=model, config=ds_config)
         self.model = self.engine.module
         self.config = {"deepspeed": deepspeed.__version__, "zero_optimization": zero,
@@ -319,18 +363,11 @@ class DeepSpeedZero3(Trainer):
 
 class Fsdp2CpuOffload(Trainer):
     def __init__(self, ctx):
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
         super().__init__(ctx)
-        dist.init_process_group("nccl" if ctx.cuda else "gloo")
-        self.model = ctx.build_model(dtype=torch.float32)
-        policies = dict(mesh=init_device_mesh(ctx.device.type, (1,)),
-                        mp_policy=MixedPrecisionPolicy(param_dtype=ctx.dtype, reduce_dtype=torch.float32),
-                        offload_policy=CPUOffloadPolicy(pin_memory=ctx.cuda))
-        for layer in self.model.model.layers:
-            fully_shard(layer, **policies)
-        fully_shard(self.model, **policies)
+        self.model = ctx.fully_shard(ctx.build_model(dtype=torch.float32),
+                                     mp_policy=MixedPrecisionPolicy(param_dtype=ctx.dtype, reduce_dtype=torch.float32),
+                                     offload_policy=CPUOffloadPolicy(pin_memory=ctx.cuda))
         self.opt = torch.optim.AdamW(self.model.parameters(), fused=True, **HPARAMS)
         self.config = {"masters": "f32 on the CPU", "compute": str(ctx.dtype),
                        "optimizer": "torch.optim.AdamW(fused=True) on the CPU"}
@@ -342,10 +379,6 @@ class Fsdp2CpuOffload(Trainer):
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss
-
-    def close(self):
-        torch.distributed.destroy_process_group()
-
 
 OFFLOAD_ALL = {"gpu_budget_bytes": 0}
 # name: (label, constructor(ctx)), in the order of the tables.
@@ -360,14 +393,25 @@ SYSTEMS = {
     "ours-budget-auto": ('ours, gpu_budget "auto"', lambda ctx: Ours(ctx, {"gpu_budget": "auto"})),
     "torchao-offload": ("torchao CPUOffloadOptimizer (AdamW)", TorchaoOffload),
     "ds-zero3-offload": ("DeepSpeed ZeRO-3, offload_optimizer cpu", lambda ctx: DeepSpeedZero3(ctx, False)),
-    "torch-fsdp2-offload": ("torch FSDP2 CPUOffloadPolicy, 1 rank", Fsdp2CpuOffload),
+    "torch-fsdp2-offload": ("torch FSDP2 CPUOffloadPolicy", Fsdp2CpuOffload),
     "ds-superoffload": ("DeepSpeed ZeRO-3 + SuperOffload", lambda ctx: DeepSpeedZero3(ctx, True)),
+    "torch-fsdp2-gpu-adamw": ("torch FSDP2, AdamW(fused) on the GPU", lambda ctx: TorchGpuAdamW(ctx, sharded=True)),
+    "ours-fsdp2": ("ours under FSDP2, defaults", lambda ctx: Ours(ctx, {}, sharded=True)),
 }
-BASELINE = "torch-gpu-adamw"
+# The systems that run on more than one rank.
+FSDP2_SYSTEMS = ["torch-fsdp2-gpu-adamw", "ours-fsdp2", "torch-fsdp2-offload"]
+
+
+def baseline_of(ranks):
+    """The system every ratio of a table with this many ranks is to."""
+    return "torch-gpu-adamw" if ranks == 1 else "torch-fsdp2-gpu-adamw"
+
+
 # The order of the runs: the rows that the targets need first, so that what --budget-s leaves out
 # matters least ("ours" repeats one of the two before it, whichever the package's default is).
-RUN_ORDER = ["torch-gpu-adamw", "ours-offload-all", "ours-budget-auto", "torchao-offload", "ours-spec-off", "ours",
-             "ours-bf16-moments", "ds-zero3-offload", "torch-fsdp2-offload", "ds-superoffload"]
+RUN_ORDER = ["torch-gpu-adamw", "torch-fsdp2-gpu-adamw", "ours-offload-all", "ours-fsdp2", "ours-budget-auto",
+             "torchao-offload", "ours-spec-off", "ours", "ours-bf16-moments", "ds-zero3-offload", "torch-fsdp2-offload",
+             "ds-superoffload"]
 
 
 def error_text(exc):
@@ -393,11 +437,14 @@ def worker_main(args):
     spec = ctx.spec
     rows = [{"clip": clip, "status": "not run"} for clip in ctx.clips]
 
+    # Rank 0's rows are the result; another rank's tell the runner why it failed.
+    result = args.result if ctx.rank == 0 else f"{args.result}.rank{ctx.rank}"
+
     def save():
-        tmp = args.result + ".tmp"
+        tmp = result + ".tmp"
         with open(tmp, "w") as f:
             json.dump(rows, f)
-        os.replace(tmp, args.result)
+        os.replace(tmp, result)
 
     def fail(first_index, exc):
         status = "oom" if is_oom(exc) else "error"
@@ -411,11 +458,12 @@ def worker_main(args):
         trainer = SYSTEMS[args.worker][1](ctx)
     except Exception as exc:
         fail(0, exc)
-        return 0
+        return 1
     setup_s = time.perf_counter() - t0
     n_params = trainer.parameter_count()
     log(f"[{args.worker}] set up in {setup_s:.1f} s: {n_params / 1e9:.3f} B parameters, {trainer.config}")
     steps = argparse.Namespace(steps=args.steps, warmup=args.warmup)
+    failed = False
     for i, clip in enumerate(ctx.clips):
         try:
             trainer.set_clip(clip)
@@ -424,10 +472,11 @@ def worker_main(args):
                 torch.cuda.synchronize(ctx.device)
                 torch.cuda.reset_peak_memory_stats(ctx.device)
             times, _, losses = ctx.e2e.run_steps(args.worker, trainer.step, steps, timer)
-            session_bytes = trainer.device_bytes()
-            torch_peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.cuda else 0
+            session_bytes = ctx.largest_of_ranks(trainer.device_bytes())
+            torch_peak = ctx.largest_of_ranks(torch.cuda.max_memory_allocated(ctx.device) if ctx.cuda else 0)
         except Exception as exc:
             fail(i, exc)
+            failed = True
             break
         rows[i].update(
             status="ok", s_per_step=statistics.median(times), s_per_step_all=times, loss=losses[-1],
@@ -438,11 +487,18 @@ def worker_main(args):
             f"{', '.join(f'{t:.3f}' for t in times)}), loss {losses[-1]:.4f}, GPU {rows[i]['gpu_gib']:.2f} GiB")
         save()
     for row in rows:
-        row.update(params=n_params, tokens_per_step=spec["batch"] * spec["seq"], versions=package_versions(),
+        row.update(params=n_params, tokens_per_step=spec["batch"] * spec["seq"] * ctx.world, ranks=ctx.world,
+                   versions=package_versions(),
                    device_name=torch.cuda.get_device_name(ctx.device) if ctx.cuda else "cpu")
     save()
+    if failed and ctx.world > 1:
+        # At once and non-zero: the runner then stops the other ranks, which may wait in a
+        # collective (as would this rank's own clean-up).
+        return 1
     trainer.close()
-    return 0
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 1 if failed else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,52 +513,77 @@ def free_port():
 
 
 def run_worker(job, args, workdir, log_file, seconds):
-    """Runs one worker; returns its rows (one per clip), failures included."""
+    """Runs one worker (a process per rank); returns its rows (one per clip), failures included."""
     system, model, cap, clips = job
+    ranks = args.ranks
     result = os.path.join(workdir, "result.json")
-    output = os.path.join(workdir, "worker.log")
-    for path in (result, output):
+    results = [result] + [f"{result}.rank{r}" for r in range(1, ranks)]
+    outputs = [os.path.join(workdir, f"worker.rank{r}.log") for r in range(ranks)]
+    for path in results + outputs:
         if os.path.exists(path):
             os.remove(path)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--model", model,
            "--cap-gib", str(cap or 0), "--clips", ",".join(repr(c) for c in clips), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--device", args.device, "--result", result]
-    # One rank of a one-process group, for DeepSpeed and FSDP2.
+    # The ranks of one process group on this host (a group of one for DeepSpeed and FSDP2).
     env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+               WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
     t0 = time.perf_counter()
-    with open(output, "w") as out:
-        # Its own process group, so that a timeout also ends what it started (DeepSpeed's
-        # CPU-optimizer process).
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        timed_out = False
-        try:
-            proc.wait(timeout=seconds)
-        except subprocess.TimeoutExpired:
+    procs = []
+    for r in range(ranks):
+        with open(outputs[r], "w") as out:
+            # Its own process group, so that stopping it also ends what it started (DeepSpeed's
+            # CPU-optimizer process).
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                          env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
+    # A rank that fails leaves the others waiting in a collective: stop them all. The first to
+    # fail has the reason.
+    timed_out = False
+    failed_rank = None
+    while any(p.poll() is None for p in procs):
+        failed_rank = next((r for r, p in enumerate(procs) if p.poll()), None)
+        if failed_rank is not None:
+            break
+        if time.perf_counter() - t0 > seconds:
             timed_out = True
-            stop_group(proc)
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            stop_group(p)
     wall = time.perf_counter() - t0
-    with open(output, errors="replace") as f:
-        text = f.read()
-    log_file.write(f"\n===== {system} {model} cap {cap or 'none'} clips {clips}: exit {proc.returncode}, "
-                   f"{wall:.1f} s{' (timed out)' if timed_out else ''}\n{text}")
+    texts = []
+    for path in outputs:
+        with open(path, errors="replace") as f:
+            texts.append(f.read())
+    codes = [p.returncode for p in procs]
+    for r, text in enumerate(texts):
+        log_file.write(f"\n===== {system} {model} cap {cap or 'none'} clips {clips}"
+                       + (f" rank {r} of {ranks}" if ranks > 1 else "")
+                       + f": exit {codes[r]}, {wall:.1f} s{' (timed out)' if timed_out else ''}\n{text}")
     log_file.flush()
-    rows = []
-    if os.path.exists(result):
-        with open(result) as f:
-            rows = json.load(f)
-    by_clip = {row["clip"]: row for row in rows}
-    tail = "\n".join(text.strip().splitlines()[-15:])[-1500:]
+    def rows_of(rank):
+        if not os.path.exists(results[rank]):
+            return {}
+        with open(results[rank]) as f:
+            return {row["clip"]: row for row in json.load(f)}
+    # Rank 0's rows, with the errors of the first rank that failed.
+    failed_rank = failed_rank if failed_rank is not None else next((r for r, c in enumerate(codes) if c), 0)
+    by_clip = rows_of(0)
+    by_clip.update({clip: row for clip, row in rows_of(failed_rank).items() if row["status"] not in ("ok", "not run")})
+    tail = "\n".join(texts[failed_rank].strip().splitlines()[-15:])[-1500:]
     out_rows = []
     for clip in clips:
         row = by_clip.get(clip, {"clip": clip, "status": "not run"})
         if row["status"] == "not run":
+            rank = f"rank {failed_rank}'s " if ranks > 1 else "its "
             if timed_out:
                 why = "at the end of --budget-s" if seconds < args.timeout_s else f"after {seconds:.0f} s"
-                row.update(status="timeout", error=f"worker stopped {why}; its output ended:\n{tail}")
+                row.update(status="timeout", error=f"worker stopped {why}; {rank}output ended:\n{tail}")
             else:
-                row.update(status="crash", error=f"worker exited with {proc.returncode}; its output ended:\n{tail}")
-        row.update(system=system, model=model, cap_gib=cap, worker_s=round(wall, 1))
+                row.update(status="crash",
+                           error=f"worker exited with {codes[failed_rank]}; {rank}output ended:\n{tail}")
+        row.update(system=system, model=model, cap_gib=cap, ranks=ranks, worker_s=round(wall, 1))
         out_rows.append(row)
     return out_rows
 
@@ -518,10 +599,10 @@ def stop_group(proc):
         proc.wait()
 
 
-def plan(systems, models, caps, clips, have_baseline):
+def plan(systems, models, caps, clips, have_baseline, ranks):
     """(system, model, cap, clips) per worker, in RUN_ORDER, each worker running the clip settings
     in turn; the uncapped baseline of every model first, unless given."""
-    jobs = [] if have_baseline else [(BASELINE, model, None, clips) for model in models]
+    jobs = [] if have_baseline else [(baseline_of(ranks), model, None, clips) for model in models]
     for system in sorted(systems, key=RUN_ORDER.index):
         for model in models:
             for cap in caps:
@@ -530,28 +611,29 @@ def plan(systems, models, caps, clips, have_baseline):
     return jobs
 
 
-def load_baseline(path, models, clips):
+def load_baseline(path, models, clips, ranks):
     """The uncapped baseline rows of an earlier run's peers.json, one per model and clip."""
+    baseline = baseline_of(ranks)
     with open(path) as f:
-        rows = [r for r in json.load(f)["rows"] if r["system"] == BASELINE and r["cap_gib"] is None
-                and r["status"] == "ok" and r["model"] in models and r["clip"] in clips]
+        rows = [r for r in json.load(f)["rows"] if r["system"] == baseline and r["cap_gib"] is None
+                and r.get("ranks", 1) == ranks and r["status"] == "ok" and r["model"] in models and r["clip"] in clips]
     missing = sorted({(m, c) for m in models for c in clips} - {(r["model"], r["clip"]) for r in rows})
     if missing:
-        sys.exit(f"peers.py: {path} has no {BASELINE} row for {missing} (model, clip) uncapped")
+        sys.exit(f"peers.py: {path} has no {baseline} row with {ranks} rank(s) for {missing} (model, clip) uncapped")
     for r in rows:
         r["note"] = f"from {path}"
     return rows
 
 
 def baseline_rows(rows):
-    return {(r["model"], r["clip"]): r for r in rows
-            if r["system"] == BASELINE and r["cap_gib"] is None and r["status"] == "ok"}
+    return {(r["model"], r["clip"], r.get("ranks", 1)): r for r in rows
+            if r["system"] == baseline_of(r.get("ranks", 1)) and r["cap_gib"] is None and r["status"] == "ok"}
 
 
 def write_outputs(args, header, rows):
     base = baseline_rows(rows)
     for row in rows:
-        ref = base.get((row["model"], row["clip"]))
+        ref = base.get((row["model"], row["clip"], row.get("ranks", 1)))
         row["ratio_to_gpu_adamw"] = row["s_per_step"] / ref["s_per_step"] if ref and row["status"] == "ok" else None
     with open(os.path.join(args.out, "peers.json"), "w") as f:
         json.dump({"header": header, "rows": rows}, f, indent=1)
@@ -574,17 +656,19 @@ def markdown(header, rows):
     order = list(SYSTEMS)
     groups = []
     for row in rows:
-        key = (row["model"], row["cap_gib"])
+        key = (row["model"], row["cap_gib"], row.get("ranks", 1))
         if key not in groups:
             groups.append(key)
-    for model, cap in sorted(groups, key=lambda k: (list(MODELS).index(k[0]), k[1] or 0)):
-        group = sorted((r for r in rows if r["model"] == model and r["cap_gib"] == cap),
+    for model, cap, ranks in sorted(groups, key=lambda k: (list(MODELS).index(k[0]), k[2], k[1] or 0)):
+        group = sorted((r for r in rows if (r["model"], r["cap_gib"], r.get("ranks", 1)) == (model, cap, ranks)),
                        key=lambda r: (order.index(r["system"]), r["clip"]))
         spec = MODELS[model]
         params = next((r["params"] for r in group if r.get("params")), None)
         size = (f"{params / 1e9:.2f} B parameters, " if params >= 1e9 else f"{params / 1e6:.2f} M parameters, "
                 ) if params else ""
-        out += [f"## {model}: {spec['layers']} x {spec['hidden']}, {size}{spec['batch'] * spec['seq']} tokens a step; "
+        on_ranks = f"{ranks} ranks of FSDP2, " if ranks > 1 else ""
+        out += [f"## {model}: {spec['layers']} x {spec['hidden']}, {size}{on_ranks}"
+                f"{spec['batch'] * spec['seq'] * ranks} tokens a step; "
                 + (f"memory cap {cap:g} GiB" if cap else "no memory cap"), "",
                 "| system | clip | s/step | × GPU AdamW | GPU GiB (torch peak + session) | loss (steps) "
                 "| status, note |",
@@ -615,7 +699,7 @@ def host_header(args):
             return None
     return {"started": datetime.datetime.now().isoformat(timespec="seconds"), "cpus": os.cpu_count(),
             "dev_shm_gib": gib("/dev/shm"), "models": args.models, "systems": args.systems,
-            "caps_gib": args.mem_cap_gib, "clip": args.clip, "clip_max_norm": args.clip_max_norm,
+            "caps_gib": args.mem_cap_gib, "ranks": args.ranks, "clip": args.clip, "clip_max_norm": args.clip_max_norm,
             "steps": args.steps, "warmup": args.warmup, "device": args.device, "timeout_s": args.timeout_s,
             "device_name": "?", "versions": {}}
 
@@ -627,13 +711,17 @@ def note_machine(header, row):
 
 
 def runner_main(args):
-    systems = parse_list(args.systems, SYSTEMS, "system")
+    # Above one rank, "all" is the FSDP2 systems.
+    known = SYSTEMS if args.ranks == 1 else {n: v for n, v in SYSTEMS.items() if n in FSDP2_SYSTEMS}
+    systems = parse_list(args.systems, known, "system" if args.ranks == 1 else f"system with --ranks {args.ranks}")
     models = parse_list(args.models, MODELS, "model")
     caps = [None if c in ("none", "0") else float(c) for c in args.mem_cap_gib.split(",")]
     clips = {"none": [0.0], "every": [args.clip_max_norm], "both": [0.0, args.clip_max_norm]}[args.clip]
     os.makedirs(args.out, exist_ok=True)
-    rows = load_baseline(args.baseline, models, clips) if args.baseline else []
-    jobs = plan(systems, models, caps, clips, bool(rows))
+    if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
+        sys.exit(f"peers.py: --ranks {args.ranks} needs as many GPUs; this machine has {torch.cuda.device_count()}")
+    rows = load_baseline(args.baseline, models, clips, args.ranks) if args.baseline else []
+    jobs = plan(systems, models, caps, clips, bool(rows), args.ranks)
     header = host_header(args)
     for r in rows:
         note_machine(header, r)
@@ -706,6 +794,8 @@ def main():
                          "running them")
     ap.add_argument("--retry-failed", action="store_true",
                     help="run a system again for the later models and caps after it failed")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="processes (GPUs) per worker, FSDP2 systems only above 1 (default 1)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: a dry run of the harness (with --models tiny), no numbers")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT") or "bench-out", "peers"),
@@ -717,8 +807,8 @@ def main():
     worker.add_argument("--clips", type=lambda s: [float(c) for c in s.split(",")])
     worker.add_argument("--result", help="where the worker writes its rows (JSON)")
     args = ap.parse_args()
-    if args.steps < 1 or args.warmup < 0:
-        ap.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.ranks < 1:
+        ap.error("--steps and --ranks must be >= 1 and --warmup >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device here: use --device cpu --models tiny for a dry run")
     if args.worker:

@@ -8,7 +8,8 @@
 #   3. unless SO_PY_TORCH=0: installs torch (CPU use of PyPI's wheel), transformers and
 #      accelerate into that environment, runs python/README.md's host-mode quick start there and
 #      the torch tests (host mode: parity, speculation, resume, migration, accumulation, bf16
-#      moments, FSDP2 + DCP with 2 gloo ranks, Hugging Face Trainer).
+#      moments, FSDP2 + DCP with 2 gloo ranks, Hugging Face Trainer) and bench/peers.py's
+#      harness on the CPU (one rank, two FSDP2 ranks).
 #
 # Step 3 needs about 9 GiB of disk while pip installs (5.6 GiB once installed): with less
 # than SO_PY_TORCH_MIN_FREE_GIB (10) free it says so and exits 77 after step 2.

@@ -1,0 +1,45 @@
+"""bench/peers.py's harness on the CPU (--device cpu --models tiny, gloo; no numbers): the workers
+of one rank and of two FSDP2 ranks run, and every ratio is to the baseline of its ranks."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from conftest import ROOT  # noqa: E402
+
+PEERS = os.path.join(ROOT, "bench", "peers.py")
+
+
+def peers(tmp_path, *args):
+    out = tmp_path / "peers"
+    cmd = [sys.executable, PEERS, "--device", "cpu", "--models", "tiny", "--steps", "2", "--warmup", "1",
+           "--budget-s", "0", "--timeout-s", "180", "--out", str(out), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900), out
+
+
+@pytest.mark.parametrize("ranks, baseline", [(1, "torch-gpu-adamw"), (2, "torch-fsdp2-gpu-adamw")])
+def test_every_worker_runs_and_is_compared_with_its_baseline(tmp_path, ranks, baseline):
+    proc, out = peers(tmp_path, "--ranks", str(ranks), "--systems", f"{baseline},ours-fsdp2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out / "peers.json") as f:
+        rows = json.load(f)["rows"]
+    assert sorted((r["system"], r["clip"]) for r in rows) == sorted(
+        (s, c) for s in (baseline, "ours-fsdp2") for c in (0.0, 1e-3))
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["ranks"] == ranks
+        assert r["tokens_per_step"] == 4 * 64 * ranks
+        assert r["ratio_to_gpu_adamw"] == (1.0 if r["system"] == baseline else pytest.approx(
+            r["s_per_step"] / next(b["s_per_step"] for b in rows if b["system"] == baseline and b["clip"] == r["clip"])))
+    assert (f"{ranks} ranks of FSDP2" in (out / "peers.md").read_text()) == (ranks > 1)
+
+
+def test_more_than_one_rank_runs_the_fsdp2_systems_only(tmp_path):
+    proc, _ = peers(tmp_path, "--ranks", "2", "--systems", "ours,ours-fsdp2")
+    assert proc.returncode != 0
+    assert "unknown system with --ranks 2 ours" in proc.stderr
