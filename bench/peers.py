@@ -335,7 +335,7 @@ class DeepSpeedZero3(Trainer):
             "zero_optimization": zero,
             "steps_per_print": 1 << 30,
         }
-        ctx.init_distributed()
+        deepspeed.init_distributed(dist_backend="nccl" if ctx.cuda else "gloo")
         self.engine, *_ = deepspeed.initialize(model=model, config=ds_config)
         self.model = self.engine.module
         self.config = {"deepspeed": deepspeed.__version__, "zero_optimization": zero,
