@@ -45,9 +45,10 @@ Per row: the median s/step of --steps timed steps after --warmup, its ratio to t
 baseline row of the same model, clipping and ranks, GPU memory as torch's peak (allocated) plus
 the device bytes our session holds outside torch's allocator (metrics()["device_bytes"]; 0 for
 the others, whose GPU memory is all torch's; the largest of the ranks), rank 0's loss after the
-last step, and the error of a failed run. With --mem-cap-gib each worker first calls torch.cuda.set_per_process_memory_fraction;
-an out-of-memory error is a result (status oom), not a crash. A system that errs or times out is
-not run again for the later models and caps (--retry-failed runs it anyway).
+last step, and the error of a failed run. With --mem-cap-gib each worker first calls
+torch.cuda.set_per_process_memory_fraction; an out-of-memory error is a result (status oom), not
+a crash. A system that errs or times out is not run again for the later models and caps
+(--retry-failed runs it anyway).
 
 The clipped run follows the unclipped one in the same process (DeepSpeed: its ZeRO optimizer's
 clip_grad, which gradient_clipping sets, is switched between the runs). Before the timed steps:

@@ -57,6 +57,17 @@ skip() {
     skipped+=("$*")
 }
 wanted() { [[ ",${SO_SKIP:-}," != *",$1,"* ]]; }
+# Runs a part whose exit code 77 means it cannot run here: then it is skipped, saying WHY.
+run_or_skip() {
+    local why="$1" rc=0
+    shift
+    "$@" || rc=$?
+    case $rc in
+        0) ;;
+        77) skip "$why" ;;
+        *) exit "$rc" ;;
+    esac
+}
 
 section "Tools"
 so_require cmake
@@ -84,13 +95,9 @@ if command -v pkg-config >/dev/null 2>&1; then echo "pkg-config $(pkg-config --v
 # ---------------------------------------------------------------- style
 if wanted ptx; then
     section "PTX: the device kernels assemble (scripts/check_ptx.sh)"
-    ptx_status=0
-    if [ "${SO_INSTALL_TOOLS:-1}" != 0 ]; then bash scripts/check_ptx.sh --install || ptx_status=$?; else bash scripts/check_ptx.sh || ptx_status=$?; fi
-    case "$ptx_status" in
-        0) ;;
-        77) skip "PTX check: no ptxas" ;;
-        *) exit "$ptx_status" ;;
-    esac
+    ptx_args=()
+    if [ "${SO_INSTALL_TOOLS:-1}" != 0 ]; then ptx_args=(--install); fi
+    run_or_skip "PTX check: no ptxas" bash scripts/check_ptx.sh "${ptx_args[@]}"
 fi
 
 if wanted style; then
@@ -120,13 +127,7 @@ fi
 
 if wanted style; then
     section "Style: clang-format (scripts/check_format.sh)"
-    rc=0
-    bash scripts/check_format.sh || rc=$?
-    case $rc in
-        0) ;;
-        77) skip "clang-format check: clang-format 14 not installed" ;;
-        *) exit "$rc" ;;
-    esac
+    run_or_skip "clang-format check: clang-format 14 not installed" bash scripts/check_format.sh
 else
     skip "style checks (SO_SKIP)"
 fi
@@ -139,8 +140,9 @@ if [ "${SO_SKIP_CARGO_TEST:-0}" != 1 ]; then
     cargo test --locked --features fault-injection -j "$jobs" --test reproducibility
     if [ "${SO_FREE_DISK:-0}" = 1 ]; then
         debug_target="$(so_cargo_target_dir)/debug"
-        echo "SO_FREE_DISK=1: removing $debug_target ($(du -sh "$debug_target" | cut -f1)); free now: $(so_free_gib "$so_root") GiB"
+        echo "SO_FREE_DISK=1: removing $debug_target ($(du -sh "$debug_target" | cut -f1))"
         rm -rf "$debug_target"
+        echo "free disk now: $(so_free_gib "$so_root") GiB"
     fi
 else
     skip "cargo test (SO_SKIP_CARGO_TEST=1)"
@@ -202,13 +204,8 @@ if ! wanted python; then
     skip "Python package (SO_SKIP)"
 else
     section "Python package: wheel, fresh environment, layer and torch tests (scripts/python_test.sh)"
-    rc=0
-    SO_BUILD_DIR="$build_dir" bash scripts/python_test.sh || rc=$?
-    case $rc in
-        0) ;;
-        77) skip "Python torch tests: too little free disk for torch (scripts/python_test.sh said why above)" ;;
-        *) exit "$rc" ;;
-    esac
+    run_or_skip "Python torch tests: too little free disk for torch (scripts/python_test.sh said why above)" \
+        env SO_BUILD_DIR="$build_dir" bash scripts/python_test.sh
 fi
 
 section "Summary"
