@@ -6,8 +6,11 @@
 //! caller's hand-offs, on pools of 1, 2 and 7 threads and in host mode: every run must end
 //! with the same master weights, moments and step results.
 //!
-//! Needs the `fault-injection` feature (the pool's chunk hook): `cargo test --features
-//! fault-injection --test reproducibility`.
+//! The same holds for the final passes' layout (which of them publish the weights' copy
+//! before writing the master weights and moments), which the session chooses by timing too.
+//!
+//! Needs the `fault-injection` feature (the pool's chunk hook, a forced layout): `cargo test
+//! --features fault-injection --test reproducibility`.
 
 mod common;
 
@@ -49,6 +52,9 @@ struct JitteryTransport {
     jitter: Arc<Jitter>,
     staged: Mutex<Vec<Vec<u16>>>,
     published: Arc<Mutex<Vec<Vec<u16>>>>,
+    /// Per sub-group: whether a pass staged a copy ahead of its master weights (the copy
+    /// first, the state after).
+    copy_first: Arc<Mutex<Vec<bool>>>,
 }
 
 impl Transport for JitteryTransport {
@@ -64,8 +70,13 @@ impl Transport for JitteryTransport {
         self.jitter.pause(200);
         Ok(())
     }
-    fn weights_updated(&self, sg: u32, offset: usize, _: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()> {
-        let Some(Floats::Bf16(copy)) = copy else { panic!("the runs keep a bf16 copy") };
+    fn weights_updated(&self, sg: u32, offset: usize, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()> {
+        let (Floats::F32(master), Some(Floats::Bf16(copy))) = (master, copy) else {
+            panic!("the runs keep f32 master weights and a bf16 copy")
+        };
+        if master.iter().zip(copy).any(|(&m, c)| bf16::from_f32(m).to_bits() != c.to_bits()) {
+            self.copy_first.lock().unwrap()[sg as usize] = true;
+        }
         let mut staged = self.staged.lock().unwrap();
         let staged = &mut staged[sg as usize];
         for (d, s) in staged[offset..offset + copy.len()].iter_mut().zip(copy) {
@@ -99,23 +110,27 @@ struct Setup {
     transport: bool,
     speculation: Speculation,
     moments: DType,
+    /// A layout of the final passes forced on the session (`Session::force_state_after`).
+    state_after: Option<Option<usize>>,
 }
 
 impl Setup {
     fn new(threads: usize, transport: bool, speculation: Speculation) -> Setup {
-        Setup { threads, transport, speculation, moments: DType::F32 }
+        Setup { threads, transport, speculation, moments: DType::F32, state_after: None }
     }
 }
 
 /// What a run ends with: the bits of every master weight and moment, each step's result
 /// without what measures timing (`cancelled`, `final_pass_elements`, `forward_wait_s`), and
-/// with a transport the weights' copy it was last given to publish.
+/// with a transport the weights' copy it was last given to publish and which sub-groups'
+/// copies it was given ahead of their master weights.
 #[derive(Debug, PartialEq)]
 struct Outcome {
     masters: Vec<Vec<u32>>,
     moments: Vec<(Vec<u32>, Vec<u32>)>,
     results: Vec<StepResult>,
     published: Option<Vec<Vec<u16>>>,
+    copy_first: Option<Vec<bool>>,
 }
 
 struct Run {
@@ -124,6 +139,7 @@ struct Run {
     jitter: Arc<Jitter>,
     results: Vec<StepResult>,
     published: Option<Arc<Mutex<Vec<Vec<u16>>>>>,
+    copy_first: Arc<Mutex<Vec<bool>>>,
 }
 
 fn gradient(sg: usize, n: usize, step: u64, scale: f32) -> Vec<f32> {
@@ -156,12 +172,16 @@ impl Run {
             SIZES.iter().map(|&n| (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-3).collect()).collect();
         let initial_copy = || masters.iter().map(|m| m.iter().map(|&x| bf16::from_f32(x).to_bits()).collect());
         let published = setup.transport.then(|| Arc::new(Mutex::new(initial_copy().collect::<Vec<Vec<u16>>>())));
+        let copy_first = Arc::new(Mutex::new(vec![false; SIZES.len()]));
         let transport = published.as_ref().map(|published| {
             let staged = Mutex::new(initial_copy().collect());
-            Arc::new(JitteryTransport { jitter: jitter.clone(), staged, published: published.clone() })
-                as Arc<dyn Transport>
+            let (jitter, published, copy_first) = (jitter.clone(), published.clone(), copy_first.clone());
+            Arc::new(JitteryTransport { jitter, staged, published, copy_first }) as Arc<dyn Transport>
         });
         let session = Session::with_transport(options, transport).unwrap();
+        if let Some(limit) = setup.state_after {
+            session.force_state_after(limit);
+        }
         session.add_group(GroupHparams { weight_decay: 0.05, ..GroupHparams::default() }).unwrap();
         for (k, m) in masters.iter_mut().enumerate() {
             // SAFETY: the heap buffer of `m` moves with the run, which waits for every step
@@ -175,7 +195,7 @@ impl Run {
             ];
             session.add_subgroup(SubGroupDesc::new(0, master, slices)).unwrap();
         }
-        Run { session, masters, jitter, results: Vec::new(), published }
+        Run { session, masters, jitter, results: Vec::new(), published, copy_first }
     }
 
     fn hand_over(&self, step: u64, scale: f32) {
@@ -231,7 +251,7 @@ impl Run {
     }
 
     fn finish(self) -> Outcome {
-        let Run { session, masters, results, published, .. } = self;
+        let Run { session, masters, results, published, copy_first, .. } = self;
         let moments = (0..SIZES.len() as u32)
             .map(|k| {
                 let (m, v) = session.moments(k).unwrap();
@@ -239,8 +259,9 @@ impl Run {
             })
             .collect();
         drop(session);
+        let copy_first = published.is_some().then(|| copy_first.lock().unwrap().clone());
         let published = published.map(|p| std::mem::take(&mut *p.lock().unwrap()));
-        Outcome { masters: masters.iter().map(|m| bits(m)).collect(), moments, results, published }
+        Outcome { masters: masters.iter().map(|m| bits(m)).collect(), moments, results, published, copy_first }
     }
 }
 
@@ -309,6 +330,30 @@ fn bf16_moments_speculate_with_the_bits_of_stepping_after_backward() {
                 assert!(reference.published == again.published, "{setup:?}, seed {seed}: the published copies differ");
             }
         }
+    }
+    set_chunk_pause(None);
+}
+
+/// Stepping after backward, with the copy first for every sub-group, for none, and for a
+/// prefix in forward order: the same bits, and each layout as forced.
+#[test]
+fn the_layout_of_the_final_passes_is_invisible_in_the_bits() {
+    set_chunk_pause(Some(chunk_pause));
+    let layout = |state_after| Setup { state_after: Some(state_after), ..Setup::new(2, true, Speculation::Off) };
+    let reference = run(Setup::new(1, false, Speculation::Off), 1);
+    let [a, b, c] = SIZES;
+    for (seed, limit, copy_first) in [
+        (2, None, [true, true, true]),
+        (3, Some(0), [false, false, false]),
+        (4, Some(a), [true, false, false]),
+        (5, Some(a + b + c - 1), [true, true, false]),
+        (6, Some(b), [false, false, false]),
+    ] {
+        let again = run(layout(limit), seed);
+        assert_eq!(again.copy_first.as_deref(), Some(&copy_first[..]), "limit {limit:?}");
+        assert!(reference.masters == again.masters, "limit {limit:?}: the master weights differ");
+        assert!(reference.moments == again.moments, "limit {limit:?}: the moments differ");
+        assert_eq!(reference.results, again.results, "limit {limit:?}");
     }
     set_chunk_pause(None);
 }

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use super::passes::{StepInFlight, Worker, buffers, guarded};
 use super::scheduler::Lifecycle;
+use super::state_after::take_from_prefix;
 use super::trace::Lane;
 use super::{
     Applied, DevicePass, GroupHparams, Placement, SgData, SpecKind, SpecRecord, StepResult, SubGroup,
@@ -188,12 +189,18 @@ impl Worker {
         let span = self.shared.tracer.span(Lane::CpuAdam, || format!("finalize sub-group {}", sg.id));
         let start = Instant::now();
         let mut done = FinalPass { outcome: Outcome::Unchanged, elements: 0, state_after: None };
-        let outcome = guarded(|| self.final_pass(sg, group, step.state_may_wait, &step.result, &mut done));
+        let outcome = guarded(|| self.final_pass(sg, group, &mut step.state_after, &step.result, &mut done));
         let FinalPass { outcome: what, elements, state_after } = done;
         what.count(&mut step.result);
-        if matches!(what, Outcome::Stepped | Outcome::SteppedStateAfter) && elements > 0 {
-            // With the state after, what the next forward waits for is the copy pass.
-            self.shared.policy.lock().unwrap().pass_measured(elements as usize, start.elapsed());
+        {
+            let mut policy = self.shared.policy.lock().unwrap();
+            if matches!(what, Outcome::Stepped | Outcome::SteppedStateAfter) && elements > 0 {
+                // With the state after, what the next forward waits for is the copy pass.
+                policy.pass_measured(elements as usize, start.elapsed());
+            }
+            if state_after.is_some() {
+                policy.state_deferred(sg.numel);
+            }
         }
         step.result.final_pass_elements += elements;
         match state_after {
@@ -222,10 +229,14 @@ impl Worker {
     pub(crate) fn deferred_state(&mut self, sg: &Arc<SubGroup>, hp: &AdamHyper, scale: f32) {
         let mut step = self.step.take().expect("a decided step is settling");
         let span = self.shared.tracer.span(Lane::CpuAdam, || format!("state, sub-group {}", sg.id));
+        let start = Instant::now();
         let outcome = guarded(|| {
             let mut data = sg.data.lock().unwrap();
             kernels::update_state(&self.shared.pool, hp, buffers(&mut data, 0..sg.numel), scale)
         });
+        if outcome.is_ok() {
+            self.shared.policy.lock().unwrap().state_pass_measured(sg.numel, start.elapsed());
+        }
         self.shared.sched.settle(sg.id);
         drop(span.arg("ok", outcome.is_ok()));
         if let Err(e) = outcome {
@@ -283,7 +294,7 @@ impl Worker {
         &self,
         sg: &SubGroup,
         group: GroupHparams,
-        state_may_wait: bool,
+        state_after: &mut Option<usize>,
         result: &StepResult,
         out: &mut FinalPass,
     ) -> Result<()> {
@@ -363,7 +374,7 @@ impl Worker {
                 // The next forward waits for the weights' copy alone: the pass can write the
                 // copy, and the master weights and moments be written by a pass of their own
                 // after publication, where the CPU has time for it (the policy).
-                let defer = state_may_wait && self.state_can_follow(&mut data);
+                let defer = self.state_can_follow(&mut data) && take_from_prefix(state_after, n);
                 self.write_pieces(sg, &mut data, &hp, factor, 0..n, defer)?;
                 out.elements += n as u64;
                 if defer {

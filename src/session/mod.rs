@@ -21,7 +21,8 @@
 //! The layout: [`registry`] (groups, slices, sub-groups, memory), [`protocol`] (the caller's
 //! side of a step), [`scheduler`] (the CPU-Adam thread, job priorities and each sub-group's
 //! lifecycle), [`passes`] (the optimizer passes a job runs), [`policy`] (automatic
-//! speculation and GPU split), [`tickets`], [`checkpoint`].
+//! speculation and GPU split; [`state_after`]: which final passes publish the copy first),
+//! [`tickets`], [`checkpoint`].
 
 mod buffers;
 mod checkpoint;
@@ -33,6 +34,7 @@ mod protocol;
 mod registry;
 mod scaler;
 mod scheduler;
+mod state_after;
 mod subgroup;
 mod tickets;
 mod trace;

@@ -30,9 +30,10 @@ pub(crate) struct StepInFlight {
     pub remaining: usize,
     /// State passes still to run (the step ticket completes after them too).
     pub settling: usize,
-    /// Whether final passes may write the master weights and moments after publishing the
-    /// weights' copy (`policy.rs`).
-    pub state_may_wait: bool,
+    /// Elements of the final passes still to run, a prefix in forward order, that may write
+    /// the master weights and moments after publishing the weights' copy; `None`: all
+    /// (`policy.rs`).
+    pub state_after: Option<usize>,
     step_ticket: Ticket,
     pub prepared: Result<()>,
 }
@@ -440,10 +441,10 @@ impl Worker {
             result.next_loss_scale = plan.loss_scale;
         }
         let unchanged = !result.skipped && result.grad_factor == unscale_factor(plan.loss_scale);
-        let state_may_wait = {
+        let state_after = {
             let mut policy = self.shared.policy.lock().unwrap();
             policy.decided(unchanged);
-            policy.state_can_wait(plan.speculative > 0)
+            policy.state_after_limit(plan.speculative > 0)
         };
         let subgroups: Vec<Arc<SubGroup>> = plan.subgroups.iter().map(|(sg, _)| sg.clone()).collect();
         result.cancelled = self.shared.sched.finalize_all(plan.serial, &subgroups);
@@ -452,7 +453,8 @@ impl Worker {
                 .arg("norm", result.global_norm)
                 .arg("clip", result.clip_coef)
                 .arg("skipped", result.skipped)
-                .arg("cancelled", result.cancelled),
+                .arg("cancelled", result.cancelled)
+                .arg("state after (elements)", state_after.map_or_else(|| "all".to_string(), |l| l.to_string())),
         );
         self.shared.complete(plan.decide_ticket, prepared.clone());
         let step = StepInFlight {
@@ -461,7 +463,7 @@ impl Worker {
             finals: plan.subgroups.iter().map(|(sg, t)| (sg.id, *t)).collect(),
             remaining: plan.subgroups.len(),
             settling: 0,
-            state_may_wait,
+            state_after,
             step_ticket: plan.step_ticket,
             prepared,
         };

@@ -21,7 +21,9 @@
 //! (its passes all run after backward, and the next ones only after the next backward), and
 //! in one that did when the thread was busy for at most [`STATE_AFTER_BUSY`] of the previous
 //! step period. Where the CPU is about as busy as the GPU, the state passes would delay the
-//! next step's speculative passes by more than they save.
+//! next step's speculative passes by more than they save. In a step that did not speculate
+//! the copy goes first for a prefix of the sub-groups in forward order, all of them unless
+//! the CPU-Adam thread is measured to be the step's bottleneck ([`StateAfter`]).
 //!
 //! Split. Every [`SPLIT_AFTER`] measured steps, the exposed optimizer time `W` (mean
 //! `forward_wait_s` of those steps, the first after a change of the split excluded) is what
@@ -46,6 +48,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use super::Speculation;
+use super::state_after::StateAfter;
 use crate::error::{Error, Result};
 
 /// Recent steps whose factor changes are remembered.
@@ -123,6 +126,7 @@ pub(crate) struct Policy {
     auto_budget: Option<AutoBudget>,
     /// The most free device memory the automatic budget may count on (the caller's).
     memory_limit: Option<usize>,
+    state_after: StateAfter,
 }
 
 impl Policy {
@@ -138,6 +142,7 @@ impl Policy {
             placed: 0,
             auto_budget: None,
             memory_limit: None,
+            state_after: StateAfter::default(),
         }
     }
 
@@ -150,6 +155,9 @@ impl Policy {
         let period = self.last_step.map_or(0.0, |t| (now - t).as_secs_f64());
         self.last_step = Some(now);
         self.busy_fraction = (period > 0.0).then(|| self.busy_s / period);
+        if period > 0.0 {
+            self.state_after.measured(period, self.busy_s, forward_wait_s);
+        }
         self.busy_s = 0.0;
         // Without an automatic split nothing consumes them.
         if self.waits.len() == SPLIT_AFTER {
@@ -163,10 +171,31 @@ impl Policy {
         self.busy_s += took.as_secs_f64();
     }
 
-    /// Whether the final passes of a step may write the master weights and moments after
-    /// publishing the weights' copy.
-    pub(crate) fn state_can_wait(&self, speculated: bool) -> bool {
-        !speculated || self.busy_fraction.is_some_and(|f| f <= STATE_AFTER_BUSY)
+    /// A step was decided: how many elements of its final passes, a prefix in forward order,
+    /// may write the master weights and moments after publishing the weights' copy (`None`:
+    /// all of them).
+    pub(crate) fn state_after_limit(&mut self, speculated: bool) -> Option<usize> {
+        let limit = self.state_after.step_decided(speculated);
+        match speculated {
+            false => limit,
+            true if self.busy_fraction.is_some_and(|f| f <= STATE_AFTER_BUSY) => None,
+            true => Some(0),
+        }
+    }
+
+    /// A final pass left `elements` for a state pass after publication.
+    pub(crate) fn state_deferred(&mut self, elements: usize) {
+        self.state_after.deferred(elements);
+    }
+
+    pub(crate) fn state_pass_measured(&mut self, elements: usize, took: Duration) {
+        self.state_after.state_pass_measured(elements, took.as_secs_f64());
+    }
+
+    /// Fixes [`Policy::state_after_limit`] for the steps that do not speculate.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn force_state_after(&mut self, limit: Option<usize>) {
+        self.state_after.force(limit);
     }
 
     pub(crate) fn decided(&mut self, unchanged: bool) {
@@ -254,6 +283,7 @@ impl Policy {
         }
         (count > self.placed).then(|| {
             self.placed = count;
+            self.state_after.reset();
             count
         })
     }
@@ -278,6 +308,7 @@ impl Policy {
         self.auto_budget = Some(chosen);
         self.placed = placed;
         self.waits.clear();
+        self.state_after.reset();
     }
 }
 
@@ -332,16 +363,16 @@ mod tests {
     fn state_waits_where_the_cpu_has_idle_time() {
         let mut p = Policy::new(Speculation::Auto);
         let start = Instant::now();
-        assert!(p.state_can_wait(false), "a step that did not speculate always defers");
-        assert!(!p.state_can_wait(true), "nothing measured yet");
+        assert_eq!(p.state_after_limit(false), None, "a step that did not speculate defers all");
+        assert_eq!(p.state_after_limit(true), Some(0), "nothing measured yet");
         p.step_called_at(start, 0.0);
         p.job_ran(Duration::from_millis(40));
         p.step_called_at(start + Duration::from_millis(100), 0.0);
-        assert!(p.state_can_wait(true), "busy 40 % of the period");
+        assert_eq!(p.state_after_limit(true), None, "busy 40 % of the period");
         p.job_ran(Duration::from_millis(70));
         p.step_called_at(start + Duration::from_millis(200), 0.0);
-        assert!(!p.state_can_wait(true), "busy 70 % of the period");
-        assert!(p.state_can_wait(false));
+        assert_eq!(p.state_after_limit(true), Some(0), "busy 70 % of the period");
+        assert_eq!(p.state_after_limit(false), None);
     }
 
     #[test]

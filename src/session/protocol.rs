@@ -156,6 +156,15 @@ impl Session {
         self.shared.policy.lock().unwrap().limit_device_memory(limit);
     }
 
+    /// Fixes how many elements of a step that does not speculate publish the weights' copy
+    /// before writing the master weights and moments (a prefix of the final passes in forward
+    /// order; `None`: all), in place of the measured choice (`state_after.rs`), so that tests
+    /// can compare layouts. The layout changes which passes run, never the bits.
+    #[cfg(feature = "fault-injection")]
+    pub fn force_state_after(&self, limit: Option<usize>) {
+        self.shared.policy.lock().unwrap().force_state_after(limit);
+    }
+
     /// The budget of the automatic split in bytes: `gpu_budget_bytes` as given, or the one
     /// the automatic budget chose (`None` until the warm-up steps have run).
     pub fn gpu_budget(&self) -> Option<usize> {
