@@ -37,7 +37,7 @@ benchmarks() {
 kernels|rust:superoffload-bench|CPU Adam kernels (update, rollback, rescale, checks), N = 1e8, against their memory floor
 overlap|rust:overlap_bench|host mode: step time of a simulated training loop, speculation and clipping on and off
 handoff|rust:handoff_bench|host mode: the training thread's cost and allocations per gradient hand-off
-session|set|overlap twice (CPU Adam below and above the forward time) and handoff twice (speculation on, off)
+session|set|overlap three times (CPU Adam below and above the forward time; a copy published, CPU Adam the bottleneck) and handoff twice (speculation on, off)
 torch-compare|py:bench/torch_compare.py|the kernels vs torch.optim.AdamW(fused=True) on the same tensors (--selftest: no torch)
 pool-contention|py:bench/pool_contention.py|one kernel update while other processes or PCIe copies share the pool's cores
 cuda|py:bench/cuda_bench.py|GPU: gradient copies in pieces, and a synthetic layered backward overlapped with the session
@@ -97,6 +97,10 @@ session_set() {
         echo "==== overlap_bench: CPU Adam above the forward time (--fwd-ms 0.5 --bwd-ms 1.5)"
         "$overlap" --fwd-ms 0.5 --bwd-ms 1.5 --json "$out/overlap_adam_bound.json" ${SO_OVERLAP_ARGS:-}
         echo
+        echo "==== overlap_bench: a copy published, CPU Adam the step's bottleneck (--publish --fwd-ms 0.2 --bwd-ms 0.3)"
+        "$overlap" --publish --fwd-ms 0.2 --bwd-ms 0.3 --steps 20 --block 40 --refill 20 \
+            --json "$out/overlap_publish.json" ${SO_OVERLAP_ARGS:-}
+        echo
         echo "==== handoff_bench: speculation on (defaults)"
         "$handoff" --json "$out/handoff.json" ${SO_HANDOFF_ARGS:-}
         echo
@@ -133,8 +137,9 @@ case "$entry" in
     py:*) exec "$py" "${entry#py:}" "$@" ;;
     set)
         if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
-            echo "scripts/bench.sh session: overlap_bench with its defaults and with --fwd-ms 0.5 --bwd-ms 1.5,"
-            echo "then handoff_bench with its defaults and with --no-speculation; JSON results in"
+            echo "scripts/bench.sh session: overlap_bench with its defaults, with --fwd-ms 0.5 --bwd-ms 1.5 and with"
+            echo "--publish --fwd-ms 0.2 --bwd-ms 0.3 (40-step blocks, the first 20 not measured), then handoff_bench"
+            echo "with its defaults and with --no-speculation; JSON results in"
             echo "\$SO_BENCH_OUT (default out/session_bench). Extra arguments for every run of one program:"
             echo "SO_OVERLAP_ARGS, SO_HANDOFF_ARGS. Their flags: scripts/bench.sh overlap --help,"
             echo "scripts/bench.sh handoff --help."

@@ -12,24 +12,30 @@
 //!
 //! [`StateAfter`] keeps that prefix as a number of elements, with no limit until the CPU is
 //! measured to be the bottleneck. Every [`WINDOW`] consecutive steps that did not speculate
-//! (the first of them not counted: it may carry the previous limit's state passes), it
-//! compares the CPU-Adam thread's mean idle time `I` (step period less its busy time) with
-//! [`IDLE_MARGIN`] of the period:
-//! - `I` above the margin: the GPU is the bottleneck. An element moved into the prefix costs
-//!   the CPU (copy + state − one pass) and takes (one pass − copy) off the forward's wait: in
-//!   all a state pass's time `s` off the idle time. A limit grows by (I − margin) / s.
-//! - `I` within the margin: the CPU is the bottleneck. Where the GPU waits for the optimizer
-//!   (`forward_wait_s`, `W`, above the margin) the prefix shrinks by W / 2 / s: at most W of
-//!   that wait can go, and the limit comes at the crossing from the side it is on.
+//! it takes the step of median period among them (the first not counted: it may carry the
+//! previous limit's state passes; the median, because a pause of the caller's, such as an
+//! evaluation or a checkpoint, makes one period an outlier), and compares the CPU-Adam
+//! thread's idle time `I` in it (the period less its busy time) with [`IDLE_MARGIN`] of the
+//! period:
+//! - With a limit set and `I` above the margin: the GPU is the bottleneck. An element moved
+//!   into the prefix costs the CPU (copy + state − one pass) and takes (one pass − copy) off
+//!   the forward's wait: in all a state pass's time `s` off the idle time. The limit grows by
+//!   (I − margin) / s.
+//! - Otherwise, where the forward waits for the optimizer (`forward_wait_s`, `W`, above the
+//!   margin) at least twice as long as the CPU-Adam thread idles, the CPU is the bottleneck
+//!   or near it: the prefix shrinks by W / 2 / s. At most W of that wait can go, and the
+//!   limit comes at the crossing from the side it is on. The thread idles a little even
+//!   there (for the last gradient copy of each backward), so the first shrink is a trial
+//!   that the periods measured after it keep or undo.
 //!
-//! Each window's mean period is kept with its limit: a window slower than the best one by
+//! Each window's median period is kept with its limit: a window slower than the best one by
 //! more than [`WORSE`] ends the search at the best limit, so the choice is never slower than
 //! the copy first for every sub-group as measured. A step that speculates, or a change of
 //! placement, starts the search afresh with no limit. The limit changes which passes run,
 //! never the bits: a copy pass and its state pass write exactly what one update writes.
 
 /// Steps that measure one limit, the first of them not counted.
-pub(crate) const WINDOW: usize = 3;
+pub(crate) const WINDOW: usize = 4;
 /// Idle time (of the CPU-Adam thread) or waiting time (of the GPU) below this fraction of the
 /// step period counts as none.
 const IDLE_MARGIN: f64 = 0.02;
@@ -62,7 +68,7 @@ pub(crate) struct StateAfter {
     limit: Option<usize>,
     current: Option<Current>,
     window: Vec<Sample>,
-    /// The limit with the shortest mean period so far, and that period.
+    /// The limit with the shortest median period so far, and that period.
     best: Option<(Option<usize>, f64)>,
     /// The search ended at the best limit.
     settled: bool,
@@ -127,41 +133,35 @@ impl StateAfter {
         if self.window.len() < WINDOW {
             return;
         }
-        let mean = mean(&self.window[1..]);
+        let step = median(&mut self.window[1..]);
         self.window.clear();
         if self.settled {
             return;
         }
         match self.best {
-            Some((limit, best)) if mean.period > best * (1.0 + WORSE) => {
+            Some((limit, best)) if step.period > best * (1.0 + WORSE) => {
                 self.limit = limit;
                 self.settled = true;
                 return;
             }
-            Some((_, best)) if mean.period >= best => {}
-            _ => self.best = Some((self.limit, mean.period)),
+            Some((_, best)) if step.period >= best => {}
+            _ => self.best = Some((self.limit, step.period)),
         }
         let Some(s) = self.state_secs_per_element else { return };
-        let margin = IDLE_MARGIN * mean.period;
-        let idle = mean.period - mean.busy;
-        if idle > margin {
-            if self.limit.is_some() {
-                self.limit = Some(mean.deferred + ((idle - margin) / s) as usize);
-            }
-        } else if mean.wait > margin {
-            self.limit = Some(mean.deferred.saturating_sub((mean.wait / 2.0 / s) as usize));
+        let margin = IDLE_MARGIN * step.period;
+        let idle = step.period - step.busy;
+        if self.limit.is_some() && idle > margin {
+            self.limit = Some(step.deferred + ((idle - margin) / s) as usize);
+        } else if step.wait > margin && idle < step.wait / 2.0 {
+            self.limit = Some(step.deferred.saturating_sub((step.wait / 2.0 / s) as usize));
         }
     }
 }
 
-fn mean(samples: &[Sample]) -> Sample {
-    let k = samples.len() as f64;
-    Sample {
-        period: samples.iter().map(|s| s.period).sum::<f64>() / k,
-        busy: samples.iter().map(|s| s.busy).sum::<f64>() / k,
-        wait: samples.iter().map(|s| s.wait).sum::<f64>() / k,
-        deferred: (samples.iter().map(|s| s.deferred as f64).sum::<f64>() / k) as usize,
-    }
+/// The sample of median period.
+fn median(samples: &mut [Sample]) -> Sample {
+    samples.sort_by(|a, b| a.period.total_cmp(&b.period));
+    samples[samples.len() / 2]
 }
 
 /// Whether a final pass over `numel` elements may leave its state for later with `left`
@@ -197,6 +197,9 @@ mod tests {
         backward: f64,
         /// Other CPU-Adam thread work per step (the decision, waits for copies).
         other: f64,
+        /// Time the CPU-Adam thread idles per step even where it is the bottleneck (the
+        /// last gradient copy of a backward).
+        gap: f64,
     }
 
     impl Plant {
@@ -212,6 +215,7 @@ mod tests {
                 forward: 0.27,
                 backward: 0.55,
                 other: 0.1,
+                gap: 0.03,
             }
         }
 
@@ -229,7 +233,7 @@ mod tests {
             let chain = deferred * self.copy + rest * self.one_pass;
             let cpu = chain + deferred * self.state + self.other;
             let gpu = chain.max(self.forward) + self.backward;
-            let period = cpu.max(gpu);
+            let period = (cpu + self.gap).max(gpu);
             (period, cpu, deferred as usize)
         }
 
@@ -240,7 +244,8 @@ mod tests {
         }
 
         /// Runs `steps` steps under a fresh search (every step clipped) and returns the
-        /// period of the last, with `noise(step)` a relative error on each measured period.
+        /// period of the last without a pause, with `noise(step)` a relative error on each
+        /// measured period.
         fn run(&self, steps: usize, noise: impl Fn(usize) -> f64) -> (f64, StateAfter) {
             let mut policy = StateAfter::default();
             let mut period = 0.0;
@@ -252,8 +257,10 @@ mod tests {
                     policy.state_pass_measured(deferred, deferred as f64 * self.state);
                 }
                 period = p;
+                // Every 7th step the caller pauses (an evaluation): a long period, idle.
+                let pause = if i % 7 == 6 { 2.0 * p } else { 0.0 };
                 let measured = p * (1.0 + noise(i));
-                policy.measured(measured, busy, (measured - self.forward - self.backward).max(0.0));
+                policy.measured(measured + pause, busy, (measured - self.forward - self.backward).max(0.0));
             }
             (period, policy)
         }

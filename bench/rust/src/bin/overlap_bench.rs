@@ -23,9 +23,16 @@
 //!
 //! The target: a clipped step at most 1.15 x an unclipped one when the CPU Adam time of a
 //! step is at most the forward time.
+//!
+//! With `--publish` each session has a transport that takes a bf16 copy of the weights and
+//! sends it nowhere, as a CUDA session publishes to the GPU: a final pass may then publish
+//! the copy first and write the master weights and moments after it, and the session chooses
+//! for which sub-groups (`session/state_after.rs`). The previous step's result is read after
+//! the backward, whose hand-offs waited for those state passes.
 
 use superoffload_bench::*;
 
+use std::any::Any;
 use std::fmt::Write as _;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -35,7 +42,8 @@ use superoffload::kernels::{
     self, AdamBuffers, AdamHyper, DType, Floats, FloatsMut, MomentsMut, Pool, PoolOptions, UpdateOptions,
 };
 use superoffload::session::{
-    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, Speculation, StepArgs, SubGroupDesc, Ticket,
+    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, Speculation, StepArgs, SubGroupDesc,
+    Ticket, Transport,
 };
 
 const USAGE: &str = "\
@@ -60,6 +68,10 @@ OPTIONS:
   --adam-thread W   where the sessions' CPU-Adam threads may run: pool (the pool's cores,
                     default), unpinned (any allowed CPU) or training (the training core,
                     what a session created by an already pinned training thread gets)
+  --publish         give each session a transport that takes a bf16 copy of the weights
+                    (and sends it nowhere), as a CUDA session does: final passes may
+                    publish the copy before writing the master weights and moments
+                    (the CPU Adam column stays that of one update per step)
   --json PATH       also write the results as JSON to PATH (- for stdout)
   -h, --help        this text
 
@@ -80,6 +92,7 @@ struct Args {
     refill: usize,
     cores: Cores,
     adam_thread: AdamThread,
+    publish: bool,
     json: Option<String>,
 }
 
@@ -102,6 +115,7 @@ fn parse_args(cli: &mut Cli) -> Result<Args, String> {
         refill: 1,
         cores: Cores::default(),
         adam_thread: AdamThread::Pool,
+        publish: false,
         json: None,
     };
     while let Some(flag) = cli.next_flag() {
@@ -120,6 +134,7 @@ fn parse_args(cli: &mut Cli) -> Result<Args, String> {
                     ("training", AdamThread::Training),
                 ])?
             }
+            "--publish" => a.publish = cli.switch()?,
             "--json" => a.json = Some(cli.value()?),
             f if a.cores.take_flag(cli, f)? => {}
             _ => return Err(cli.unknown()),
@@ -240,14 +255,49 @@ struct Mode {
     clipped: u64,
 }
 
+/// A transport with nowhere to send the weights: with it a session keeps a bf16 copy of them
+/// and may publish the copy before writing the master weights and moments, as a CUDA
+/// session does.
+struct Publisher;
+
+impl Transport for Publisher {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn pin(&self, _: *mut u8, _: usize) -> superoffload::error::Result<()> {
+        Ok(())
+    }
+    fn unpin(&self, _: *mut u8) {}
+    fn gradient_ready(&self, _: u32) -> superoffload::error::Result<()> {
+        Ok(())
+    }
+    fn master_write(&self, _: u32) -> superoffload::error::Result<()> {
+        Ok(())
+    }
+    fn weights_updated(
+        &self,
+        _: u32,
+        _: usize,
+        _: Floats<'_>,
+        _: Option<Floats<'_>>,
+    ) -> superoffload::error::Result<()> {
+        Ok(())
+    }
+    fn publish(&self, _: u32) -> superoffload::error::Result<()> {
+        Ok(())
+    }
+}
+
 impl Mode {
-    fn new(kind: Kind, pool: &Arc<Pool>, layers: usize, elems: usize) -> Result<Mode, String> {
-        let session = Session::new(SessionOptions {
+    fn new(kind: Kind, pool: &Arc<Pool>, layers: usize, elems: usize, publish: bool) -> Result<Mode, String> {
+        let options = SessionOptions {
             pool: Some(pool.clone()),
             speculation: kind.speculation(),
+            copy_dtype: publish.then_some(DType::Bf16),
             ..SessionOptions::default()
-        })
-        .map_err(|e| format!("session: {e}"))?;
+        };
+        let transport = publish.then(|| Arc::new(Publisher) as Arc<dyn Transport>);
+        let session = Session::with_transport(options, transport).map_err(|e| format!("session: {e}"))?;
         let group = session
             .add_group(GroupHparams { lr: 1e-4, ..GroupHparams::default() })
             .map_err(|e| format!("add_group: {e}"))?;
@@ -320,10 +370,6 @@ impl Mode {
             wait_cpu += thread_cpu().saturating_sub(cw);
             spin(a.fwd);
         }
-        let (tw, cw) = (Instant::now(), thread_cpu());
-        self.read_result()?; // normally complete already: the last final ticket precedes it
-        wait += tw.elapsed();
-        wait_cpu += thread_cpu().saturating_sub(cw);
         let forward = t0.elapsed();
         let tb = Instant::now();
         self.session.begin_step(Some(1.0), 1).map_err(|e| format!("begin_step: {e}"))?;
@@ -335,6 +381,12 @@ impl Mode {
             handoff += th.elapsed();
         }
         let backward = tb.elapsed();
+        // The step ticket completes after the step's state passes (with --publish): by the
+        // end of the backward, whose hand-offs waited for them, it normally has.
+        let (tw, cw) = (Instant::now(), thread_cpu());
+        self.read_result()?;
+        wait += tw.elapsed();
+        wait_cpu += thread_cpu().saturating_sub(cw);
         let args = StepArgs {
             max_norm: if self.kind.clip() { max_norm } else { 0.0 },
             norm: NormSource::Local,
@@ -458,17 +510,18 @@ fn run(a: Args) -> Result<(), String> {
         AdamThread::Unpinned => {}
     }
     let mut modes: Vec<Mode> =
-        Kind::ALL.iter().map(|&k| Mode::new(k, &pool, a.layers, a.elems)).collect::<Result<_, _>>()?;
+        Kind::ALL.iter().map(|&k| Mode::new(k, &pool, a.layers, a.elems, a.publish)).collect::<Result<_, _>>()?;
     pin_current_thread(&saved_mask)?;
     pin_current_thread(&[train_core])?;
 
     println!(
-        "overlap_bench: {} layers x {} f32 elements ({:.1} MB of master weights), forward {:.2} ms + backward {:.2} ms per layer",
+        "overlap_bench: {} layers x {} f32 elements ({:.1} MB of master weights), forward {:.2} ms + backward {:.2} ms per layer{}",
         a.layers,
         a.elems,
         (a.layers * a.elems * 4) as f64 / 1e6,
         a.fwd.as_secs_f64() * 1e3,
-        a.bwd.as_secs_f64() * 1e3
+        a.bwd.as_secs_f64() * 1e3,
+        if a.publish { ", a bf16 copy published" } else { "" }
     );
     println!(
         "training thread on core {train_core}; session pool: {} thread(s) on cores {:?}, {}; {} measured steps per mode in blocks of {} (first {} not measured)",
@@ -529,11 +582,12 @@ fn run(a: Args) -> Result<(), String> {
     let mut json = String::new();
     write!(
         json,
-        "{{\"layers\":{},\"elems\":{},\"fwd_ms_per_layer\":{},\"bwd_ms_per_layer\":{},\"train_core\":{},\"pool_cores\":{:?},\"modes\":[",
+        "{{\"layers\":{},\"elems\":{},\"fwd_ms_per_layer\":{},\"bwd_ms_per_layer\":{},\"publish\":{},\"train_core\":{},\"pool_cores\":{:?},\"modes\":[",
         a.layers,
         a.elems,
         json_num(a.fwd.as_secs_f64() * 1e3),
         json_num(a.bwd.as_secs_f64() * 1e3),
+        a.publish,
         train_core,
         pool_cores
     )
