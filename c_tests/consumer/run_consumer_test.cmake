@@ -75,11 +75,11 @@ if(NOT target STREQUAL "libsuperoffload.so.${major}")
 endif()
 
 # A lean install: the binaries are stripped (debug info, if installed at all, is in .debug/
-# directories, left out of the count). Limits: the shared library 5 MB, the whole tree 40 MB
-# (about 3.6 MB and 30 MB stripped on x86-64; 43 MB and 255 MB unstripped).
+# directories, left out of the count). Limits: the shared library 8 MB, the whole tree 60 MB
+# (about 5.0 MB and 35 MB stripped on x86-64 in 0.3.0; 43 MB and 255 MB unstripped).
 file(SIZE "${libdir}/libsuperoffload.so.${SO_VERSION}" shared_size)
-if(shared_size GREATER 5000000)
-  message(FATAL_ERROR "libsuperoffload.so.${SO_VERSION} has ${shared_size} bytes (limit 5 MB): not stripped?")
+if(shared_size GREATER 8000000)
+  message(FATAL_ERROR "libsuperoffload.so.${SO_VERSION} has ${shared_size} bytes (limit 8 MB): not stripped?")
 endif()
 file(GLOB_RECURSE installed LIST_DIRECTORIES false "${prefix}/*")
 set(tree_size 0)
@@ -89,8 +89,8 @@ foreach(f IN LISTS installed)
     math(EXPR tree_size "${tree_size} + ${size}")
   endif()
 endforeach()
-if(tree_size GREATER 40000000)
-  message(FATAL_ERROR "the install tree has ${tree_size} bytes (limit 40 MB)")
+if(tree_size GREATER 60000000)
+  message(FATAL_ERROR "the install tree has ${tree_size} bytes (limit 60 MB)")
 endif()
 message(STATUS "install tree: ${tree_size} bytes, shared library ${shared_size} bytes")
 

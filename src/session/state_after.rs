@@ -35,7 +35,7 @@
 //! never the bits: a copy pass and its state pass write exactly what one update writes.
 
 /// Steps that measure one limit, the first of them not counted.
-pub(crate) const WINDOW: usize = 4;
+const WINDOW: usize = 4;
 /// Idle time (of the CPU-Adam thread) or waiting time (of the GPU) below this fraction of the
 /// step period counts as none.
 const IDLE_MARGIN: f64 = 0.02;
@@ -43,16 +43,16 @@ const IDLE_MARGIN: f64 = 0.02;
 const WORSE: f64 = 0.02;
 
 /// One step as [`StateAfter`] measures it (seconds, elements).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(crate) struct Sample {
+#[derive(Clone, Copy, Debug)]
+struct Sample {
     /// Seconds from the previous `step()` to this one.
-    pub(crate) period: f64,
+    period: f64,
     /// Seconds the CPU-Adam thread spent on jobs in that period.
-    pub(crate) busy: f64,
+    busy: f64,
     /// Seconds the forward waited for the optimizer (`forward_wait_s`).
-    pub(crate) wait: f64,
+    wait: f64,
     /// Elements whose state the previous step left for after publication.
-    pub(crate) deferred: usize,
+    deferred: usize,
 }
 
 /// The step whose final passes run now.
