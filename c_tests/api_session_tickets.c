@@ -106,10 +106,6 @@ int main(void) {
     EXPECT_REFUSED(so_ticket_wait(s, t_s2, 0), SO_STATUS_TIMEOUT, "so_ticket_wait", "not complete");
     EXPECT_REFUSED(so_ticket_wait(s, t_s1, 1000000), SO_STATUS_TIMEOUT, "so_ticket_wait", "not complete");
     EXPECT_REFUSED(so_ticket_wait_all(s, t_s2, 0), SO_STATUS_TIMEOUT, "so_ticket_wait_all", "not complete");
-    double sumsq = -7.0;
-    EXPECT_REFUSED(so_session_local_grad_sumsq(s, 0, &sumsq), SO_STATUS_TIMEOUT, "so_session_local_grad_sumsq",
-                   "not complete");
-    CHECK(sumsq == -7.0);
 
     /* Two threads wait on the failing ticket while this one waits on the big one. */
     waiter w1 = {s, t_s2, SO_STATUS_OK}, w2 = {s, t_s2, SO_STATUS_OK};
@@ -133,7 +129,8 @@ int main(void) {
     /* The refused step changed nothing. */
     for (int i = 0; i < 16; i++) CHECK(small2[i] == 0.25f);
 
-    /* The sum of squares, asked for again, now arrives: not finite (the NaN). */
+    /* The sum of squares arrives: not finite (the NaN). */
+    double sumsq = -7.0;
     CHECK_OK(so_session_local_grad_sumsq(s, -1, &sumsq));
     CHECK(!isfinite(sumsq));
 
@@ -200,6 +197,28 @@ int main(void) {
     CHECK_STATUS(so_ticket_query(s, t_s2), SO_STATUS_NON_FINITE);
     EXPECT_REFUSED(so_ticket_wait_all(s, st2, -1), SO_STATUS_NON_FINITE, "so_ticket_wait_all", failed);
     EXPECT_REFUSED(so_ticket_query(s, st2 + 1), SO_STATUS_NOT_FOUND, "so_ticket_query", "never issued");
+
+    /* Step 3 clips: the big sub-group's final pass steps again and takes a while. Step 4's
+     * preparation queues behind it, and nothing preempts a final pass (a preparation does
+     * preempt a speculative pass, so a zero timeout is tried here, not during a backward). */
+    CHECK_OK(so_session_begin_step(s, 0.0f, 1));
+    CHECK_OK(so_session_grad_copy(s, 0, big_grad, BIG, NULL));
+    CHECK_OK(so_session_grad_copy(s, 1, grad16, 10, NULL));
+    CHECK_OK(so_session_grad_copy(s, 2, grad16 + 10, 6, NULL));
+    CHECK_OK(so_session_grad_copy(s, 3, grad16, 16, NULL));
+    so_step_args clip = so_step_args_default();
+    clip.max_norm = 1e-3;
+    so_ticket st3 = 0;
+    CHECK_OK(so_session_step(s, &clip, &st3));
+    CHECK_OK(so_session_begin_step(s, 1.0f, 1));
+    sumsq = -7.0;
+    EXPECT_REFUSED(so_session_local_grad_sumsq(s, 0, &sumsq), SO_STATUS_TIMEOUT, "so_session_local_grad_sumsq",
+                   "not complete");
+    CHECK(sumsq == -7.0);
+    r = so_test_step_result(s, st3);
+    CHECKF(!r.skipped && r.clip_coef < 1.0, "clip_coef %g", r.clip_coef);
+    CHECK_OK(so_session_local_grad_sumsq(s, -1, &sumsq));
+    CHECK(sumsq == 0.0); /* nothing handed over: every slice counts as zero */
 
     so_session_destroy(s);
     free(big);
