@@ -70,8 +70,9 @@ pub fn gradient_from_device(
 
 /// Makes `stream` wait until `ticket` is complete and its weights are published (e.g. a
 /// sub-group's final ticket before the forward of its layer). A ticket still pending is
-/// waited for on the calling thread first; the stream then waits for what the session has
-/// queued, never for work the session has yet to queue: a stream waiting on the GPU for a
+/// waited for on the calling thread first; the stream then waits for that sub-group's
+/// publication where `ticket` is a sub-group's latest final ticket, else for everything the
+/// session has queued; never for work the session has yet to queue: a stream waiting on the GPU for a
 /// CUDA call the CPU-Adam thread has still to make was seen to deadlock once another thread
 /// of the process blocked inside the driver meanwhile (a launch into a full queue, a
 /// synchronous copy). A failed ticket is waited for like a completed one: its failure is
@@ -82,5 +83,8 @@ pub fn enqueue_wait(session: &Session, ticket: Ticket, stream: Stream) -> Result
         return Ok(());
     }
     session.ticket_state(ticket)?;
-    transport.enqueue_wait(stream, || session.wait_for_stream(ticket))
+    transport.enqueue_wait(stream, || {
+        session.wait_for_stream(ticket);
+        session.final_ticket_of(ticket)
+    })
 }

@@ -51,7 +51,8 @@ pub(super) struct SgDevice {
     pub(super) copies: Vec<Event>,
     /// Recorded after the latest staging copy, which reads the host master (or copy).
     staged: Option<Event>,
-    /// Recorded after the latest publication from `staging`, which reads it.
+    /// Recorded after the latest publication (from `staging`, which it reads, or by a device
+    /// step): what a stream waits for before reading this sub-group's parameter.
     published: Option<Event>,
     pub(super) device: Option<DeviceState>,
 }
@@ -202,16 +203,26 @@ impl CudaTransport {
         self.noted(driver::stream_synchronize(self.h2d.0))
     }
 
-    /// Makes `stream` wait for what the session has queued once `host_wait` returns (the
-    /// caller's wait for a ticket on the host). The wait is timed on the GPU from the point
-    /// the stream reached before the host wait: the idle time it caused.
-    pub fn enqueue_wait(&self, stream: CUstream, host_wait: impl FnOnce()) -> Result<()> {
+    /// Makes `stream` wait, once `host_wait` returns (the caller's wait for a ticket on the
+    /// host, which names the sub-group whose final ticket it was, if any), for that sub-group's
+    /// latest publication, or without one for everything the session has queued. Where the
+    /// CPU-Adam thread runs ahead (device steps are queued in a moment), a wait for all of it
+    /// would hold the first layer's forward until the last sub-group's step. The wait is
+    /// timed on the GPU from the point the stream reached before the host wait: the idle
+    /// time it caused.
+    pub fn enqueue_wait(&self, stream: CUstream, host_wait: impl FnOnce() -> Option<u32>) -> Result<()> {
         self.enter()?;
         driver::refuse_capturing(stream)?;
         let before = self.events.record_timing(stream)?;
         // Without the state lock: the CPU-Adam thread publishes through it meanwhile.
-        host_wait();
-        self.events.record(self.h2d.0)?.wait_in(stream)?;
+        let subgroup = host_wait();
+        {
+            let state = self.state.lock().unwrap();
+            match subgroup.and_then(|sg| state.subgroups.get(&sg)).and_then(|d| d.published.as_ref()) {
+                Some(published) => published.wait_in(stream)?,
+                None => self.events.record(self.h2d.0)?.wait_in(stream)?,
+            }
+        }
         let after = self.events.record_timing(stream)?;
         self.waits.lock().unwrap().push(before, after);
         Ok(())
@@ -463,16 +474,19 @@ impl Transport for CudaTransport {
             let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
             std::mem::take(&mut d.copies)
         };
-        let state = self.state.lock().unwrap();
+        let mut state = self.state.lock().unwrap();
         for e in &copies {
             e.wait_in(self.h2d.0)?;
         }
-        let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
+        let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
         let dev = d.device.as_ref().ok_or_else(not_device_placed)?;
         for (i, pass) in passes.iter().enumerate() {
             // Only the last pass writes the model's parameter, and only when it is published.
             let publish_here = publish && i + 1 == passes.len();
             dev.step(&self.kernels, self.h2d.0, &d.param(), self.accum_dtype, pass, publish_here)?;
+        }
+        if publish {
+            d.published = Some(self.events.record(self.h2d.0)?);
         }
         Ok(())
     }

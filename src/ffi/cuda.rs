@@ -177,7 +177,10 @@ pub unsafe extern "C" fn so_session_set_compute_stream(session: *mut so_session,
 /// @brief Makes `stream` wait until `ticket` is complete and what it published has landed —
 /// e.g. a sub-group's final ticket before the forward of its layer reads the published
 /// weights. A ticket still pending is first waited for on the calling thread (that work
-/// alone, as `so_ticket_wait`); the stream then waits for what the session has queued. The
+/// alone, as `so_ticket_wait`); the stream then waits, for a sub-group's latest final
+/// ticket, for that sub-group's publication alone (the first layer's forward does not wait
+/// for the later sub-groups' steps the session has already queued), and for any other ticket
+/// for everything the session has queued. The
 /// stream never waits on the GPU for work the session has yet to queue: such a wait was seen
 /// to deadlock once another thread of the process blocked inside the CUDA driver meanwhile
 /// (a launch into a full queue, a synchronous copy), holding up the driver calls that would

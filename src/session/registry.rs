@@ -342,6 +342,13 @@ impl Session {
         Ok(self.lock().reg.track(sg)?.final_ticket)
     }
 
+    /// The sub-group whose latest final ticket `ticket` is, if any: a wait for it needs that
+    /// sub-group's publication alone.
+    pub fn final_ticket_of(&self, ticket: Ticket) -> Option<u32> {
+        let t = self.lock();
+        t.reg.live().find(|tr| tr.final_ticket == ticket).map(|tr| tr.sg.id)
+    }
+
     /// Steps the sub-group has taken (skipped steps do not count). Read it after the
     /// sub-group's final ticket for the count after a step.
     pub fn step_count(&self, sg: u32) -> Result<u64> {
