@@ -45,6 +45,7 @@ e2e|py:examples/torch_optimizer/bench_e2e.py|GPU: a 1.1B Llama-style model train
 EOF
     if [ -f bench/peers.py ]; then
         printf 'peers|py:bench/peers.py|%s\n' "$(docline bench/peers.py)"
+        printf 'peers-profile|py:bench/peers_profile.py|%s\n' "$(docline bench/peers_profile.py)"
     fi
     cat <<'EOF'
 overlap-table|py:bench/overlap_table.py|tool: the overlap results of cuda --json files as a Markdown table

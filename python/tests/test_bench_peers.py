@@ -43,3 +43,17 @@ def test_more_than_one_rank_runs_the_fsdp2_systems_only(tmp_path):
     proc, _ = peers(tmp_path, "--ranks", "2", "--systems", "ours,ours-fsdp2")
     assert proc.returncode != 0
     assert "unknown system with --ranks 2 ours" in proc.stderr
+
+
+def test_the_profile_of_a_system_is_written_and_summarised(tmp_path):
+    out = tmp_path / "profile"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "peers_profile.py"), "--device", "cpu", "--model", "tiny",
+           "--system", "ours", "--clip", "1e-3", "--warmup", "1", "--steps", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out / "summary_ours_0.001.json") as f:
+        summary = json.load(f)
+    assert summary["system"] == "ours" and summary["steps"] == 2 and len(summary["wall_s"]) == 2
+    assert all(w > 0 for w in summary["wall_s"])
+    assert summary["device_events"] == 0  # no GPU: the host's view only
+    assert (out / "profile_ours_0.001.json.gz").stat().st_size > 0
