@@ -359,6 +359,9 @@ fn tickets_report_progress_errors_and_timeouts() {
     assert!(big.iter().all(|&x| x == 0.5), "the big speculative step was rolled back exactly here");
     let finals: Vec<u64> = (0..2).map(|sg| s.final_ticket(sg).unwrap()).collect();
     assert!(finals[0] < finals[1] && finals[1] < t, "final tickets in forward order, before the step ticket");
+    // A stream waiting on a final ticket waits for its sub-group's publication alone.
+    assert_eq!((s.final_ticket_of(finals[0]), s.final_ticket_of(finals[1])), (Some(0), Some(1)));
+    assert_eq!((s.final_ticket_of(t), s.final_ticket_of(t_big)), (None, None), "not final tickets");
     // The session stays usable.
     s.begin_step(None, 1).unwrap();
     s.grad_copy(0, Floats::F32(&g)).unwrap();
@@ -366,6 +369,8 @@ fn tickets_report_progress_errors_and_timeouts() {
     let t = s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false }).unwrap();
     assert!(!s.step_result(t, None).unwrap().skipped);
     assert_eq!(s.step_count(0).unwrap(), 1);
+    assert_eq!(s.final_ticket_of(finals[0]), None, "no longer the latest final ticket");
+    assert_eq!(s.final_ticket_of(s.final_ticket(0).unwrap()), Some(0));
 }
 
 #[test]
