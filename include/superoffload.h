@@ -1915,11 +1915,10 @@ so_status so_session_set_compute_stream(struct so_session *session,
  * alone, as `so_ticket_wait`); the stream then waits, for a sub-group's latest final
  * ticket, for that sub-group's publication alone (the first layer's forward does not wait
  * for the later sub-groups' steps the session has already queued), and for any other ticket
- * for everything the session has queued. The
- * stream never waits on the GPU for work the session has yet to queue: such a wait was seen
- * to deadlock once another thread of the process blocked inside the CUDA driver meanwhile
- * (a launch into a full queue, a synchronous copy), holding up the driver calls that would
- * have released it. Call it where the host runs ahead of the GPU (a forward pre-hook): the
+ * for everything the session has queued. The stream never waits on the GPU for work the
+ * session has yet to queue: such a wait was seen to deadlock once another thread of the
+ * process blocked inside the CUDA driver meanwhile (a launch into a full queue, a
+ * synchronous copy), holding up the driver calls that would have released it. Call it where the host runs ahead of the GPU (a forward pre-hook): the
  * host waits while the GPU still works through what was queued before. The GPU's idle time
  * at the wait, from the point the stream had reached when this was called, is timed on the
  * GPU: the total is the next step result's `forward_wait_s`. The outcome of failed work is

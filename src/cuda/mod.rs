@@ -72,9 +72,9 @@ pub fn gradient_from_device(
 /// sub-group's final ticket before the forward of its layer). A ticket still pending is
 /// waited for on the calling thread first; the stream then waits for that sub-group's
 /// publication where `ticket` is a sub-group's latest final ticket, else for everything the
-/// session has queued; never for work the session has yet to queue: a stream waiting on the GPU for a
-/// CUDA call the CPU-Adam thread has still to make was seen to deadlock once another thread
-/// of the process blocked inside the driver meanwhile (a launch into a full queue, a
+/// session has queued; never for work the session has yet to queue: a stream waiting on the
+/// GPU for a CUDA call the CPU-Adam thread has still to make was seen to deadlock once another
+/// thread of the process blocked inside the driver meanwhile (a launch into a full queue, a
 /// synchronous copy). A failed ticket is waited for like a completed one: its failure is
 /// reported on the host (`wait`).
 pub fn enqueue_wait(session: &Session, ticket: Ticket, stream: Stream) -> Result<()> {

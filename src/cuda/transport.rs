@@ -204,12 +204,12 @@ impl CudaTransport {
     }
 
     /// Makes `stream` wait, once `host_wait` returns (the caller's wait for a ticket on the
-    /// host, which names the sub-group whose final ticket it was, if any), for that sub-group's
-    /// latest publication, or without one for everything the session has queued. Where the
-    /// CPU-Adam thread runs ahead (device steps are queued in a moment), a wait for all of it
-    /// would hold the first layer's forward until the last sub-group's step. The wait is
-    /// timed on the GPU from the point the stream reached before the host wait: the idle
-    /// time it caused.
+    /// host, which names the sub-group whose final ticket it was, if any), for that
+    /// sub-group's latest publication, or without one for everything the session has queued.
+    /// Where the CPU-Adam thread runs ahead (device steps are queued in a moment), a wait for
+    /// all of it would hold the first layer's forward until the last sub-group's step. The
+    /// wait is timed on the GPU from the point the stream reached before the host wait: the
+    /// idle time it caused.
     pub fn enqueue_wait(&self, stream: CUstream, host_wait: impl FnOnce() -> Option<u32>) -> Result<()> {
         self.enter()?;
         driver::refuse_capturing(stream)?;
