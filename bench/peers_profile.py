@@ -12,7 +12,7 @@ so the host runs ahead of the GPU as in training). From the trace it reports:
   kernels         the --top names by total time (name, stream, count, milliseconds)
   optimizer       the stretches of optimizer kernels (so_adam_step, torch's multi_tensor_apply),
                   and between two of them the forward and backward: its span and the busy time
-                  of the compute stream (the stream with the most kernel time)
+                  of the compute stream (the stream with the most GPU time)
   gaps            the --top longest intervals in which the GPU ran nothing, with their neighbours
 
   python3 bench/peers_profile.py --system ours --model 2.8b                    # GPU, 2 steps
@@ -68,6 +68,10 @@ def stretches(events, names, join_us=5000.0):
     return out
 
 
+def ms(us):
+    return round(us / 1e3, 2)
+
+
 def summarise(trace, wall, top):
     events = trace["traceEvents"]
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e), key=lambda e: e["ts"])
@@ -77,7 +81,6 @@ def summarise(trace, wall, top):
     if not device:
         return summary
     t0 = marks[0]["ts"] if marks else device[0]["ts"]
-    ms = lambda us: round(us / 1e3, 2)  # noqa: E731
     busy, gaps = busy_and_gaps(device)
     summary["gpu_busy_ms"] = ms(busy / len(wall))
     streams, kernels = {}, {}
@@ -91,7 +94,7 @@ def summarise(trace, wall, top):
     summary["streams"] = {s: {"count": n, "ms": ms(t)} for s, (n, t) in streams.items()}
     summary["kernels"] = [{"name": name[:120], "stream": s, "count": n, "ms": ms(t)}
                           for (name, s), (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]]
-    compute = max((s for s in streams), key=lambda s: sum(t for (_, ks), (_, t) in kernels.items() if ks == s))
+    compute = max(streams, key=lambda s: streams[s][1])
     found = stretches(device, OPTIMIZER_KERNELS)
     between = []
     for (_, end), (start, _) in zip(found, found[1:]):
