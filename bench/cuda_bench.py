@@ -9,6 +9,10 @@ overlap  A synthetic layered backward (GPU matmuls producing each layer's gradie
          session stepping sub-groups speculatively during backward vs stepping after backward;
          with and without clipping on every step; weights cast to bf16 on the GPU (f32 sent)
          vs on the CPU (bf16 copy sent). Step time against max(GPU time, CPU Adam time).
+device-adam
+         The GPU Adam kernel of device-placed sub-groups alone (the overlap benchmark's layers,
+         f32 master weights and moments, bf16 gradients and weights): each launch's time from
+         torch.profiler, and its bandwidth at the 28 bytes an element moves.
 
   python3 bench/cuda_bench.py --lib dist/lib/libsuperoffload.so [--json out.json]
 
@@ -28,7 +32,7 @@ import time
 from support import import_abi, refuse_renamed
 
 _abi = import_abi()
-DType, NormSource, Speculation = _abi.DType, _abi.NormSource, _abi.Speculation
+DType, NormSource, Placement, Speculation = _abi.DType, _abi.NormSource, _abi.Placement, _abi.Speculation
 
 
 class Lib:
@@ -62,7 +66,7 @@ class Session:
     """A CUDA session with one group and one single-slice sub-group per (master, param)."""
 
     def __init__(self, lib, masters, params, *, speculation="auto", piece_bytes=16 << 20, copy_bf16=False, cores=None,
-                 gpu_budget=0):
+                 gpu_budget=0, placement=Placement.HOST):
         self.lib, c = lib, lib.c
         o = c.so_session_options_default()
         o.grad_dtype = o.accum_dtype = DType.BF16
@@ -87,6 +91,7 @@ class Session:
             d = c.so_subgroup_desc_default()
             d.master, d.numel, d.slices, d.num_slices = m.data_ptr(), m.numel(), C.pointer(sl), 1
             d.device_param, d.device_param_dtype = p.data_ptr(), DType.BF16
+            d.placement = placement
             sg = C.c_uint32()
             lib.check(c.so_session_add_subgroup(self.h, C.byref(d), C.byref(sg)), "add_subgroup")
         s = C.c_void_p()
@@ -279,6 +284,46 @@ def overlap(lib, torch, args):
     return results
 
 
+def device_adam(lib, torch, args):
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    L, P = args.layers, args.params_per_layer
+    masters = [torch.randn(P) * 0.02 for _ in range(L)]
+    params = [m.to("cuda", torch.bfloat16) for m in masters]
+    grads = [(torch.randn(P, device="cuda") * 1e-3).to(torch.bfloat16) for _ in range(L)]
+    s = Session(lib, masters, params, speculation="off", cores=args.cores, placement=Placement.DEVICE)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def step():
+        s.begin()
+        for k in reversed(range(L)):
+            s.grad(k, grads[k], stream)
+        t = s.step(0.0)
+        lib.check(lib.c.so_ticket_wait(s.h, t, -1), "wait")
+        return s.result(t)
+
+    for _ in range(3):
+        r = step()
+    if r.device_stepped != L:
+        raise RuntimeError(f"device-adam: {r.device_stepped} of {L} sub-groups stepped on the GPU")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+    s.close()
+    with tempfile.TemporaryDirectory() as d:
+        prof.export_chrome_trace(os.path.join(d, "trace.json"))
+        with open(os.path.join(d, "trace.json")) as f:
+            events = json.load(f)["traceEvents"]
+    us = [e["dur"] for e in events if e.get("cat") == "kernel" and e.get("name") == "so_adam_step"]
+    if len(us) != L * args.steps:
+        raise RuntimeError(f"device-adam: the profile holds {len(us)} so_adam_step launches, not {L * args.steps}")
+    median = statistics.median(us)
+    return {"layers": L, "params_per_layer": P, "launches": len(us), "kernel_us_median": round(median, 1),
+            "kernel_us_min": round(min(us), 1), "GBps_median": round(28 * P / median / 1e3, 1)}
+
+
 def cpu_adam_time(lib, masters, torch):
     c = lib.c
     hp = c.so_adam_hparams_default()
@@ -304,16 +349,17 @@ def main():
                                  allow_abbrev=False)
     ap.add_argument("--lib", required=True, help="path to libsuperoffload.so")
     ap.add_argument("--json", help="write the results as JSON here")
-    ap.add_argument("--only", choices=["copies", "overlap"], help="run only this benchmark (default: both)")
+    ap.add_argument("--only", choices=["copies", "overlap", "device-adam"],
+                    help="run only this benchmark (default: all three)")
     ap.add_argument("--copy-reps", type=int, default=9, help="copies: timed repetitions (default 9)")
-    ap.add_argument("--layers", type=int, default=8, help="overlap: layers, one sub-group each (default 8)")
+    ap.add_argument("--layers", type=int, default=8, help="overlap, device-adam: layers, one sub-group each (default 8)")
     ap.add_argument("--params-per-layer", type=int, default=8192 * 3072,
-                    help="overlap: parameters per layer (default 25165824)")
+                    help="overlap, device-adam: parameters per layer (default 25165824)")
     ap.add_argument("--forward-matmuls", type=int, default=3,
                     help="overlap: GPU work per layer in the forward, in 8192 x 8192 bf16 matmuls (default 3)")
     ap.add_argument("--backward-matmuls", type=int, default=6,
                     help="overlap: GPU work per layer in the backward, in 8192 x 8192 bf16 matmuls (default 6)")
-    ap.add_argument("--steps", type=int, default=8, help="overlap: timed steps per mode (default 8)")
+    ap.add_argument("--steps", type=int, default=8, help="overlap, device-adam: timed steps (per mode) (default 8)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="overlap: run every mode this many times, in turn; report the median (default 1)")
     ap.add_argument("--modes", type=lambda s: s.split(","), default=None,
@@ -335,6 +381,9 @@ def main():
     if args.only in (None, "overlap"):
         out["overlap"] = overlap(lib, torch, args)
         print(json.dumps(out["overlap"], indent=1), flush=True)
+    if args.only in (None, "device-adam"):
+        out["device_adam"] = device_adam(lib, torch, args)
+        print(json.dumps(out["device_adam"], indent=1), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -9,7 +9,9 @@
 
 #include "cuda_driver.h"
 
-#define N 70001 /* several blocks, and a partial one */
+/* Slice b (N - 30000 elements) is more than one grid's batch of the kernel (2112 blocks of 256
+ * threads, four elements each), so threads step a second batch, some only in part. */
+#define N 2200001
 
 static size_t dsize(uint32_t dtype) { return dtype == SO_DTYPE_F32 ? 4 : 2; }
 

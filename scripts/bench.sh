@@ -40,7 +40,7 @@ handoff|rust:handoff_bench|host mode: the training thread's cost and allocations
 session|set|overlap three times (CPU Adam below and above the forward time; a copy published, CPU Adam the bottleneck) and handoff twice (speculation on, off)
 torch-compare|py:bench/torch_compare.py|the kernels vs torch.optim.AdamW(fused=True) on the same tensors (--selftest: no torch)
 pool-contention|py:bench/pool_contention.py|one kernel update while other processes or PCIe copies share the pool's cores
-cuda|py:bench/cuda_bench.py|GPU: gradient copies in pieces, and a synthetic layered backward overlapped with the session
+cuda|py:bench/cuda_bench.py|GPU: gradient copies in pieces, a synthetic layered backward overlapped with the session, the device Adam kernel
 e2e|py:examples/torch_optimizer/bench_e2e.py|GPU: a 1.1B Llama-style model trained end to end, ours vs torch AdamW (--smoke: CPU)
 EOF
     if [ -f bench/peers.py ]; then

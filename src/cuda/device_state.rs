@@ -106,7 +106,8 @@ impl DeviceState {
         let (mut gd, mut md) = (dtype_code(grad_dtype), dtype_code(self.moment_dtype));
         let [mut b1, mut omb1, mut b2, mut omb2, mut eps, mut sbc2, mut step, mut decay, mut wd] = k;
         let mut has_l2 = u32::from(l2);
-        let blocks = param.numel.div_ceil(256).clamp(1, 132 * 16) as u32;
+        // Each thread steps four elements a batch (ptx.rs).
+        let blocks = param.numel.div_ceil(256 * 4).clamp(1, 132 * 16) as u32;
         kernels.launch(
             kernels.adam,
             blocks,

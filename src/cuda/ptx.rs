@@ -399,11 +399,13 @@ sq_done:
                              .param .f32 decay, .param .f32 wd, .param .u32 has_l2, .param .u32 op,
                              .param .f32 new_scale)
 {
-    .reg .pred %p<16>;
+    .reg .pred %p<24>;
     .reg .b16 %h<8>;
     .reg .b32 %r<40>;
     .reg .f32 %f<64>;
     .reg .b64 %rd<40>;
+    .reg .f32 %sp<4>;                    // a batch's four slots: p, and the raw bits of g, m, v
+    .reg .b32 %sg<4>, %sm<4>, %sv<4>;
 
     ld.param.u64 %rd1, [p];
     ld.param.u64 %rd2, [g];
@@ -444,56 +446,133 @@ sq_done:
     setp.eq.u32 %p5, %r3, 0;     // no copy
     setp.eq.u32 %p6, %r3, 1;     // f32 copy
     setp.eq.u32 %p7, %r3, 2;     // bf16 copy (else f16)
+    setp.ne.u32 %p15, %r1, 1;
+    not.pred %p16, %p2;
+    and.pred %p16, %p16, %p15;   // gradient f16
+    // Each thread takes its elements in batches of four, S apart (S: the grid's threads), and
+    // loads all four before it steps the first: one element's loads per thread left HBM idle
+    // while its divisions ran. Each element is stepped alone, in the same sequence as before.
     mov.u32 %r5, %ctaid.x;
     mov.u32 %r6, %ntid.x;
     mov.u32 %r7, %tid.x;
     mul.wide.u32 %rd7, %r5, %r6;
     cvt.u64.u32 %rd8, %r7;
-    add.u64 %rd7, %rd7, %rd8;            // i
+    add.u64 %rd7, %rd7, %rd8;            // the batch's first element
     mov.u32 %r8, %nctaid.x;
-    mul.wide.u32 %rd9, %r8, %r6;         // stride
-ad_loop:
+    mul.wide.u32 %rd9, %r8, %r6;         // S
+    shl.b64 %rd30, %rd9, 2;              // 4 S: the grid's batch
+ad_batch:
     setp.ge.u64 %p8, %rd7, %rd6;
     @%p8 bra ad_done;
-    shl.b64 %rd10, %rd7, 2;              // 4-byte offset
-    shl.b64 %rd11, %rd7, 1;              // 2-byte offset
+    setp.lt.u64 %p18, %rd7, %rd6;          // slot 0 in range
+    and.pred %p19, %p18, %p1;
+    and.pred %p20, %p18, %p15;
+    and.pred %p21, %p18, %p3;
+    xor.pred %p22, %p18, %p21;
+    shl.b64 %rd10, %rd7, 2;
+    shl.b64 %rd11, %rd7, 1;
     add.u64 %rd12, %rd1, %rd10;
-    ld.global.f32 %f12, [%rd12];         // p
-    // gradient
-    @%p1 bra ad_g32;
-    add.u64 %rd13, %rd2, %rd11;
-    ld.global.u16 %h1, [%rd13];
-    @%p2 bra ad_gbf;
-    cvt.f32.f16 %f13, %h1;
-    bra.uni ad_gdone;
-ad_gbf:
-    cvt.u32.u16 %r9, %h1;
-    shl.b32 %r9, %r9, 16;
-    mov.b32 %f13, %r9;
-    bra.uni ad_gdone;
-ad_g32:
-    add.u64 %rd13, %rd2, %rd10;
-    ld.global.f32 %f13, [%rd13];
-ad_gdone:
-    // moments
-    @%p3 bra ad_m32;
-    add.u64 %rd14, %rd3, %rd11;
-    add.u64 %rd15, %rd4, %rd11;
-    ld.global.u16 %h2, [%rd14];
-    ld.global.u16 %h3, [%rd15];
-    cvt.u32.u16 %r10, %h2;
-    shl.b32 %r10, %r10, 16;
-    mov.b32 %f14, %r10;
-    cvt.u32.u16 %r11, %h3;
-    shl.b32 %r11, %r11, 16;
-    mov.b32 %f15, %r11;
-    bra.uni ad_mdone;
-ad_m32:
-    add.u64 %rd14, %rd3, %rd10;
-    add.u64 %rd15, %rd4, %rd10;
-    ld.global.f32 %f14, [%rd14];
-    ld.global.f32 %f15, [%rd15];
-ad_mdone:
+    @%p18 ld.global.f32 %sp0, [%rd12];
+    selp.b64 %rd13, %rd10, %rd11, %p1;
+    add.u64 %rd13, %rd2, %rd13;
+    @%p19 ld.global.u32 %sg0, [%rd13];
+    @%p20 ld.global.u16 %sg0, [%rd13];
+    selp.b64 %rd17, %rd10, %rd11, %p3;
+    add.u64 %rd14, %rd3, %rd17;
+    add.u64 %rd15, %rd4, %rd17;
+    @%p21 ld.global.u32 %sm0, [%rd14];
+    @%p22 ld.global.u16 %sm0, [%rd14];
+    @%p21 ld.global.u32 %sv0, [%rd15];
+    @%p22 ld.global.u16 %sv0, [%rd15];
+    add.u64 %rd21, %rd7, %rd9;
+    setp.lt.u64 %p18, %rd21, %rd6;          // slot 1 in range
+    and.pred %p19, %p18, %p1;
+    and.pred %p20, %p18, %p15;
+    and.pred %p21, %p18, %p3;
+    xor.pred %p22, %p18, %p21;
+    shl.b64 %rd10, %rd21, 2;
+    shl.b64 %rd11, %rd21, 1;
+    add.u64 %rd12, %rd1, %rd10;
+    @%p18 ld.global.f32 %sp1, [%rd12];
+    selp.b64 %rd13, %rd10, %rd11, %p1;
+    add.u64 %rd13, %rd2, %rd13;
+    @%p19 ld.global.u32 %sg1, [%rd13];
+    @%p20 ld.global.u16 %sg1, [%rd13];
+    selp.b64 %rd17, %rd10, %rd11, %p3;
+    add.u64 %rd14, %rd3, %rd17;
+    add.u64 %rd15, %rd4, %rd17;
+    @%p21 ld.global.u32 %sm1, [%rd14];
+    @%p22 ld.global.u16 %sm1, [%rd14];
+    @%p21 ld.global.u32 %sv1, [%rd15];
+    @%p22 ld.global.u16 %sv1, [%rd15];
+    add.u64 %rd21, %rd21, %rd9;
+    setp.lt.u64 %p18, %rd21, %rd6;          // slot 2 in range
+    and.pred %p19, %p18, %p1;
+    and.pred %p20, %p18, %p15;
+    and.pred %p21, %p18, %p3;
+    xor.pred %p22, %p18, %p21;
+    shl.b64 %rd10, %rd21, 2;
+    shl.b64 %rd11, %rd21, 1;
+    add.u64 %rd12, %rd1, %rd10;
+    @%p18 ld.global.f32 %sp2, [%rd12];
+    selp.b64 %rd13, %rd10, %rd11, %p1;
+    add.u64 %rd13, %rd2, %rd13;
+    @%p19 ld.global.u32 %sg2, [%rd13];
+    @%p20 ld.global.u16 %sg2, [%rd13];
+    selp.b64 %rd17, %rd10, %rd11, %p3;
+    add.u64 %rd14, %rd3, %rd17;
+    add.u64 %rd15, %rd4, %rd17;
+    @%p21 ld.global.u32 %sm2, [%rd14];
+    @%p22 ld.global.u16 %sm2, [%rd14];
+    @%p21 ld.global.u32 %sv2, [%rd15];
+    @%p22 ld.global.u16 %sv2, [%rd15];
+    add.u64 %rd21, %rd21, %rd9;
+    setp.lt.u64 %p18, %rd21, %rd6;          // slot 3 in range
+    and.pred %p19, %p18, %p1;
+    and.pred %p20, %p18, %p15;
+    and.pred %p21, %p18, %p3;
+    xor.pred %p22, %p18, %p21;
+    shl.b64 %rd10, %rd21, 2;
+    shl.b64 %rd11, %rd21, 1;
+    add.u64 %rd12, %rd1, %rd10;
+    @%p18 ld.global.f32 %sp3, [%rd12];
+    selp.b64 %rd13, %rd10, %rd11, %p1;
+    add.u64 %rd13, %rd2, %rd13;
+    @%p19 ld.global.u32 %sg3, [%rd13];
+    @%p20 ld.global.u16 %sg3, [%rd13];
+    selp.b64 %rd17, %rd10, %rd11, %p3;
+    add.u64 %rd14, %rd3, %rd17;
+    add.u64 %rd15, %rd4, %rd17;
+    @%p21 ld.global.u32 %sm3, [%rd14];
+    @%p22 ld.global.u16 %sm3, [%rd14];
+    @%p21 ld.global.u32 %sv3, [%rd15];
+    @%p22 ld.global.u16 %sv3, [%rd15];
+    mov.u64 %rd20, %rd7;                 // the element in slot 0
+    mov.u32 %r27, 0;
+ad_elem:
+    shl.b64 %rd10, %rd20, 2;             // 4-byte offset
+    shl.b64 %rd11, %rd20, 1;             // 2-byte offset
+    add.u64 %rd12, %rd1, %rd10;
+    selp.b64 %rd17, %rd10, %rd11, %p3;
+    add.u64 %rd14, %rd3, %rd17;
+    add.u64 %rd15, %rd4, %rd17;
+    mov.f32 %f12, %sp0;                  // p
+    // the gradient and moments from their raw bits (16-bit values widen exactly)
+    shl.b32 %r9, %sg0, 16;
+    mov.b32 %f31, %r9;
+    mov.b32 %f13, %sg0;
+    selp.f32 %f13, %f13, %f31, %p1;
+    cvt.u16.u32 %h1, %sg0;
+    cvt.f32.f16 %f32, %h1;
+    selp.f32 %f13, %f32, %f13, %p16;
+    shl.b32 %r10, %sm0, 16;
+    mov.b32 %f33, %r10;
+    mov.b32 %f14, %sm0;
+    selp.f32 %f14, %f14, %f33, %p3;
+    shl.b32 %r11, %sv0, 16;
+    mov.b32 %f34, %r11;
+    mov.b32 %f15, %sv0;
+    selp.f32 %f15, %f15, %f34, %p3;
     @%p12 bra ad_rollback;
     @%p13 bra ad_rescale;
     // the step
@@ -574,8 +653,25 @@ ad_o32:
     add.u64 %rd16, %rd5, %rd10;
     st.global.f32 [%rd16], %f27;
 ad_next:
-    add.u64 %rd7, %rd7, %rd9;
-    bra.uni ad_loop;
+    mov.f32 %sp0, %sp1;                  // the next slot moves to slot 0
+    mov.f32 %sp1, %sp2;
+    mov.f32 %sp2, %sp3;
+    mov.b32 %sg0, %sg1;
+    mov.b32 %sg1, %sg2;
+    mov.b32 %sg2, %sg3;
+    mov.b32 %sm0, %sm1;
+    mov.b32 %sm1, %sm2;
+    mov.b32 %sm2, %sm3;
+    mov.b32 %sv0, %sv1;
+    mov.b32 %sv1, %sv2;
+    mov.b32 %sv2, %sv3;
+    add.u64 %rd20, %rd20, %rd9;
+    add.u32 %r27, %r27, 1;
+    setp.lt.u32 %p18, %r27, 4;
+    setp.lt.and.u64 %p18, %rd20, %rd6, %p18;
+    @%p18 bra ad_elem;
+    add.u64 %rd7, %rd7, %rd30;
+    bra.uni ad_batch;
 ad_done:
     ret;
     // Rollback (f32 moments): the inverse of the step for the same gradient and scale.
