@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 from support import import_abi, refuse_renamed
@@ -285,7 +286,6 @@ def overlap(lib, torch, args):
 
 
 def device_adam(lib, torch, args):
-    import tempfile
     from torch.profiler import ProfilerActivity, profile
     L, P = args.layers, args.params_per_layer
     masters = [torch.randn(P) * 0.02 for _ in range(L)]
