@@ -75,7 +75,11 @@ static so_step_result step_with(one *o, const void *g, so_step_args a, double lr
     CHECK_OK(so_session_begin_step(o->s, 1.0f, 1));
     size_t half = 30000 * dsize(o->grad_dtype);
     CHECK_OK(so_session_grad_device(o->s, 1, o->d_grad + half, N - 30000, o->grad_dtype, NULL, NULL));
-    CHECK_OK(so_session_grad_device(o->s, 0, o->d_grad, 30000, o->grad_dtype, NULL, NULL));
+    so_ticket speculative = 0;
+    CHECK_OK(so_session_grad_device(o->s, 0, o->d_grad, 30000, o->grad_dtype, NULL, &speculative));
+    /* A speculative step is queued when the sub-group's gradient is complete; waiting for it
+     * makes sure that a device-placed one is queued on the GPU before the step is decided. */
+    if (speculative != 0) CHECK_OK(so_ticket_wait(o->s, speculative, -1));
     if (lr > 0) {
         so_group_hparams h = so_group_hparams_default();
         h.weight_decay = 0.05;
@@ -167,18 +171,21 @@ static void kernel_matches_cpu(so_pool *pool) {
     free(readback);
 }
 
-/* Speculation on: the host-placed sub-group takes (or, cancelled, folds into its final pass)
- * a speculative step and resolves it; the device-placed one applies and resolves it in its
- * final step. Both end each step with the same bits. */
+/* Speculation on: the host-placed sub-group takes a speculative step and resolves it; the
+ * device-placed one queues its update on the GPU at hand-off (unpublished) and resolves it
+ * in its final step. Both end each step with the same bits. */
 static void speculation_resolved_alike(void) {
     so_rng rng = so_rng_new(13);
     float *init = (float *)so_test_malloc(N * 4);
     for (size_t i = 0; i < N; i++) init[i] = (float)so_rng_normalish(&rng, 0.1);
     uint16_t *g = (uint16_t *)so_test_malloc(N * 2);
+    uint16_t *published = (uint16_t *)so_test_malloc(N * 2), *readback = (uint16_t *)so_test_malloc(N * 2);
     const uint32_t modes[] = {SO_ADAM_MODE_ADAMW, SO_ADAM_MODE_L2};
     for (size_t di = 0; di < 2; di++) {
         one on_gpu = make_with(SO_DTYPE_BF16, SO_DTYPE_F32, SO_DTYPE_BF16, modes[di], SO_PLACEMENT_DEVICE,
                                SO_SPECULATION_ON, init);
+        CU_CHECK(cu.ctx_sync());
+        CU_CHECK(cu.dtoh(published, on_gpu.d_param, N * 2));
         one on_cpu = make_with(SO_DTYPE_BF16, SO_DTYPE_F32, SO_DTYPE_BF16, modes[di], SO_PLACEMENT_HOST,
                                SO_SPECULATION_ON, init);
         /* kept, rescaled (clipped), rolled back (overflow), redone (lr changed), kept */
@@ -200,6 +207,13 @@ static void speculation_resolved_alike(void) {
                        memcmp(sg.exp_avg, sc.exp_avg, N * 4) == 0 && memcmp(sg.exp_avg_sq, sc.exp_avg_sq, N * 4) == 0,
                    "mode %u step %d (kept %u rescaled %u rolled back %u redone %u): GPU and CPU differ", modes[di], s,
                    rc.kept, rc.rescaled, rc.rolled_back, rc.redone);
+            /* The parameter: the new master weights rounded (a kept update is published from
+             * them, not by the step kernel), or, skipped, the previous step's. */
+            CU_CHECK(cu.ctx_sync());
+            CU_CHECK(cu.dtoh(readback, on_gpu.d_param, N * 2));
+            if (!rg.skipped)
+                for (size_t i = 0; i < N; i++) published[i] = so_f32_to_bf16(((const float *)sg.master)[i]);
+            CHECKF(memcmp(readback, published, N * 2) == 0, "mode %u step %d: the published parameter", modes[di], s);
         }
         drop(&on_gpu);
         drop(&on_cpu);
@@ -207,6 +221,8 @@ static void speculation_resolved_alike(void) {
     printf("speculative steps resolved on the GPU: the CPU's bits (kept, rescaled, rolled back, redone)\n");
     free(init);
     free(g);
+    free(published);
+    free(readback);
 }
 
 static void checkpoint_across_splits(void) {

@@ -115,6 +115,9 @@ impl CudaTransport {
             None => None,
         };
         if let Some(device) = &dev.device {
+            if let Some(stepped) = &dev.stepped {
+                stepped.wait_in(self.side.0)?;
+            }
             driver::memcpy_dtod_async(device.grad_at(h.range.start * dtype.size()), src, bytes, self.side.0)?;
         }
         if h.sumsq_scale.is_some() {

@@ -54,6 +54,10 @@ pub(super) struct SgDevice {
     /// Recorded after the latest publication (from `staging`, which it reads, or by a device
     /// step): what a stream waits for before reading this sub-group's parameter.
     published: Option<Event>,
+    /// Recorded after the latest device step, which reads the device gradient: the next
+    /// gradient written there waits for it (a rolled-back step publishes nothing that the
+    /// next backward would otherwise follow).
+    pub(super) stepped: Option<Event>,
     pub(super) device: Option<DeviceState>,
 }
 
@@ -71,6 +75,7 @@ impl SgDevice {
         let mut events = std::mem::take(&mut self.copies);
         events.extend(self.staged.take());
         events.extend(self.published.take());
+        events.extend(self.stepped.take());
         events.extend(self.partials.take_pending());
         events
     }
@@ -358,6 +363,7 @@ impl Transport for CudaTransport {
             copies: Vec::new(),
             staged: None,
             published: None,
+            stepped: None,
             device: on_device,
         };
         self.state.lock().unwrap().subgroups.insert(sg, dev);
@@ -485,6 +491,12 @@ impl Transport for CudaTransport {
             let publish_here = publish && i + 1 == passes.len();
             dev.step(&self.kernels, self.h2d.0, &d.param(), self.accum_dtype, pass, publish_here)?;
         }
+        if publish && passes.is_empty() {
+            // The speculative update stands: its master weights, rounded as the step kernel
+            // rounds them, are the parameter.
+            self.publish_from(d, dev.master(), DType::F32)?;
+        }
+        d.stepped = Some(self.events.record(self.h2d.0)?);
         if publish {
             d.published = Some(self.events.record(self.h2d.0)?);
         }
@@ -497,6 +509,9 @@ impl Transport for CudaTransport {
         let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
         let dev = d.device.as_ref().ok_or_else(not_device_placed)?;
         let size = self.accum_dtype.size();
+        if let Some(stepped) = &d.stepped {
+            stepped.wait_in(self.side.0)?;
+        }
         driver::memset_async(dev.grad_at(range.start * size), range.len() * size, self.side.0)?;
         d.copies.push(self.events.record(self.side.0)?);
         Ok(())

@@ -139,8 +139,8 @@ pub(crate) fn decide(applied: Applied, verdict: Verdict, stands: bool) -> (Actio
     }
 }
 
-/// The passes of an action over a device-placed sub-group, whose speculative step is never
-/// applied before the final pass: the same operations, one pass each, as on the host.
+/// The passes of an action over a device-placed sub-group: the same operations, one pass
+/// each, as on the host. Its speculative update was queued whole at hand-off or not at all.
 fn device_passes(action: Action) -> Vec<DevicePass> {
     match action {
         Action::Leave | Action::RestoreCopy { .. } => Vec::new(),
@@ -148,7 +148,7 @@ fn device_passes(action: Action) -> Vec<DevicePass> {
         Action::KeepCopy { spec } => vec![DevicePass::Update { hp: spec.hp, scale: spec.scale }],
         Action::Resolve { spec, resolution } => {
             let (hp, scale) = (spec.hp, spec.scale);
-            let mut passes = vec![DevicePass::Update { hp, scale }];
+            let mut passes = if spec.done == 0 { vec![DevicePass::Update { hp, scale }] } else { Vec::new() };
             match resolution {
                 Resolution::Keep => {}
                 Resolution::Rescale(factor) => {
@@ -329,10 +329,11 @@ impl Worker {
         }
         if data.placement == Placement::Device {
             let passes = device_passes(action);
-            if passes.is_empty() {
+            let publish = !result.skipped;
+            // A speculative update that stands needs no pass, only its publication.
+            if passes.is_empty() && !publish {
                 return Ok(());
             }
-            let publish = !result.skipped;
             let transport = self.shared.transport().expect("device placement has a transport");
             transport.device_step(sg.id, &passes, publish)?;
             out.elements += (passes.len() * n) as u64;

@@ -11,8 +11,8 @@ use super::plans::{PreparePlan, StepPlan};
 use super::scheduler::{Job, JobKey, Lifecycle};
 use super::trace::Lane;
 use super::{
-    Applied, GroupHparams, HandedSumsq, NormSource, Placement, SgData, Shared, SkipReason, SpecKind, StepResult,
-    SubGroup, Ticket, clip_coefficient, grad_factor, speculation_stands, unscale_factor, usable_factor,
+    Applied, DevicePass, GroupHparams, HandedSumsq, NormSource, Placement, SgData, Shared, SkipReason, SpecKind,
+    StepResult, SubGroup, Ticket, clip_coefficient, grad_factor, speculation_stands, unscale_factor, usable_factor,
 };
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, AdamBuffers, CopyOutMut, FloatsMut, MomentsMut, Resolution, UpdateOptions};
@@ -201,9 +201,10 @@ impl Worker {
     }
 
     /// The speculative step the session planned for `sg` at hand-off, in chunks; stops early
-    /// (keeping what it did) when a more urgent job is waiting. A gradient the step could not
-    /// be undone from ([`speculation_stands`]) is not stepped: its ticket completes, and the
-    /// final pass steps the sub-group once.
+    /// (keeping what it did) when a more urgent job is waiting. A device-placed sub-group's
+    /// step is queued on the device whole. A gradient the step could not be undone from
+    /// ([`speculation_stands`]) is not stepped: its ticket completes, and the final pass
+    /// steps the sub-group once.
     fn speculate(&mut self, sg: &Arc<SubGroup>) {
         let Lifecycle::Speculating(ticket) = self.shared.sched.lifecycle(sg.id) else {
             unreachable!("a speculative step runs for a sub-group in Speculating")
@@ -228,6 +229,16 @@ impl Worker {
             }
             if !speculation_stands(sumsq) {
                 return Ok(None);
+            }
+            if data.placement == Placement::Device {
+                // The whole update, queued on the device beside the rest of the backward:
+                // the final pass then only publishes it (or resolves it).
+                let transport = self.shared.transport().expect("device placement has a transport");
+                transport.device_step(sg.id, &[DevicePass::Update { hp: spec.hp, scale: spec.scale }], false)?;
+                spec.done = sg.numel;
+                data.work.applied = Applied::Speculative(spec);
+                // No host pass ran: nothing for the policy to measure.
+                return Ok(Some((spec.done, 0)));
             }
             self.master_write(sg)?;
             let opts = UpdateOptions { grad_scale: spec.scale, ..Default::default() };
@@ -314,6 +325,7 @@ impl Worker {
                 data.sumsq[index] = Some(HandedSumsq::Known(0.0));
             }
             if let Some(late) = late.as_mut().filter(|l| !l.ranges.is_empty()) {
+                debug_assert!(!device, "a device-placed sub-group's transport refuses late gradients");
                 // The late buffer stays allocated (and pinned) for the next late gradient.
                 if let Applied::Speculative(spec) = data.work.applied {
                     // The gradient the planned speculative step is taken with is about to

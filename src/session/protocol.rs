@@ -345,7 +345,7 @@ impl Session {
     fn submit_complete(&self, t: &mut Tracking, sg: &Arc<SubGroup>) -> Option<Ticket> {
         let group = t.reg.groups[sg.group as usize];
         let mut data = sg.data.lock().unwrap();
-        // A device-placed sub-group's plan is carried out on the device by its final pass, which
+        // A device-placed sub-group speculates with its whole update, queued on the device: it
         // has no copy to write ahead of its state.
         let kind = sg
             .speculation(group)
@@ -356,7 +356,7 @@ impl Session {
             data.work.applied =
                 Applied::Speculative(SpecRecord { kind, hp, scale: unscale_factor(t.loss_scale), done: 0 });
         }
-        if kind.is_none() || data.placement == Placement::Device {
+        if kind.is_none() {
             drop(data);
             self.shared.sched.mark_complete(sg.id);
             return None;

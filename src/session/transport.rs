@@ -119,8 +119,9 @@ pub trait Transport: Send + Sync + Any {
     fn after_load(&self) -> Result<()> {
         Ok(())
     }
-    /// Makes a device-placed sub-group final for this step with `passes` over its state (its
-    /// gradient is on the device), in order, and, with `publish`, publishes the weights.
+    /// Queues `passes` over a device-placed sub-group's state (its gradient is on the device),
+    /// in order: its speculative update at hand-off, or its final passes. With `publish`, the
+    /// weights the last pass writes (with no passes: the state's weights) become the model's.
     fn device_step(&self, _sg: u32, _passes: &[DevicePass], _publish: bool) -> Result<()> {
         no_device(false)
     }

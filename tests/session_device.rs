@@ -1,0 +1,374 @@
+//! Device-placed sub-groups over an emulated device: a transport that keeps their state in
+//! host memory and steps it with the CPU kernels, whose operation sequence the device kernel
+//! follows bit for bit (`src/cuda/ptx.rs`). The session's side of device placement runs
+//! here without a GPU: the speculative update queued at hand-off, the final passes that
+//! keep, rescale, roll back or redo it, the step at `step()` where nothing speculated, and
+//! what is published. A host-placed session with the same plan must end with the same bits.
+
+mod common;
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use superoffload::error::{Error, Result, Status};
+use superoffload::kernels::{
+    self, AdamBuffers, DType, Floats, FloatsMut, Isa, MomentsMut, Pool, PoolOptions, UpdateOptions, bf16,
+    dtype::f32_to_bf16_bits,
+};
+use superoffload::session::{
+    Borrowed, DeviceParam, DevicePass, GroupHparams, HandOff, HandedSumsq, HostState, NormSource, Placement, Session,
+    SessionOptions, SliceDesc, Speculation, StepArgs, SubGroupDesc, Ticket, Transport,
+};
+
+/// A device-placed sub-group's state on the emulated device.
+struct DeviceSubGroup {
+    master: Vec<f32>,
+    exp_avg: Vec<f32>,
+    exp_avg_sq: Vec<f32>,
+    grad: Vec<bf16>,
+    /// The model's parameter: the bf16 weights last published.
+    param: Vec<u16>,
+}
+
+impl DeviceSubGroup {
+    fn from_host(state: &HostState<'_>) -> Result<DeviceSubGroup> {
+        let f32s = |b: &FloatsMut<'_>| match b {
+            FloatsMut::F32(s) => Ok(s.to_vec()),
+            _ => Err(Error::unsupported("the emulated device keeps f32 state")),
+        };
+        let master = f32s(&state.master)?;
+        let n = master.len();
+        Ok(DeviceSubGroup {
+            exp_avg: f32s(&state.exp_avg)?,
+            exp_avg_sq: f32s(&state.exp_avg_sq)?,
+            grad: vec![bf16::ZERO; n],
+            param: master.iter().map(|&x| f32_to_bf16_bits(x)).collect(),
+            master,
+        })
+    }
+
+    fn to_host(&self, state: HostState<'_>) {
+        for (dst, src) in
+            [(state.master, &self.master), (state.exp_avg, &self.exp_avg), (state.exp_avg_sq, &self.exp_avg_sq)]
+        {
+            let FloatsMut::F32(dst) = dst else { panic!("f32 state expected") };
+            dst.copy_from_slice(src);
+        }
+    }
+
+    fn publish(&mut self) {
+        self.param = self.master.iter().map(|&x| f32_to_bf16_bits(x)).collect();
+    }
+
+    fn buffers(&mut self) -> AdamBuffers<'_> {
+        AdamBuffers {
+            param: FloatsMut::F32(&mut self.master),
+            grad: Floats::Bf16(&self.grad),
+            moments: MomentsMut::F32 { exp_avg: &mut self.exp_avg, exp_avg_sq: &mut self.exp_avg_sq },
+            copy_out: None,
+        }
+    }
+}
+
+/// One `device_step` call, as the session made it.
+#[derive(Clone, Debug, PartialEq)]
+struct DeviceCall {
+    sg: u32,
+    passes: Vec<DevicePass>,
+    publish: bool,
+}
+
+struct EmulatedDevice {
+    pool: Pool,
+    subgroups: Mutex<HashMap<u32, DeviceSubGroup>>,
+    calls: Mutex<Vec<DeviceCall>>,
+}
+
+impl EmulatedDevice {
+    fn new() -> EmulatedDevice {
+        EmulatedDevice {
+            pool: Pool::new(&PoolOptions { num_threads: 1, isa: Some(Isa::best()), ..Default::default() }).unwrap(),
+            subgroups: Mutex::new(HashMap::new()),
+            calls: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Delivers a gradient as the CUDA transport does: into the device gradient of a
+    /// device-placed sub-group, else into the session's host buffer; its sum of squares is
+    /// that of the source.
+    fn deliver(&self, h: HandOff<'_>, g: &[bf16]) -> Result<Option<HandedSumsq>> {
+        let sumsq = h.sumsq_scale.map(|scale| kernels::grad_sumsq_here(Floats::Bf16(g), scale)).transpose()?;
+        match self.subgroups.lock().unwrap().get_mut(&h.sg) {
+            Some(_) if h.late => return Err(Error::unsupported("a device-placed sub-group takes no late gradients")),
+            Some(d) => d.grad[h.range].copy_from_slice(g),
+            None => {
+                let FloatsMut::Bf16(dst) = h.dst else { panic!("bf16 accumulation expected") };
+                dst.copy_from_slice(g);
+            }
+        }
+        Ok(sumsq.map(HandedSumsq::Known))
+    }
+
+    fn calls(&self) -> Vec<DeviceCall> {
+        std::mem::take(&mut *self.calls.lock().unwrap())
+    }
+
+    fn param(&self, sg: u32) -> Vec<u16> {
+        self.subgroups.lock().unwrap()[&sg].param.clone()
+    }
+}
+
+impl Transport for EmulatedDevice {
+    transport_without_pinning!();
+    transport_without_publishing!();
+    fn attach(
+        &self,
+        sg: u32,
+        _: Option<DeviceParam>,
+        _: &[Range<usize>],
+        placement: Placement,
+        state: HostState<'_>,
+    ) -> Result<()> {
+        self.set_placement(sg, placement, state)
+    }
+    fn gradient_ready(&self, _: u32) -> Result<()> {
+        Ok(())
+    }
+    fn device_step(&self, sg: u32, passes: &[DevicePass], publish: bool) -> Result<()> {
+        self.calls.lock().unwrap().push(DeviceCall { sg, passes: passes.to_vec(), publish });
+        let mut subgroups = self.subgroups.lock().unwrap();
+        let d = subgroups.get_mut(&sg).ok_or_else(|| Error::new(Status::InvalidState, "not on the device"))?;
+        for pass in passes {
+            match *pass {
+                DevicePass::Update { hp, scale } => {
+                    let opts = UpdateOptions { grad_scale: scale, ..Default::default() };
+                    kernels::update(&self.pool, &hp, d.buffers(), &opts).map(drop)?
+                }
+                DevicePass::Rollback { hp, scale } => kernels::rollback(&self.pool, &hp, d.buffers(), scale)?,
+                DevicePass::Rescale { hp, old_scale, new_scale } => {
+                    kernels::rescale(&self.pool, &hp, d.buffers(), old_scale, new_scale)?
+                }
+            }
+        }
+        if publish {
+            d.publish();
+        }
+        Ok(())
+    }
+    fn device_zero_gradient(&self, sg: u32, range: Range<usize>) -> Result<()> {
+        self.subgroups.lock().unwrap().get_mut(&sg).expect("device-placed").grad[range].fill(bf16::ZERO);
+        Ok(())
+    }
+    fn set_placement(&self, sg: u32, placement: Placement, state: HostState<'_>) -> Result<()> {
+        let mut subgroups = self.subgroups.lock().unwrap();
+        match placement {
+            Placement::Device => {
+                subgroups.insert(sg, DeviceSubGroup::from_host(&state)?);
+            }
+            Placement::Host => {
+                if let Some(d) = subgroups.remove(&sg) {
+                    d.to_host(state);
+                }
+            }
+        }
+        Ok(())
+    }
+    fn download_state(&self, sg: u32, state: HostState<'_>) -> Result<()> {
+        self.subgroups.lock().unwrap()[&sg].to_host(state);
+        Ok(())
+    }
+    fn load_state(&self, sg: u32, state: HostState<'_>) -> Result<()> {
+        let mut subgroups = self.subgroups.lock().unwrap();
+        let d = subgroups.get_mut(&sg).expect("device-placed");
+        let grad = std::mem::take(&mut d.grad);
+        *d = DeviceSubGroup { grad, ..DeviceSubGroup::from_host(&state)? };
+        Ok(())
+    }
+}
+
+const SIZES: [usize; 3] = [40_000, 7_001, 20_000];
+
+struct Run {
+    session: Session,
+    /// The masters the session borrows (they must outlive it).
+    _masters: Vec<Vec<f32>>,
+}
+
+fn run(transport: Option<Arc<EmulatedDevice>>, speculation: Speculation) -> Run {
+    let pool =
+        Arc::new(Pool::new(&PoolOptions { num_threads: 2, isa: Some(Isa::best()), ..Default::default() }).unwrap());
+    let placement = if transport.is_some() { Placement::Device } else { Placement::Host };
+    let opts = SessionOptions {
+        pool: Some(pool),
+        grad_dtype: DType::Bf16,
+        accum_dtype: DType::Bf16,
+        speculation,
+        ..Default::default()
+    };
+    let session = Session::with_transport(opts, transport.map(|t| t as Arc<dyn Transport>)).unwrap();
+    session.add_group(GroupHparams { lr: 1e-2, weight_decay: 0.05, ..GroupHparams::default() }).unwrap();
+    let mut masters: Vec<Vec<f32>> =
+        SIZES.iter().map(|&n| (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-3).collect()).collect();
+    for (k, m) in masters.iter_mut().enumerate() {
+        // SAFETY: the heap buffer of `m` moves into the returned Run, which outlives the session's work.
+        let master = unsafe { Borrowed::new("m", m.as_mut_ptr().cast(), m.len(), DType::F32) }.unwrap();
+        // One slice short of the end: the padding must stay zero on the device too.
+        let slices = vec![SliceDesc { name: format!("sg{k}"), offset: 0, numel: m.len() - 3 }];
+        session.add_subgroup(SubGroupDesc { placement, ..SubGroupDesc::new(0, master, slices) }).unwrap();
+    }
+    Run { session, _masters: masters }
+}
+
+/// What a step of the plan below does to the speculative update.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Plan {
+    /// Not clipped: the update stands.
+    Keep,
+    /// Clipped: the update is rescaled.
+    Rescale,
+    /// Skipped (an overflow): the update is rolled back and nothing is published.
+    Skip,
+    /// The learning rate changes between backward and `step()`: the update is redone.
+    Redo,
+    /// One sub-group's squares exceed f32: it is not stepped ahead, only at `step()`.
+    Declined,
+}
+
+const PLAN: [Plan; 8] =
+    [Plan::Keep, Plan::Rescale, Plan::Keep, Plan::Skip, Plan::Redo, Plan::Declined, Plan::Keep, Plan::Rescale];
+
+fn gradient(step: u64, k: usize, plan: Plan) -> Vec<bf16> {
+    (0..SIZES[k] - 3)
+        .map(|i| {
+            if plan == Plan::Declined && k == 1 && i == 5 {
+                // Finite, but its square is beyond f32.
+                return bf16::from_f32(1e20);
+            }
+            bf16::from_f32(((i as u64 * 7 + step * 13 + k as u64) % 29) as f32 * 1e-3 - 0.014)
+        })
+        .collect()
+}
+
+/// Hands every gradient over (backward order); the speculative tickets returned.
+fn backward(run: &Run, device: Option<&EmulatedDevice>, step: u64, plan: Plan) -> Vec<Ticket> {
+    let s = &run.session;
+    s.begin_step(Some(1.0), 1).unwrap();
+    let mut tickets = Vec::new();
+    for k in (0..SIZES.len()).rev() {
+        let g = gradient(step, k, plan);
+        let ticket = match device {
+            Some(d) => s.hand_off(k as u32, g.len(), "test", |h| d.deliver(h, &g)).unwrap(),
+            None => s.grad_copy(k as u32, Floats::Bf16(&g)).unwrap(),
+        };
+        tickets.extend(ticket);
+    }
+    tickets
+}
+
+fn finish(run: &Run, step: u64, plan: Plan) {
+    let s = &run.session;
+    if plan == Plan::Redo {
+        s.set_group_hparams(0, GroupHparams { lr: 1e-2 / step as f64, weight_decay: 0.05, ..GroupHparams::default() })
+            .unwrap();
+    }
+    let norm = if plan == Plan::Rescale { 5.0 } else { 0.5 };
+    let args = StepArgs { max_norm: 1.0, norm: NormSource::Given(norm), overflow: plan == Plan::Skip };
+    let t = s.step(args).unwrap();
+    s.wait(t, None).unwrap();
+}
+
+fn state(run: &Run, k: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let s = &run.session;
+    let (m, v) = s.moments(k as u32).unwrap();
+    let st = s.subgroup_state(k as u32).unwrap();
+    // SAFETY: `master` points at the sub-group's f32 host master of `numel` elements, brought
+    // up to date by the call, and the session is idle.
+    let master = unsafe { std::slice::from_raw_parts(st.master.cast::<f32>(), st.numel) };
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    (bits(master), bits(&m), bits(&v))
+}
+
+#[test]
+fn device_placed_speculation_gives_the_host_bits_and_publishes_once() {
+    let device = Arc::new(EmulatedDevice::new());
+    let host = run(None, Speculation::On);
+    let dev = run(Some(device.clone()), Speculation::On);
+    for (step, &plan) in (1..).zip(PLAN.iter()) {
+        let published: Vec<Vec<u16>> = (0..SIZES.len()).map(|k| device.param(k as u32)).collect();
+        backward(&host, None, step, plan);
+        let tickets = backward(&dev, Some(&device), step, plan);
+        // Each sub-group's update is queued on the device once its gradient is complete,
+        // before step(), and nothing is published yet.
+        for t in &tickets {
+            dev.session.wait(*t, None).unwrap();
+        }
+        let ahead = device.calls();
+        for k in 0..SIZES.len() as u32 {
+            let updates: Vec<_> = ahead.iter().filter(|c| c.sg == k).collect();
+            if plan == Plan::Declined && k == 1 {
+                assert!(updates.is_empty(), "step {step}: sub-group {k} was stepped ahead: {updates:?}");
+                continue;
+            }
+            assert_eq!(updates.len(), 1, "step {step}: sub-group {k}: {ahead:?}");
+            assert!(matches!(updates[0].passes[..], [DevicePass::Update { .. }]) && !updates[0].publish);
+            assert_eq!(device.param(k), published[k as usize], "step {step}: sub-group {k} published early");
+        }
+        finish(&host, step, plan);
+        finish(&dev, step, plan);
+        // The final passes: what the verdict leaves to do, and one publication per stepped
+        // sub-group.
+        let finals = device.calls();
+        for k in 0..SIZES.len() as u32 {
+            let calls: Vec<_> = finals.iter().filter(|c| c.sg == k).collect();
+            let passes: Vec<_> = calls.iter().flat_map(|c| c.passes.iter()).collect();
+            let expected = match plan {
+                Plan::Keep => "",
+                Plan::Rescale => "rescale",
+                Plan::Skip => "rollback",
+                Plan::Redo => "rollback update",
+                Plan::Declined if k == 1 => "update",
+                Plan::Declined => "",
+            };
+            let names: Vec<&str> = passes
+                .iter()
+                .map(|p| match p {
+                    DevicePass::Update { .. } => "update",
+                    DevicePass::Rollback { .. } => "rollback",
+                    DevicePass::Rescale { .. } => "rescale",
+                })
+                .collect();
+            assert_eq!(names.join(" "), expected, "step {step} ({plan:?}): sub-group {k}");
+            assert_eq!(calls.iter().filter(|c| c.publish).count(), usize::from(plan != Plan::Skip));
+        }
+        for k in 0..SIZES.len() {
+            let (host_state, dev_state) = (state(&host, k), state(&dev, k));
+            assert!(host_state == dev_state, "step {step} ({plan:?}): sub-group {k}: state differs");
+            let rounded: Vec<u16> = host_state.0.iter().map(|&b| f32_to_bf16_bits(f32::from_bits(b))).collect();
+            let expected = if plan == Plan::Skip { &published[k] } else { &rounded };
+            assert!(&device.param(k as u32) == expected, "step {step} ({plan:?}): sub-group {k}: published weights");
+            // Padding stays zero.
+            assert!(host_state.0[SIZES[k] - 3..].iter().all(|&b| b == 0));
+        }
+    }
+}
+
+#[test]
+fn without_speculation_a_device_placed_sub_group_steps_at_step_only() {
+    let device = Arc::new(EmulatedDevice::new());
+    let host = run(None, Speculation::Off);
+    let dev = run(Some(device.clone()), Speculation::Off);
+    for (step, &plan) in (1..).zip(PLAN.iter()) {
+        backward(&host, None, step, plan);
+        assert!(backward(&dev, Some(&device), step, plan).is_empty(), "nothing speculates");
+        assert!(device.calls().is_empty(), "step {step}: a device pass before step()");
+        finish(&host, step, plan);
+        finish(&dev, step, plan);
+        for call in device.calls() {
+            assert!(matches!(call.passes[..], [DevicePass::Update { .. }]) && call.publish, "{call:?}");
+        }
+        for k in 0..SIZES.len() {
+            assert!(state(&host, k) == state(&dev, k), "step {step} ({plan:?}): sub-group {k}: state differs");
+        }
+    }
+}
