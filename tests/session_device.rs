@@ -1,14 +1,16 @@
 //! Device-placed sub-groups over an emulated device: a transport that keeps their state in
 //! host memory and steps it with the CPU kernels, whose operation sequence the device kernel
 //! follows bit for bit (`src/cuda/ptx.rs`). The session's side of device placement runs
-//! here without a GPU: the speculative update queued at hand-off, the final passes that
-//! keep, rescale, roll back or redo it, the step at `step()` where nothing speculated, and
-//! what is published. A host-placed session with the same plan must end with the same bits.
+//! here without a GPU: the speculative update queued at hand-off (or, cancelled by the
+//! decision, queued by the final pass with its resolution), the final passes that keep,
+//! rescale, roll back or redo it, the step at `step()` where nothing speculated, and what is
+//! published. A host-placed session with the same plan must end with the same bits.
 
 mod common;
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use superoffload::error::{Error, Result, Status};
@@ -18,7 +20,7 @@ use superoffload::kernels::{
 };
 use superoffload::session::{
     Borrowed, DeviceParam, DevicePass, GroupHparams, HandOff, HandedSumsq, HostState, NormSource, Placement, Session,
-    SessionOptions, SliceDesc, Speculation, StepArgs, SubGroupDesc, Ticket, Transport,
+    SessionOptions, SliceDesc, Speculation, StepArgs, StepResult, SubGroupDesc, Ticket, Transport,
 };
 
 /// A device-placed sub-group's state on the emulated device.
@@ -83,6 +85,8 @@ struct EmulatedDevice {
     pool: Pool,
     subgroups: Mutex<HashMap<u32, DeviceSubGroup>>,
     calls: Mutex<Vec<DeviceCall>>,
+    /// While set, no gradient has landed: the CPU-Adam thread runs no job that reads one.
+    held: AtomicBool,
 }
 
 impl EmulatedDevice {
@@ -91,7 +95,12 @@ impl EmulatedDevice {
             pool: Pool::new(&PoolOptions { num_threads: 1, isa: Some(Isa::best()), ..Default::default() }).unwrap(),
             subgroups: Mutex::new(HashMap::new()),
             calls: Mutex::new(Vec::new()),
+            held: AtomicBool::new(false),
         }
+    }
+
+    fn hold(&self, held: bool) {
+        self.held.store(held, Ordering::Release);
     }
 
     /// Delivers a gradient as the CUDA transport does: into the device gradient of a
@@ -134,6 +143,9 @@ impl Transport for EmulatedDevice {
     }
     fn gradient_ready(&self, _: u32) -> Result<()> {
         Ok(())
+    }
+    fn gradient_landed(&self, _: u32) -> bool {
+        !self.held.load(Ordering::Acquire)
     }
     fn device_step(&self, sg: u32, passes: &[DevicePass], publish: bool) -> Result<()> {
         self.calls.lock().unwrap().push(DeviceCall { sg, passes: passes.to_vec(), publish });
@@ -266,7 +278,8 @@ fn backward(run: &Run, device: Option<&EmulatedDevice>, step: u64, plan: Plan) -
     tickets
 }
 
-fn finish(run: &Run, step: u64, plan: Plan) {
+/// Steps, then lets `device`'s gradients land (see [`EmulatedDevice::hold`]); the result.
+fn finish(run: &Run, step: u64, plan: Plan, device: Option<&EmulatedDevice>) -> StepResult {
     let s = &run.session;
     if plan == Plan::Redo {
         s.set_group_hparams(0, GroupHparams { lr: 1e-2 / step as f64, weight_decay: 0.05, ..GroupHparams::default() })
@@ -275,7 +288,10 @@ fn finish(run: &Run, step: u64, plan: Plan) {
     let norm = if plan == Plan::Rescale { 5.0 } else { 0.5 };
     let args = StepArgs { max_norm: 1.0, norm: NormSource::Given(norm), overflow: plan == Plan::Skip };
     let t = s.step(args).unwrap();
-    s.wait(t, None).unwrap();
+    if let Some(device) = device {
+        device.hold(false);
+    }
+    s.step_result(t, None).unwrap()
 }
 
 fn state(run: &Run, k: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
@@ -289,56 +305,66 @@ fn state(run: &Run, k: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
     (bits(master), bits(&m), bits(&v))
 }
 
-#[test]
-fn device_placed_speculation_gives_the_host_bits_and_publishes_once() {
+/// Runs [`PLAN`] on a host-placed and a device-placed session with speculation on. With
+/// `ahead`, each speculative job runs before `step()`; without, the gradients land only
+/// after `step()` was called, so the decision cancels every queued job and the final passes
+/// queue the update with its resolution.
+fn speculation_against_host(ahead: bool) {
     let device = Arc::new(EmulatedDevice::new());
     let host = run(None, Speculation::On);
     let dev = run(Some(device.clone()), Speculation::On);
     for (step, &plan) in (1..).zip(PLAN.iter()) {
         let published: Vec<Vec<u16>> = (0..SIZES.len()).map(|k| device.param(k as u32)).collect();
         backward(&host, None, step, plan);
+        device.hold(!ahead);
         let tickets = backward(&dev, Some(&device), step, plan);
-        // Each sub-group's update is queued on the device once its gradient is complete,
-        // before step(), and nothing is published yet.
-        for t in &tickets {
-            dev.session.wait(*t, None).unwrap();
-        }
-        let ahead = device.calls();
-        for k in 0..SIZES.len() as u32 {
-            let updates: Vec<_> = ahead.iter().filter(|c| c.sg == k).collect();
-            if plan == Plan::Declined && k == 1 {
-                assert!(updates.is_empty(), "step {step}: sub-group {k} was stepped ahead: {updates:?}");
-                continue;
+        let declined = |k: u32| plan == Plan::Declined && k == 1;
+        if ahead {
+            // Each sub-group's update is queued on the device once its gradient is complete,
+            // before step(), and nothing is published yet.
+            for t in &tickets {
+                dev.session.wait(*t, None).unwrap();
             }
-            assert_eq!(updates.len(), 1, "step {step}: sub-group {k}: {ahead:?}");
-            assert!(matches!(updates[0].passes[..], [DevicePass::Update { .. }]) && !updates[0].publish);
-            assert_eq!(device.param(k), published[k as usize], "step {step}: sub-group {k} published early");
+            let calls = device.calls();
+            for k in 0..SIZES.len() as u32 {
+                let updates: Vec<_> = calls.iter().filter(|c| c.sg == k).collect();
+                if declined(k) {
+                    assert!(updates.is_empty(), "step {step}: sub-group {k} was stepped ahead: {updates:?}");
+                    continue;
+                }
+                assert_eq!(updates.len(), 1, "step {step}: sub-group {k}: {calls:?}");
+                assert!(matches!(updates[0].passes[..], [DevicePass::Update { .. }]) && !updates[0].publish);
+                assert_eq!(device.param(k), published[k as usize], "step {step}: sub-group {k} published early");
+            }
         }
-        finish(&host, step, plan);
-        finish(&dev, step, plan);
-        // The final passes: what the verdict leaves to do, and one publication per stepped
-        // sub-group.
+        finish(&host, step, plan, None);
+        let result = finish(&dev, step, plan, Some(&device));
+        if !ahead {
+            assert_eq!(result.cancelled, SIZES.len() as u32, "{result:?}");
+        }
+        // The final passes: what the verdict leaves to do (after the update, where it did not
+        // run ahead), and one publication per stepped sub-group.
         let finals = device.calls();
         for k in 0..SIZES.len() as u32 {
             let calls: Vec<_> = finals.iter().filter(|c| c.sg == k).collect();
-            let passes: Vec<_> = calls.iter().flat_map(|c| c.passes.iter()).collect();
-            let expected = match plan {
-                Plan::Keep => "",
-                Plan::Rescale => "rescale",
-                Plan::Skip => "rollback",
-                Plan::Redo => "rollback update",
-                Plan::Declined if k == 1 => "update",
-                Plan::Declined => "",
-            };
-            let names: Vec<&str> = passes
+            let names: Vec<&str> = calls
                 .iter()
+                .flat_map(|c| c.passes.iter())
                 .map(|p| match p {
                     DevicePass::Update { .. } => "update",
                     DevicePass::Rollback { .. } => "rollback",
                     DevicePass::Rescale { .. } => "rescale",
                 })
                 .collect();
-            assert_eq!(names.join(" "), expected, "step {step} ({plan:?}): sub-group {k}");
+            let resolution = match plan {
+                _ if declined(k) => "",
+                Plan::Keep | Plan::Declined => "",
+                Plan::Rescale => "rescale",
+                Plan::Skip => "rollback",
+                Plan::Redo => "rollback update",
+            };
+            let expected = if ahead && !declined(k) { resolution.to_string() } else { format!("update {resolution}") };
+            assert_eq!(names.join(" "), expected.trim(), "step {step} ({plan:?}): sub-group {k}");
             assert_eq!(calls.iter().filter(|c| c.publish).count(), usize::from(plan != Plan::Skip));
         }
         for k in 0..SIZES.len() {
@@ -354,6 +380,16 @@ fn device_placed_speculation_gives_the_host_bits_and_publishes_once() {
 }
 
 #[test]
+fn a_device_placed_update_queued_at_hand_off_gives_the_host_bits() {
+    speculation_against_host(true);
+}
+
+#[test]
+fn a_device_placed_speculation_cancelled_at_step_gives_the_host_bits() {
+    speculation_against_host(false);
+}
+
+#[test]
 fn without_speculation_a_device_placed_sub_group_steps_at_step_only() {
     let device = Arc::new(EmulatedDevice::new());
     let host = run(None, Speculation::Off);
@@ -362,8 +398,8 @@ fn without_speculation_a_device_placed_sub_group_steps_at_step_only() {
         backward(&host, None, step, plan);
         assert!(backward(&dev, Some(&device), step, plan).is_empty(), "nothing speculates");
         assert!(device.calls().is_empty(), "step {step}: a device pass before step()");
-        finish(&host, step, plan);
-        finish(&dev, step, plan);
+        finish(&host, step, plan, None);
+        finish(&dev, step, plan, Some(&device));
         for call in device.calls() {
             assert!(matches!(call.passes[..], [DevicePass::Update { .. }]) && call.publish, "{call:?}");
         }
