@@ -12,6 +12,8 @@ script with --worker), without clipping and with clipping on every step (max_gra
                        the package's defaults
   ours-offload-all     ours, gpu_budget_bytes=0: everything offloaded
   ours-spec-off        ours, speculation="off", everything offloaded
+  ours-defaults-spec-off  ours, the defaults but speculation="off" (GPU-resident sub-groups
+                       stepped after the decision rather than during backward)
   ours-bf16-moments    ours, moment_dtype="bf16", everything offloaded
   ours-budget-auto     ours, gpu_budget="auto" (under --mem-cap-gib: gpu_budget_bytes = the cap
                        less one step's peak and 1 GiB, as the automatic budget reads the GPU's
@@ -389,6 +391,7 @@ SYSTEMS = {
     "ours-offload-all": ("ours, everything offloaded", lambda ctx: Ours(ctx, OFFLOAD_ALL)),
     "ours-spec-off": ('ours, speculation "off", everything offloaded',
                       lambda ctx: Ours(ctx, {"speculation": "off", **OFFLOAD_ALL})),
+    "ours-defaults-spec-off": ('ours, defaults, speculation "off"', lambda ctx: Ours(ctx, {"speculation": "off"})),
     "ours-bf16-moments": ('ours, moment_dtype "bf16", everything offloaded',
                           lambda ctx: Ours(ctx, {"moment_dtype": "bf16", **OFFLOAD_ALL})),
     "ours-budget-auto": ('ours, gpu_budget "auto"', lambda ctx: Ours(ctx, {"gpu_budget": "auto"})),
@@ -411,8 +414,8 @@ def baseline_of(ranks):
 # The order of the runs: the rows that the targets need first, so that what --budget-s leaves out
 # matters least ("ours" repeats one of the two before it, whichever the package's default is).
 RUN_ORDER = ["torch-gpu-adamw", "torch-fsdp2-gpu-adamw", "ours-offload-all", "ours-fsdp2", "ours-budget-auto",
-             "torchao-offload", "ours-spec-off", "ours", "ours-bf16-moments", "ds-zero3-offload", "torch-fsdp2-offload",
-             "ds-superoffload"]
+             "torchao-offload", "ours-spec-off", "ours", "ours-defaults-spec-off", "ours-bf16-moments",
+             "ds-zero3-offload", "torch-fsdp2-offload", "ds-superoffload"]
 
 
 def error_text(exc):
