@@ -3,8 +3,9 @@
 //! follows bit for bit (`src/cuda/ptx.rs`). The session's side of device placement runs
 //! here without a GPU: the speculative update queued at hand-off (or, cancelled by the
 //! decision, queued by the final pass with its resolution), the final passes that keep,
-//! rescale, roll back or redo it, the step at `step()` where nothing speculated, and what is
-//! published. A host-placed session with the same plan must end with the same bits.
+//! rescale, roll back or redo it, the step at `step()` where nothing speculated, what is
+//! published, a checkpoint of device state resumed on either side, and a sub-group moved to
+//! the host and back. A host-placed session with the same plan must end with the same bits.
 
 mod common;
 
@@ -405,6 +406,53 @@ fn without_speculation_a_device_placed_sub_group_steps_at_step_only() {
         }
         for k in 0..SIZES.len() {
             assert!(state(&host, k) == state(&dev, k), "step {step} ({plan:?}): sub-group {k}: state differs");
+        }
+    }
+}
+
+#[test]
+fn a_checkpoint_of_device_placed_sub_groups_resumes_on_either_side_and_placement_moves_bit_for_bit() {
+    let device = Arc::new(EmulatedDevice::new());
+    let host = run(None, Speculation::On);
+    let dev = run(Some(device.clone()), Speculation::On);
+    let (first, rest) = PLAN.split_at(4);
+    for (step, &plan) in (1..).zip(first) {
+        backward(&host, None, step, plan);
+        backward(&dev, Some(&device), step, plan);
+        finish(&host, step, plan, None);
+        finish(&dev, step, plan, Some(&device));
+    }
+    let path = std::env::temp_dir().join(format!("so-device-checkpoint-{}.safetensors", std::process::id()));
+    dev.session.save(&path).unwrap();
+    // The checkpoint holds the device state: it loads into a device-placed and a host-placed
+    // session alike, and the device-placed one publishes what it loaded.
+    let resumed_device = Arc::new(EmulatedDevice::new());
+    let resumed_dev = run(Some(resumed_device.clone()), Speculation::On);
+    let resumed_host = run(None, Speculation::On);
+    resumed_dev.session.load(&path).unwrap();
+    resumed_host.session.load(&path).unwrap();
+    std::fs::remove_file(&path).ok();
+    for k in 0..SIZES.len() {
+        let master = state(&resumed_dev, k).0;
+        let rounded: Vec<u16> = master.iter().map(|&b| f32_to_bf16_bits(f32::from_bits(b))).collect();
+        assert!(resumed_device.param(k as u32) == rounded, "sub-group {k}: the loaded weights are not published");
+    }
+    // One sub-group moves to the host and back while training goes on.
+    resumed_dev.session.set_placement(1, Placement::Host).unwrap();
+    for (step, &plan) in (5..).zip(rest) {
+        if step == 7 {
+            resumed_dev.session.set_placement(1, Placement::Device).unwrap();
+        }
+        backward(&host, None, step, plan);
+        backward(&resumed_host, None, step, plan);
+        backward(&resumed_dev, Some(&resumed_device), step, plan);
+        finish(&host, step, plan, None);
+        finish(&resumed_host, step, plan, None);
+        finish(&resumed_dev, step, plan, Some(&resumed_device));
+        for k in 0..SIZES.len() {
+            let expected = state(&host, k);
+            assert!(state(&resumed_host, k) == expected, "step {step} ({plan:?}): sub-group {k}: host resumed");
+            assert!(state(&resumed_dev, k) == expected, "step {step} ({plan:?}): sub-group {k}: device resumed");
         }
     }
 }
