@@ -24,6 +24,11 @@ use superoffload::session::{
     SessionOptions, SliceDesc, Speculation, StepArgs, StepResult, SubGroupDesc, Ticket, Transport,
 };
 
+/// The bf16 parameter of master weights: rounded as the library rounds them.
+fn rounded_to_bf16(master: &[f32]) -> Vec<u16> {
+    master.iter().map(|&x| f32_to_bf16_bits(x)).collect()
+}
+
 /// A device-placed sub-group's state on the emulated device.
 struct DeviceSubGroup {
     master: Vec<f32>,
@@ -46,7 +51,7 @@ impl DeviceSubGroup {
             exp_avg: f32s(&state.exp_avg)?,
             exp_avg_sq: f32s(&state.exp_avg_sq)?,
             grad: vec![bf16::ZERO; n],
-            param: master.iter().map(|&x| f32_to_bf16_bits(x)).collect(),
+            param: rounded_to_bf16(&master),
             master,
         })
     }
@@ -61,7 +66,7 @@ impl DeviceSubGroup {
     }
 
     fn publish(&mut self) {
-        self.param = self.master.iter().map(|&x| f32_to_bf16_bits(x)).collect();
+        self.param = rounded_to_bf16(&self.master);
     }
 
     fn buffers(&mut self) -> AdamBuffers<'_> {
@@ -371,7 +376,7 @@ fn speculation_against_host(ahead: bool) {
         for k in 0..SIZES.len() {
             let (host_state, dev_state) = (state(&host, k), state(&dev, k));
             assert!(host_state == dev_state, "step {step} ({plan:?}): sub-group {k}: state differs");
-            let rounded: Vec<u16> = host_state.0.iter().map(|&b| f32_to_bf16_bits(f32::from_bits(b))).collect();
+            let rounded = rounded_to_bf16(&host_state.0.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>());
             let expected = if plan == Plan::Skip { &published[k] } else { &rounded };
             assert!(&device.param(k as u32) == expected, "step {step} ({plan:?}): sub-group {k}: published weights");
             // Padding stays zero.
@@ -434,7 +439,7 @@ fn a_checkpoint_of_device_placed_sub_groups_resumes_on_either_side_and_placement
     std::fs::remove_file(&path).ok();
     for k in 0..SIZES.len() {
         let master = state(&resumed_dev, k).0;
-        let rounded: Vec<u16> = master.iter().map(|&b| f32_to_bf16_bits(f32::from_bits(b))).collect();
+        let rounded = rounded_to_bf16(&master.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>());
         assert!(resumed_device.param(k as u32) == rounded, "sub-group {k}: the loaded weights are not published");
     }
     // One sub-group moves to the host and back while training goes on.
