@@ -33,6 +33,7 @@ pub(crate) struct Avx2Acc {
 // every intrinsic below may execute. Loads and stores check the slice length first.
 impl Simd for Avx2 {
     const LANES: usize = 8;
+    const PREFETCH: bool = true;
     type F = __m256;
     type Acc = Avx2Acc;
 

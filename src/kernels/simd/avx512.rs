@@ -24,6 +24,7 @@ impl Avx512 {
 // AVX-512F intrinsic below may execute. Loads and stores check the slice length first.
 impl Simd for Avx512 {
     const LANES: usize = 16;
+    const PREFETCH: bool = true;
     type F = __m512;
     type Acc = __m512d;
 

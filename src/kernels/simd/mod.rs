@@ -24,6 +24,9 @@ pub(crate) const MAX_LANES: usize = 16;
 /// can only be constructed when the CPU supports the instruction set.
 pub(crate) trait Simd: Copy + Send + Sync + 'static {
     const LANES: usize;
+    /// Whether the loops ask for their buffers ahead ([`crate::kernels::driver`]): they gain
+    /// where they wait for memory (the vector back-ends), not where the arithmetic bounds them.
+    const PREFETCH: bool = false;
     type F: Copy;
     type Acc: Copy;
 
