@@ -122,7 +122,8 @@ pub(crate) fn step_chunk<S: Simd, O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>
 /// How far ahead of its loop a pass asks for each buffer it reads, in elements (2 KiB of an
 /// f32 buffer). With the hardware prefetcher alone a core reading four streams (and doing a
 /// step's divisions between the loads) keeps too few lines in flight: on the 2-core machine
-/// the passes take 10–20 % longer without it (docs/performance.md, "Prefetching").
+/// the passes take 12–24 % less time with it (docs/performance.md, "Prefetching in the CPU
+/// passes"); further ahead, the lines leave the L1 before they are read.
 const PREFETCH_AHEAD: usize = 512;
 
 /// Asks for the line [`PREFETCH_AHEAD`] elements past `i` of `buf`, once per 64 bytes the
