@@ -10,12 +10,14 @@ mod buffers;
 mod driver;
 pub mod dtype;
 mod math;
+mod pages;
 pub mod pool;
 mod simd;
 
 pub use buffers::{AdamBuffers, CopyOutMut, Floats, FloatsMut, GradRef, MomentsMut, ParamMut};
 pub use dtype::{DType, Elem};
 pub use half::{bf16, f16};
+pub use pages::advise_huge_pages;
 pub use pool::{Isa, Pool, PoolOptions};
 
 use crate::error::{Error, Result, Status};

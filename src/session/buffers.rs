@@ -64,9 +64,10 @@ pub(crate) struct HostBuf {
 }
 
 fn zeroed<T: Clone>(len: usize, zero: T, what: &str) -> Result<Vec<T>> {
-    let mut v = Vec::new();
+    let mut v: Vec<T> = Vec::new();
     v.try_reserve_exact(len)
         .map_err(|_| Error::new(Status::OutOfResources, format!("cannot allocate {len} elements for {what}")))?;
+    crate::kernels::advise_huge_pages(v.as_mut_ptr().cast(), len * size_of::<T>());
     v.resize(len, zero);
     Ok(v)
 }

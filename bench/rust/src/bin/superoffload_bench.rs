@@ -57,6 +57,9 @@ OPTIONS:
   --isa ISA       auto | portable | avx2 | avx512 (default auto)
   --iters K       timed repetitions (default 10)
   --warmup W      untimed repetitions first (default 3)
+  --pages P       huge | small: whether the buffers are advised to transparent huge
+                  pages before their first touch, as the session's and the Python
+                  layer's are (default huge)
   --json PATH     also write the results as JSON to PATH
   -h, --help      this text
 
@@ -69,11 +72,21 @@ struct Args {
     isa: Option<Isa>,
     iters: usize,
     warmup: usize,
+    huge_pages: bool,
     json: Option<String>,
 }
 
 fn parse_args(cli: &mut Cli) -> Result<Args, String> {
-    let mut args = Args { n: 100_000_000, threads: None, cores: None, isa: None, iters: 10, warmup: 3, json: None };
+    let mut args = Args {
+        n: 100_000_000,
+        threads: None,
+        cores: None,
+        isa: None,
+        iters: 10,
+        warmup: 3,
+        huge_pages: true,
+        json: None,
+    };
     while let Some(flag) = cli.next_flag() {
         match flag.as_str() {
             "--n" => args.n = cli.count()?,
@@ -89,6 +102,7 @@ fn parse_args(cli: &mut Cli) -> Result<Args, String> {
             }
             "--iters" => args.iters = cli.count()?,
             "--warmup" => args.warmup = cli.count()?,
+            "--pages" => args.huge_pages = cli.choice(&[("huge", true), ("small", false)])?,
             "--json" => args.json = Some(cli.value()?),
             _ => return Err(cli.unknown()),
         }
@@ -142,7 +156,12 @@ fn gauss(stream: u64, i: usize) -> f32 {
     ((sum as f32 + 2.0) / 65536.0 - 2.0) * 1.732_050_8
 }
 
-fn alloc_and_fill(pool: &Pool, n: usize, fill_threads: usize) -> Result<(Data, Duration, Duration), String> {
+fn alloc_and_fill(
+    pool: &Pool,
+    n: usize,
+    fill_threads: usize,
+    huge_pages: bool,
+) -> Result<(Data, Duration, Duration), String> {
     let t0 = Instant::now();
     let mut d = Data {
         p: vec![0.0; n],
@@ -152,6 +171,14 @@ fn alloc_and_fill(pool: &Pool, n: usize, fill_threads: usize) -> Result<(Data, D
         g16: untouched_bf16(n),
         c16: untouched_bf16(n),
     };
+    if huge_pages {
+        for f in [&mut d.p, &mut d.g, &mut d.m, &mut d.v] {
+            kernels::advise_huge_pages(f.as_mut_ptr().cast(), n * 4);
+        }
+        for h in [&mut d.g16, &mut d.c16] {
+            kernels::advise_huge_pages(h.as_mut_ptr().cast(), n * 2);
+        }
+    }
     // First touch by the pool's threads: two floor passes that between them write every
     // buffer (a read-only buffer would only map the shared zero page).
     kernels::memory_floor(
@@ -456,8 +483,13 @@ fn real_main(args: Args) -> Result<(), String> {
     println!("size:    N = {n} ({:.3e}) elements; {:.2} GB in 4 f32 + 2 bf16 buffers", n as f64, (n * 20) as f64 / 1e9);
     println!("timing:  median and min of {} repetitions after {} warm-up, ops interleaved", args.iters, args.warmup);
 
-    let (mut data, touch, fill) = alloc_and_fill(&pool, n, pool.num_threads())?;
-    println!("setup:   first touch on the pool {:.2} s, random fill {:.2} s", touch.as_secs_f64(), fill.as_secs_f64());
+    let (mut data, touch, fill) = alloc_and_fill(&pool, n, pool.num_threads(), args.huge_pages)?;
+    println!(
+        "setup:   {} pages, first touch on the pool {:.2} s, random fill {:.2} s",
+        if args.huge_pages { "huge" } else { "small" },
+        touch.as_secs_f64(),
+        fill.as_secs_f64()
+    );
 
     let samples = run(&pool, &mut data, args.warmup, args.iters)?;
 
@@ -543,7 +575,11 @@ fn real_main(args: Args) -> Result<(), String> {
             pool.num_threads(),
             pool.cores().is_some()
         );
-        let _ = write!(j, "  \"n\": {n},\n  \"iters\": {},\n  \"warmup\": {},\n", args.iters, args.warmup);
+        let _ = write!(
+            j,
+            "  \"n\": {n},\n  \"iters\": {},\n  \"warmup\": {},\n  \"huge_pages\": {},\n",
+            args.iters, args.warmup, args.huge_pages
+        );
         let _ = write!(
             j,
             "  \"setup_s\": {{\"first_touch\": {}, \"fill\": {}}},\n  \"results\": [\n",
