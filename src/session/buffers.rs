@@ -220,3 +220,41 @@ impl HostBuf {
         }
     }
 }
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+
+    /// `AnonHugePages` of the mappings that overlap `range`, from /proc/self/smaps (kB): the
+    /// advice splits a buffer's mapping at its first and last whole huge page.
+    fn huge_kb_in(range: Range<usize>) -> usize {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        let mut total = 0;
+        for line in smaps.lines() {
+            if let Some((span, _)) = line.split_once(' ')
+                && let Some((lo, hi)) = span.split_once('-')
+                && let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+            {
+                inside = lo < range.end && range.start < hi;
+            } else if inside && let Some(kb) = line.strip_prefix("AnonHugePages:") {
+                total += kb.trim().trim_end_matches("kB").trim().parse::<usize>().unwrap();
+            }
+        }
+        total
+    }
+
+    #[test]
+    fn session_buffers_are_backed_by_huge_pages_where_the_system_allows() {
+        let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+        if !mode.contains("[madvise]") && !mode.contains("[always]") {
+            eprintln!("skipped: transparent huge pages are off here ({})", mode.trim());
+            return;
+        }
+        let mut buf = HostBuf::zeros(DType::F32, 8 << 20, "a test buffer").unwrap();
+        let addr = buf.as_mut_ptr() as usize;
+        let huge = huge_kb_in(addr..addr + buf.bytes());
+        // 32 MiB from a fresh allocation: at least 14 whole 2 MiB pages, all touched.
+        assert!(huge >= 14 * 2048, "{huge} kB of huge pages in the buffer's mapping");
+    }
+}
