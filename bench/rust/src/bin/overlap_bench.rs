@@ -302,7 +302,7 @@ impl Mode {
             .add_group(GroupHparams { lr: 1e-4, ..GroupHparams::default() })
             .map_err(|e| format!("add_group: {e}"))?;
         let mut masters: Vec<Vec<f32>> =
-            (0..layers).map(|k| (0..elems).map(|i| 0.02 * gauss(100 + k as u64, i)).collect()).collect();
+            (0..layers).map(|k| state_buffer(elems, |i| 0.02 * gauss(100 + k as u64, i))).collect();
         let mut slices = Vec::new();
         for (k, master) in masters.iter_mut().enumerate() {
             // SAFETY: the masters live in this struct next to the session, which is dropped
@@ -408,16 +408,24 @@ impl Mode {
     }
 }
 
+/// `n` elements of optimizer state (`value(i)` each), on the huge pages the Python layer's
+/// state gets (`kernels::advise_huge_pages` before the first touch).
+fn state_buffer(n: usize, value: impl Fn(usize) -> f32) -> Vec<f32> {
+    let mut v: Vec<f32> = Vec::with_capacity(n);
+    superoffload::kernels::advise_huge_pages(v.as_mut_ptr().cast(), n * 4);
+    v.extend((0..n).map(value));
+    v
+}
+
 // ---- CPU Adam alone ----------------------------------------------------------------------
 
 /// Median ms of each mode's CPU Adam work for one step: the kernels the session runs, on the
 /// pool, on buffers of the same sizes, with nothing else running.
 fn cpu_adam_alone(pool: &Pool, a: &Args, grads: &[Vec<f32>], reps: usize) -> Result<[f64; 4], String> {
     let n = a.elems;
-    let mut p: Vec<Vec<f32>> =
-        (0..a.layers).map(|k| (0..n).map(|i| 0.02 * gauss(300 + k as u64, i)).collect()).collect();
-    let mut m: Vec<Vec<f32>> = (0..a.layers).map(|_| vec![0.0; n]).collect();
-    let mut v: Vec<Vec<f32>> = (0..a.layers).map(|_| vec![0.0; n]).collect();
+    let mut p: Vec<Vec<f32>> = (0..a.layers).map(|k| state_buffer(n, |i| 0.02 * gauss(300 + k as u64, i))).collect();
+    let mut m: Vec<Vec<f32>> = (0..a.layers).map(|_| state_buffer(n, |_| 0.0)).collect();
+    let mut v: Vec<Vec<f32>> = (0..a.layers).map(|_| state_buffer(n, |_| 0.0)).collect();
     let err = |e: superoffload::error::Error| e.to_string();
     let mut times = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
     let hp0 = AdamHyper { lr: 1e-4, ..AdamHyper::default() };
