@@ -7,7 +7,8 @@ const HUGE_PAGE_BYTES: usize = 2 << 20;
 /// pages, where the system leaves them to `madvise`. Call it on a fresh allocation before its
 /// first touch, which is when its pages are chosen: a pass streaming through gigabytes of
 /// state then misses the TLB once per 2 MiB of each buffer rather than once per 4 KiB
-/// (docs/performance.md, "Huge pages"). Advice only: refused or elsewhere, nothing changes.
+/// (docs/performance.md, "Huge pages for the host state"). Advice only: refused or
+/// elsewhere, nothing changes.
 pub fn advise_huge_pages(ptr: *mut u8, bytes: usize) {
     let start = (ptr as usize).next_multiple_of(HUGE_PAGE_BYTES);
     let end = (ptr as usize).saturating_add(bytes) / HUGE_PAGE_BYTES * HUGE_PAGE_BYTES;
