@@ -310,7 +310,7 @@ impl Kernels {
         n: usize,
         stream: CUstream,
     ) -> Result<()> {
-        let blocks = n.div_ceil(256).clamp(1, 8192) as u32;
+        let blocks = n.div_ceil(256 * 4).clamp(1, 8192) as u32;
         let (mut src, mut dst, mut n) = (src, dst, n as u64);
         self.launch(f, blocks, 256, stream, &mut [&mut src, &mut dst, &mut n])
     }

@@ -1,7 +1,7 @@
 //! Gradient copies: device gradients to the session's pinned host buffers in pieces on two
-//! copy streams (or, for a device-placed sub-group, into its device gradient), and each
-//! slice's sum of squares taken on the GPU as it arrives, its block partials copied to
-//! pinned host memory for the session to add.
+//! copy streams (or, for a device-placed sub-group, into its device gradient, by the pass
+//! that sums it), and each slice's sum of squares taken on the GPU as it arrives, its block
+//! partials copied to pinned host memory for the session to add.
 
 use std::ops::Range;
 
@@ -16,6 +16,20 @@ use crate::session::{HandOff, HandedSumsq};
 
 /// Elements per partial of a sum of squares (the CPU kernels' block).
 const SUMSQ_BLOCK: usize = 8192;
+
+/// Threads per thread block of `so_sumsq_partials` (eight per partial). Small, so that a
+/// slice's partials spread over every SM: each lane's loads wait on memory latency.
+const SUMSQ_THREADS: usize = 64;
+
+/// What `so_sumsq_partials` reads: `numel` gradient elements at `src`, summed times `scale`;
+/// and where it copies them (`copy`, 0: nowhere).
+struct SumsqSource {
+    src: CUdeviceptr,
+    numel: usize,
+    dtype: DType,
+    scale: f32,
+    copy: CUdeviceptr,
+}
 
 /// The block partials of a sub-group's slices' sums of squares, on the device and in pinned
 /// host memory.
@@ -107,19 +121,25 @@ impl CudaTransport {
                 ready.wait_in(self.side.0)?;
             }
         }
+        // A device-placed sub-group's gradient is copied into its device gradient by the pass
+        // that sums it, once the device step before has read the gradient there.
+        let copy = match &dev.device {
+            Some(device) => {
+                if let Some(stepped) = &dev.stepped {
+                    stepped.wait_in(self.side.0)?;
+                }
+                device.grad_at(h.range.start * dtype.size())
+            }
+            None => 0,
+        };
         let handed = match h.sumsq_scale {
             Some(scale) => {
-                self.queue_sumsq(&mut dev.partials, h.slice, src, h.range.len(), dtype, scale)?;
+                let sumsq = SumsqSource { src, numel: h.range.len(), dtype, scale, copy };
+                self.queue_sumsq(&mut dev.partials, h.slice, sumsq)?;
                 Some(HandedSumsq::Deferred)
             }
             None => None,
         };
-        if let Some(device) = &dev.device {
-            if let Some(stepped) = &dev.stepped {
-                stepped.wait_in(self.side.0)?;
-            }
-            driver::memcpy_dtod_async(device.grad_at(h.range.start * dtype.size()), src, bytes, self.side.0)?;
-        }
         if h.sumsq_scale.is_some() {
             dev.partials.ready[h.slice] = Some(self.events.record(self.side.0)?);
         }
@@ -135,28 +155,21 @@ impl CudaTransport {
         Ok(handed)
     }
 
-    /// Queues a slice's sum of squares (of its `numel` gradient elements at `src`, times
-    /// `scale`) on the side stream: block partials on the device, then their copy to the host.
-    fn queue_sumsq(
-        &self,
-        partials: &mut SumsqPartials,
-        slice: usize,
-        src: CUdeviceptr,
-        numel: usize,
-        dtype: DType,
-        scale: f32,
-    ) -> Result<()> {
+    /// Queues a slice's sum of squares on the side stream: block partials on the device, then
+    /// their copy to the host.
+    fn queue_sumsq(&self, partials: &mut SumsqPartials, slice: usize, sumsq: SumsqSource) -> Result<()> {
         let span = partials.spans[slice].clone();
         let count = span.len();
-        let (mut g, mut n, mut code, mut scale) = (src, numel as u64, dtype_code(dtype), scale);
+        let SumsqSource { src: mut g, numel, dtype, mut scale, mut copy } = sumsq;
+        let (mut n, mut code) = (numel as u64, dtype_code(dtype));
         let (mut out, mut blocks) = (partials.dev.at(span.start * 8), count as u64);
         let threads = count * 8;
         self.kernels.launch(
             self.kernels.sumsq,
-            threads.div_ceil(256) as u32,
-            256,
+            threads.div_ceil(SUMSQ_THREADS) as u32,
+            SUMSQ_THREADS as u32,
             self.side.0,
-            &mut [&mut g, &mut n, &mut code, &mut scale, &mut out, &mut blocks],
+            &mut [&mut g, &mut n, &mut code, &mut scale, &mut out, &mut blocks, &mut copy],
         )?;
         driver::memcpy_dtoh_async(partials.host.dst_at(span.start), out, count * 8, self.side.0)
     }

@@ -17,12 +17,16 @@ pub(crate) const MODULE: &str = r#"
 .target sm_52
 .address_size 64
 
+// Each thread converts its elements in batches of four, S apart (S: the grid's threads),
+// loading all four before it stores the first: four loads in flight, not one.
 .visible .entry so_f32_to_bf16(.param .u64 src, .param .u64 dst, .param .u64 n)
 {
-    .reg .pred %p<3>;
-    .reg .b16 %h<2>;
-    .reg .b32 %r<12>;
-    .reg .b64 %rd<12>;
+    .reg .pred %p<8>;
+    .reg .b16 %h<8>;
+    .reg .f32 %f<4>;
+    .reg .b32 %r<16>;
+    .reg .b32 %x<4>;
+    .reg .b64 %rd<16>;
 
     ld.param.u64 %rd1, [src];
     ld.param.u64 %rd2, [dst];
@@ -34,40 +38,101 @@ pub(crate) const MODULE: &str = r#"
     mov.u32 %r3, %tid.x;
     mul.wide.u32 %rd4, %r1, %r2;
     cvt.u64.u32 %rd5, %r3;
-    add.u64 %rd4, %rd4, %rd5;
+    add.u64 %rd4, %rd4, %rd5;            // the batch's first element
     mov.u32 %r4, %nctaid.x;
-    mul.wide.u32 %rd6, %r4, %r2;
-bf16_loop:
+    mul.wide.u32 %rd6, %r4, %r2;         // S: the grid's threads
+    shl.b64 %rd11, %rd6, 2;              // 4 S: the grid's batch
+so_f32_to_bf16_batch:
     setp.ge.u64 %p1, %rd4, %rd3;
-    @%p1 bra bf16_done;
-    shl.b64 %rd7, %rd4, 2;
-    add.u64 %rd8, %rd1, %rd7;
-    ld.global.u32 %r5, [%rd8];
+    @%p1 bra so_f32_to_bf16_done;
+    setp.lt.u64 %p2, %rd4, %rd3;
+    shl.b64 %rd8, %rd4, 2;
+    add.u64 %rd8, %rd1, %rd8;
+    @%p2 ld.global.u32 %x0, [%rd8];
+    add.u64 %rd7, %rd4, %rd6;
+    setp.lt.u64 %p3, %rd7, %rd3;
+    shl.b64 %rd8, %rd7, 2;
+    add.u64 %rd8, %rd1, %rd8;
+    @%p3 ld.global.u32 %x1, [%rd8];
+    add.u64 %rd7, %rd7, %rd6;
+    setp.lt.u64 %p4, %rd7, %rd3;
+    shl.b64 %rd8, %rd7, 2;
+    add.u64 %rd8, %rd1, %rd8;
+    @%p4 ld.global.u32 %x2, [%rd8];
+    add.u64 %rd7, %rd7, %rd6;
+    setp.lt.u64 %p5, %rd7, %rd3;
+    shl.b64 %rd8, %rd7, 2;
+    add.u64 %rd8, %rd1, %rd8;
+    @%p5 ld.global.u32 %x3, [%rd8];
+    mov.b32 %r5, %x0;
     shr.u32 %r6, %r5, 16;
     and.b32 %r6, %r6, 1;
     add.u32 %r7, %r5, 0x7fff;
     add.u32 %r7, %r7, %r6;
     shr.u32 %r7, %r7, 16;
     and.b32 %r8, %r5, 0x7fffffff;
-    setp.gt.u32 %p2, %r8, 0x7f800000;
-    selp.b32 %r9, 0x7fc0, %r7, %p2;
+    setp.gt.u32 %p6, %r8, 0x7f800000;
+    selp.b32 %r9, 0x7fc0, %r7, %p6;
     cvt.u16.u32 %h1, %r9;
     shl.b64 %rd9, %rd4, 1;
     add.u64 %rd10, %rd2, %rd9;
-    st.global.u16 [%rd10], %h1;
-    add.u64 %rd4, %rd4, %rd6;
-    bra bf16_loop;
-bf16_done:
+    @%p2 st.global.u16 [%rd10], %h1;
+    add.u64 %rd7, %rd4, %rd6;
+    mov.b32 %r5, %x1;
+    shr.u32 %r6, %r5, 16;
+    and.b32 %r6, %r6, 1;
+    add.u32 %r7, %r5, 0x7fff;
+    add.u32 %r7, %r7, %r6;
+    shr.u32 %r7, %r7, 16;
+    and.b32 %r8, %r5, 0x7fffffff;
+    setp.gt.u32 %p6, %r8, 0x7f800000;
+    selp.b32 %r9, 0x7fc0, %r7, %p6;
+    cvt.u16.u32 %h1, %r9;
+    shl.b64 %rd9, %rd7, 1;
+    add.u64 %rd10, %rd2, %rd9;
+    @%p3 st.global.u16 [%rd10], %h1;
+    add.u64 %rd7, %rd7, %rd6;
+    mov.b32 %r5, %x2;
+    shr.u32 %r6, %r5, 16;
+    and.b32 %r6, %r6, 1;
+    add.u32 %r7, %r5, 0x7fff;
+    add.u32 %r7, %r7, %r6;
+    shr.u32 %r7, %r7, 16;
+    and.b32 %r8, %r5, 0x7fffffff;
+    setp.gt.u32 %p6, %r8, 0x7f800000;
+    selp.b32 %r9, 0x7fc0, %r7, %p6;
+    cvt.u16.u32 %h1, %r9;
+    shl.b64 %rd9, %rd7, 1;
+    add.u64 %rd10, %rd2, %rd9;
+    @%p4 st.global.u16 [%rd10], %h1;
+    add.u64 %rd7, %rd7, %rd6;
+    mov.b32 %r5, %x3;
+    shr.u32 %r6, %r5, 16;
+    and.b32 %r6, %r6, 1;
+    add.u32 %r7, %r5, 0x7fff;
+    add.u32 %r7, %r7, %r6;
+    shr.u32 %r7, %r7, 16;
+    and.b32 %r8, %r5, 0x7fffffff;
+    setp.gt.u32 %p6, %r8, 0x7f800000;
+    selp.b32 %r9, 0x7fc0, %r7, %p6;
+    cvt.u16.u32 %h1, %r9;
+    shl.b64 %rd9, %rd7, 1;
+    add.u64 %rd10, %rd2, %rd9;
+    @%p5 st.global.u16 [%rd10], %h1;
+    add.u64 %rd4, %rd4, %rd11;
+    bra so_f32_to_bf16_batch;
+so_f32_to_bf16_done:
     ret;
 }
 
 .visible .entry so_f32_to_f16(.param .u64 src, .param .u64 dst, .param .u64 n)
 {
-    .reg .pred %p<3>;
-    .reg .b16 %h<4>;
-    .reg .f32 %f<2>;
-    .reg .b32 %r<12>;
-    .reg .b64 %rd<12>;
+    .reg .pred %p<8>;
+    .reg .b16 %h<8>;
+    .reg .f32 %f<4>;
+    .reg .b32 %r<16>;
+    .reg .b32 %x<4>;
+    .reg .b64 %rd<16>;
 
     ld.param.u64 %rd1, [src];
     ld.param.u64 %rd2, [dst];
@@ -79,33 +144,102 @@ bf16_done:
     mov.u32 %r3, %tid.x;
     mul.wide.u32 %rd4, %r1, %r2;
     cvt.u64.u32 %rd5, %r3;
-    add.u64 %rd4, %rd4, %rd5;
+    add.u64 %rd4, %rd4, %rd5;            // the batch's first element
     mov.u32 %r4, %nctaid.x;
-    mul.wide.u32 %rd6, %r4, %r2;
-f16_loop:
+    mul.wide.u32 %rd6, %r4, %r2;         // S: the grid's threads
+    shl.b64 %rd11, %rd6, 2;              // 4 S: the grid's batch
+so_f32_to_f16_batch:
     setp.ge.u64 %p1, %rd4, %rd3;
-    @%p1 bra f16_done;
-    shl.b64 %rd7, %rd4, 2;
-    add.u64 %rd8, %rd1, %rd7;
-    ld.global.u32 %r5, [%rd8];
+    @%p1 bra so_f32_to_f16_done;
+    setp.lt.u64 %p2, %rd4, %rd3;
+    shl.b64 %rd8, %rd4, 2;
+    add.u64 %rd8, %rd1, %rd8;
+    @%p2 ld.global.u32 %x0, [%rd8];
+    add.u64 %rd7, %rd4, %rd6;
+    setp.lt.u64 %p3, %rd7, %rd3;
+    shl.b64 %rd8, %rd7, 2;
+    add.u64 %rd8, %rd1, %rd8;
+    @%p3 ld.global.u32 %x1, [%rd8];
+    add.u64 %rd7, %rd7, %rd6;
+    setp.lt.u64 %p4, %rd7, %rd3;
+    shl.b64 %rd8, %rd7, 2;
+    add.u64 %rd8, %rd1, %rd8;
+    @%p4 ld.global.u32 %x2, [%rd8];
+    add.u64 %rd7, %rd7, %rd6;
+    setp.lt.u64 %p5, %rd7, %rd3;
+    shl.b64 %rd8, %rd7, 2;
+    add.u64 %rd8, %rd1, %rd8;
+    @%p5 ld.global.u32 %x3, [%rd8];
+    mov.b32 %r5, %x0;
     mov.b32 %f1, %r5;
-    cvt.rn.f16.f32 %h1, %f1;
+    cvt.rn.f16.f32 %h2, %f1;
     and.b32 %r8, %r5, 0x7fffffff;
-    setp.gt.u32 %p2, %r8, 0x7f800000;
+    setp.gt.u32 %p6, %r8, 0x7f800000;
     shr.u32 %r6, %r5, 16;
     and.b32 %r6, %r6, 0x8000;
     shr.u32 %r7, %r8, 13;
     and.b32 %r7, %r7, 0x3ff;
     or.b32 %r7, %r7, 0x7e00;
     or.b32 %r7, %r7, %r6;
-    cvt.u16.u32 %h2, %r7;
-    selp.b16 %h3, %h2, %h1, %p2;
+    cvt.u16.u32 %h3, %r7;
+    selp.b16 %h1, %h3, %h2, %p6;
     shl.b64 %rd9, %rd4, 1;
     add.u64 %rd10, %rd2, %rd9;
-    st.global.u16 [%rd10], %h3;
-    add.u64 %rd4, %rd4, %rd6;
-    bra f16_loop;
-f16_done:
+    @%p2 st.global.u16 [%rd10], %h1;
+    add.u64 %rd7, %rd4, %rd6;
+    mov.b32 %r5, %x1;
+    mov.b32 %f1, %r5;
+    cvt.rn.f16.f32 %h2, %f1;
+    and.b32 %r8, %r5, 0x7fffffff;
+    setp.gt.u32 %p6, %r8, 0x7f800000;
+    shr.u32 %r6, %r5, 16;
+    and.b32 %r6, %r6, 0x8000;
+    shr.u32 %r7, %r8, 13;
+    and.b32 %r7, %r7, 0x3ff;
+    or.b32 %r7, %r7, 0x7e00;
+    or.b32 %r7, %r7, %r6;
+    cvt.u16.u32 %h3, %r7;
+    selp.b16 %h1, %h3, %h2, %p6;
+    shl.b64 %rd9, %rd7, 1;
+    add.u64 %rd10, %rd2, %rd9;
+    @%p3 st.global.u16 [%rd10], %h1;
+    add.u64 %rd7, %rd7, %rd6;
+    mov.b32 %r5, %x2;
+    mov.b32 %f1, %r5;
+    cvt.rn.f16.f32 %h2, %f1;
+    and.b32 %r8, %r5, 0x7fffffff;
+    setp.gt.u32 %p6, %r8, 0x7f800000;
+    shr.u32 %r6, %r5, 16;
+    and.b32 %r6, %r6, 0x8000;
+    shr.u32 %r7, %r8, 13;
+    and.b32 %r7, %r7, 0x3ff;
+    or.b32 %r7, %r7, 0x7e00;
+    or.b32 %r7, %r7, %r6;
+    cvt.u16.u32 %h3, %r7;
+    selp.b16 %h1, %h3, %h2, %p6;
+    shl.b64 %rd9, %rd7, 1;
+    add.u64 %rd10, %rd2, %rd9;
+    @%p4 st.global.u16 [%rd10], %h1;
+    add.u64 %rd7, %rd7, %rd6;
+    mov.b32 %r5, %x3;
+    mov.b32 %f1, %r5;
+    cvt.rn.f16.f32 %h2, %f1;
+    and.b32 %r8, %r5, 0x7fffffff;
+    setp.gt.u32 %p6, %r8, 0x7f800000;
+    shr.u32 %r6, %r5, 16;
+    and.b32 %r6, %r6, 0x8000;
+    shr.u32 %r7, %r8, 13;
+    and.b32 %r7, %r7, 0x3ff;
+    or.b32 %r7, %r7, 0x7e00;
+    or.b32 %r7, %r7, %r6;
+    cvt.u16.u32 %h3, %r7;
+    selp.b16 %h1, %h3, %h2, %p6;
+    shl.b64 %rd9, %rd7, 1;
+    add.u64 %rd10, %rd2, %rd9;
+    @%p5 st.global.u16 [%rd10], %h1;
+    add.u64 %rd4, %rd4, %rd11;
+    bra so_f32_to_f16_batch;
+so_f32_to_f16_done:
     ret;
 }
 
@@ -114,11 +248,13 @@ f16_done:
 // order with one rounding each, and the eight lanes are reduced by the tree
 // (l0+l4, l1+l5, l2+l6, l3+l7), then pairs two apart, then the last two.
 // One thread per (block, lane); the grid covers every block (threads past the end add
-// nothing and still take part in the shuffles).
+// nothing and still take part in the shuffles). With `copy` (not 0) each element read is
+// also stored there, at the same index: a device-placed sub-group's gradient lands in its
+// device buffer in the pass that sums it, not in a second read.
 .visible .entry so_sumsq_partials(.param .u64 g, .param .u64 n, .param .u32 dtype, .param .f32 scale,
-                                  .param .u64 partials, .param .u64 blocks)
+                                  .param .u64 partials, .param .u64 blocks, .param .u64 copy)
 {
-    .reg .pred %p<10>;
+    .reg .pred %p<14>;
     .reg .b16 %h<2>;
     .reg .b32 %r<16>;
     .reg .f32 %f<4>;
@@ -136,8 +272,12 @@ f16_done:
     ld.param.f32 %f1, [scale];
     ld.param.u64 %rd3, [partials];
     ld.param.u64 %rd4, [blocks];
+    ld.param.u64 %rd20, [copy];
+    setp.ne.u64 %p10, %rd20, 0;          // copying
     cvta.to.global.u64 %rd1, %rd1;
     cvta.to.global.u64 %rd3, %rd3;
+    cvta.to.global.u64 %rd20, %rd20;
+    sub.u64 %rd20, %rd20, %rd1;          // copy - g: added to a load's address, its store's
     mov.u32 %r2, %ctaid.x;
     mov.u32 %r3, %ntid.x;
     mov.u32 %r4, %tid.x;
@@ -157,6 +297,9 @@ f16_done:
     setp.eq.u32 %p3, %r1, 2;             // bf16 (else f16)
     or.pred %p8, %p2, %p3;
     not.pred %p8, %p8;                   // f16
+    and.pred %p11, %p10, %p2;            // copying f32
+    not.pred %p12, %p2;
+    and.pred %p12, %p10, %p12;           // copying 16-bit
     // Batches of 16 of the lane's elements while all 16 are in the block: the loads are
     // independent and issued together, the squares then added in order (the same bits as
     // one element at a time, with 16 loads in flight instead of one).
@@ -215,6 +358,54 @@ sq_batch:
     @!%p2 ld.global.u16 %hb14, [%ab14];
     @%p2 ld.global.f32 %fb15, [%ab15];
     @!%p2 ld.global.u16 %hb15, [%ab15];
+    add.u64 %rd21, %ab0, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb0;
+    @%p12 st.global.u16 [%rd21], %hb0;
+    add.u64 %rd21, %ab1, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb1;
+    @%p12 st.global.u16 [%rd21], %hb1;
+    add.u64 %rd21, %ab2, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb2;
+    @%p12 st.global.u16 [%rd21], %hb2;
+    add.u64 %rd21, %ab3, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb3;
+    @%p12 st.global.u16 [%rd21], %hb3;
+    add.u64 %rd21, %ab4, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb4;
+    @%p12 st.global.u16 [%rd21], %hb4;
+    add.u64 %rd21, %ab5, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb5;
+    @%p12 st.global.u16 [%rd21], %hb5;
+    add.u64 %rd21, %ab6, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb6;
+    @%p12 st.global.u16 [%rd21], %hb6;
+    add.u64 %rd21, %ab7, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb7;
+    @%p12 st.global.u16 [%rd21], %hb7;
+    add.u64 %rd21, %ab8, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb8;
+    @%p12 st.global.u16 [%rd21], %hb8;
+    add.u64 %rd21, %ab9, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb9;
+    @%p12 st.global.u16 [%rd21], %hb9;
+    add.u64 %rd21, %ab10, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb10;
+    @%p12 st.global.u16 [%rd21], %hb10;
+    add.u64 %rd21, %ab11, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb11;
+    @%p12 st.global.u16 [%rd21], %hb11;
+    add.u64 %rd21, %ab12, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb12;
+    @%p12 st.global.u16 [%rd21], %hb12;
+    add.u64 %rd21, %ab13, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb13;
+    @%p12 st.global.u16 [%rd21], %hb13;
+    add.u64 %rd21, %ab14, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb14;
+    @%p12 st.global.u16 [%rd21], %hb14;
+    add.u64 %rd21, %ab15, %rd20;
+    @%p11 st.global.f32 [%rd21], %fb15;
+    @%p12 st.global.u16 [%rd21], %hb15;
     @%p3 cvt.u32.u16 %rb0, %hb0;
     @%p3 shl.b32 %rb0, %rb0, 16;
     @%p3 mov.b32 %fb0, %rb0;
@@ -336,6 +527,8 @@ sq_loop:
     shl.b64 %rd12, %rd10, 1;
     add.u64 %rd13, %rd1, %rd12;
     ld.global.u16 %h1, [%rd13];
+    add.u64 %rd21, %rd13, %rd20;
+    @%p10 st.global.u16 [%rd21], %h1;
     @%p3 bra sq_bf16;
     cvt.f32.f16 %f2, %h1;
     bra.uni sq_add;
@@ -348,6 +541,8 @@ sq_f32:
     shl.b64 %rd12, %rd10, 2;
     add.u64 %rd13, %rd1, %rd12;
     ld.global.f32 %f2, [%rd13];
+    add.u64 %rd21, %rd13, %rd20;
+    @%p10 st.global.f32 [%rd21], %f2;
 sq_add:
     mul.rn.f32 %f3, %f2, %f1;
     cvt.f64.f32 %d2, %f3;

@@ -42,8 +42,9 @@ pub(super) struct SgDevice {
     /// The model's parameter (caller-owned device memory).
     param: CUdeviceptr,
     param_dtype: DType,
-    /// Where updated weights wait until `publish`.
-    staging: DeviceBuffer,
+    /// Where a host-placed sub-group's updated weights wait until `publish` (a device-placed
+    /// one publishes from its device state and holds none).
+    staging: Option<DeviceBuffer>,
     staging_dtype: DType,
     numel: usize,
     pub(super) partials: SumsqPartials,
@@ -63,11 +64,19 @@ pub(super) struct SgDevice {
 
 impl SgDevice {
     fn bytes(&self) -> usize {
-        self.staging.bytes() + self.partials.host_bytes() + self.device.as_ref().map_or(0, DeviceState::bytes)
+        self.staging.as_ref().map_or(0, DeviceBuffer::bytes)
+            + self.partials.host_bytes()
+            + self.device.as_ref().map_or(0, DeviceState::bytes)
     }
 
     fn param(&self) -> Param {
         Param { ptr: self.param, dtype: self.param_dtype, numel: self.numel }
+    }
+
+    fn staging(&self, sg: u32) -> Result<&DeviceBuffer> {
+        self.staging.as_ref().ok_or_else(|| {
+            Error::new(Status::InvalidState, format!("sub-group {sg} is device-placed: it stages no weights"))
+        })
     }
 
     /// Every event of work still queued for this sub-group.
@@ -235,6 +244,11 @@ impl CudaTransport {
 
     /// Waits for `events`, which then go back to the pool. Called without the state lock: a
     /// host thread waiting for a copy must not block the training thread's hand-offs.
+    /// Staged weights are f32, or the session's low-precision copy when it keeps one.
+    fn staging_dtype(&self) -> DType {
+        self.copy_dtype.unwrap_or(DType::F32)
+    }
+
     pub(super) fn wait_and_free(&self, events: Vec<Event>) -> Result<()> {
         self.noted(events::synchronize_all(events))
     }
@@ -338,8 +352,7 @@ impl Transport for CudaTransport {
             return Err(Error::new(Status::NullArgument, "the device parameter is NULL"));
         }
         let numel = state.master.len();
-        // Staged weights are f32, or the session's low-precision copy when it keeps one.
-        let staging_dtype = self.copy_dtype.unwrap_or(DType::F32);
+        let staging_dtype = self.staging_dtype();
         if staging_dtype != DType::F32 && staging_dtype != device.dtype {
             return Err(Error::unsupported(format!(
                 "the session sends {} copies of the weights, which can only be published into {} parameters (this one is {})",
@@ -350,7 +363,8 @@ impl Transport for CudaTransport {
         }
         self.enter()?;
         // Each owner releases what it took if a later one fails.
-        let staging = DeviceBuffer::alloc(numel * staging_dtype.size())?;
+        let staging =
+            (placement == Placement::Host).then(|| DeviceBuffer::alloc(numel * staging_dtype.size())).transpose()?;
         let partials = SumsqPartials::new(slices)?;
         let on_device = (placement == Placement::Device).then(|| self.uploaded(numel, &mut state)).transpose()?;
         let dev = SgDevice {
@@ -435,7 +449,8 @@ impl Transport for CudaTransport {
             return Err(Error::new(Status::Panic, format!("sub-group {sg}: staged elements beyond its end")));
         }
         let size = d.staging_dtype.size();
-        driver::memcpy_htod_async(d.staging.at(offset * size), floats_ptr(&source), len * size, self.stage.0)?;
+        let dst = d.staging(sg)?.at(offset * size);
+        driver::memcpy_htod_async(dst, floats_ptr(&source), len * size, self.stage.0)?;
         // The staging copies of a sub-group run in order on one stream: the newest event
         // covers the earlier ones, which go back at once.
         d.staged = Some(self.events.record(self.stage.0)?);
@@ -450,7 +465,7 @@ impl Transport for CudaTransport {
         if let Some(staged) = &d.staged {
             staged.wait_in(self.h2d.0)?;
         }
-        self.publish_from(d, d.staging.ptr(), d.staging_dtype)?;
+        self.publish_from(d, d.staging(sg)?.ptr(), d.staging_dtype)?;
         d.published = Some(self.events.record(self.h2d.0)?);
         Ok(())
     }
@@ -522,10 +537,18 @@ impl Transport for CudaTransport {
         let mut state = self.state.lock().unwrap();
         let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
         match (placement, &d.device) {
-            (Placement::Device, None) => d.device = Some(self.uploaded(d.numel, &mut host)?),
+            (Placement::Device, None) => {
+                d.device = Some(self.uploaded(d.numel, &mut host)?);
+                // The staging buffer goes once its copies are done (the upload synchronised the
+                // stream of the publications, which read it).
+                self.wait_and_free(d.staged.take().into_iter().collect())?;
+                d.staging = None;
+            }
             (Placement::Host, Some(dev)) => {
-                // The device state is freed only once the host holds it.
+                // The staging buffer first, and the device state freed only once the host holds it.
+                let staging = DeviceBuffer::alloc(d.numel * d.staging_dtype.size())?;
                 self.download(dev, &mut host)?;
+                d.staging = Some(staging);
                 d.device = None;
             }
             _ => {}
@@ -550,6 +573,10 @@ impl Transport for CudaTransport {
         let dev = d.device.as_ref().ok_or_else(not_device_placed)?;
         self.upload(dev, &mut host)?;
         self.publish_from(d, dev.master(), DType::F32)
+    }
+
+    fn host_placed_device_bytes_per_element(&self) -> usize {
+        self.staging_dtype().size()
     }
 
     fn device_bytes(&self) -> usize {

@@ -77,9 +77,13 @@ impl Session {
     /// with the automatic budget, first chooses the budget once the warm-up steps have run.
     fn maybe_split(&self, t: &mut Tracking) -> Result<()> {
         let numels: Vec<usize> = t.reg.live().map(|tr| tr.sg.numel).collect();
-        let per_element = self.device_bytes_per_element();
+        let mut per_element = self.device_bytes_per_element();
         let budget = match self.options.gpu_budget_bytes {
             SessionOptions::GPU_BUDGET_AUTO => {
+                // Measured from the free memory: a placed sub-group costs its state less what
+                // it gives back.
+                let given_back = self.shared.transport().map_or(0, |t| t.host_placed_device_bytes_per_element());
+                per_element = per_element.saturating_sub(given_back);
                 let chosen = self.shared.policy.lock().unwrap().auto_budget();
                 match chosen {
                     Some(chosen) => chosen.budget,

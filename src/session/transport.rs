@@ -145,6 +145,11 @@ pub trait Transport: Send + Sync + Any {
     fn device_bytes(&self) -> usize {
         0
     }
+    /// Device bytes per element a host-placed sub-group holds and a device-placed one gives
+    /// back (where a host-stepped sub-group's weights wait for publication).
+    fn host_placed_device_bytes_per_element(&self) -> usize {
+        0
+    }
     /// The device's free and total memory in bytes, as the driver reports them now (what
     /// the automatic GPU budget is taken from).
     fn device_memory(&self) -> Result<(usize, usize)> {
