@@ -96,6 +96,20 @@ pub(super) struct State {
     /// The session's buffers page-locked through `pin`, by address.
     pins: HashMap<usize, HostRegistration>,
     compute: Option<Raw<CUstream>>,
+    /// Recorded on the compute stream at `step()`, until the step's first publication waits
+    /// for it: the caller's backward may still read the parameters.
+    backward_queued: Option<Event>,
+}
+
+impl State {
+    /// Makes the publication stream wait, once a step, for the work the caller queued before
+    /// `step()`; device steps that publish nothing run before it, beside the backward.
+    fn publication_follows_backward(&mut self, h2d: CUstream) -> Result<()> {
+        match self.backward_queued.take() {
+            Some(e) => e.wait_in(h2d),
+            None => Ok(()),
+        }
+    }
 }
 
 pub struct CudaTransport {
@@ -104,7 +118,7 @@ pub struct CudaTransport {
     pub(super) kernels: Kernels,
     /// Gradient copies; the first also carries the end of every copy sequence.
     pub(super) d2h: [Raw<CUstream>; 2],
-    /// Publication, device steps: behind each step's wait for the caller's backward.
+    /// Device steps and publication; a step's publications follow the caller's backward.
     h2d: Raw<CUstream>,
     /// Staging copies of updated weights (host to `staging`). Not behind that wait: the
     /// weights of speculative steps taken during backward reach the device while backward
@@ -242,13 +256,13 @@ impl CudaTransport {
         Ok(())
     }
 
-    /// Waits for `events`, which then go back to the pool. Called without the state lock: a
-    /// host thread waiting for a copy must not block the training thread's hand-offs.
     /// Staged weights are f32, or the session's low-precision copy when it keeps one.
     fn staging_dtype(&self) -> DType {
         self.copy_dtype.unwrap_or(DType::F32)
     }
 
+    /// Waits for `events`, which then go back to the pool. Called without the state lock: a
+    /// host thread waiting for a copy must not block the training thread's hand-offs.
     pub(super) fn wait_and_free(&self, events: Vec<Event>) -> Result<()> {
         self.noted(events::synchronize_all(events))
     }
@@ -460,6 +474,7 @@ impl Transport for CudaTransport {
     fn publish(&self, sg: u32) -> Result<()> {
         self.enter()?;
         let mut state = self.state.lock().unwrap();
+        state.publication_follows_backward(self.h2d.0)?;
         let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
         // The latest staging copy (if the host has not waited for it already) comes first.
         if let Some(staged) = &d.staged {
@@ -472,9 +487,10 @@ impl Transport for CudaTransport {
 
     fn before_step(&self) -> Result<()> {
         self.enter()?;
-        let state = self.state.lock().unwrap();
+        let mut state = self.state.lock().unwrap();
         let Some(compute) = state.compute else { return Ok(()) };
-        self.events.record(compute.0)?.wait_in(self.h2d.0)
+        state.backward_queued = Some(self.events.record(compute.0)?);
+        Ok(())
     }
 
     fn exposed_wait_s(&self) -> f64 {
@@ -498,6 +514,9 @@ impl Transport for CudaTransport {
         let mut state = self.state.lock().unwrap();
         for e in &copies {
             e.wait_in(self.h2d.0)?;
+        }
+        if publish {
+            state.publication_follows_backward(self.h2d.0)?;
         }
         let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
         let dev = d.device.as_ref().ok_or_else(not_device_placed)?;
@@ -568,7 +587,8 @@ impl Transport for CudaTransport {
 
     fn load_state(&self, sg: u32, mut host: HostState<'_>) -> Result<()> {
         self.enter()?;
-        let state = self.state.lock().unwrap();
+        let mut state = self.state.lock().unwrap();
+        state.publication_follows_backward(self.h2d.0)?;
         let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
         let dev = d.device.as_ref().ok_or_else(not_device_placed)?;
         self.upload(dev, &mut host)?;
