@@ -1275,8 +1275,8 @@ void so_session_destroy(struct so_session *session);
 SO_NODISCARD so_status so_session_host_bytes(const struct so_session *session, size_t *out_bytes);
 
 /**
- * @brief GPU bytes the session allocated (device-placed state, staging buffers, sums of
- * squares); 0 for a host session.
+ * @brief GPU bytes the session allocated (device-placed state, the staging buffers of
+ * host-placed sub-groups, sums of squares); 0 for a host session.
  * @note Thread-safety: see `so_session`.
  *
  * # Safety

@@ -286,8 +286,8 @@ pub unsafe extern "C" fn so_session_host_bytes(session: *const so_session, out_b
     })
 }
 
-/// @brief GPU bytes the session allocated (device-placed state, staging buffers, sums of
-/// squares); 0 for a host session.
+/// @brief GPU bytes the session allocated (device-placed state, the staging buffers of
+/// host-placed sub-groups, sums of squares); 0 for a host session.
 /// @note Thread-safety: see `so_session`.
 ///
 /// # Safety
