@@ -14,6 +14,8 @@ so the host runs ahead of the GPU as in training). From the trace it reports:
                   and between two of them the forward and backward: its span and the busy time
                   of the compute stream (the stream with the most GPU time)
   gaps            the --top longest intervals in which the GPU ran nothing, with their neighbours
+  compute_idle    per step, the compute stream's gaps above 0.1 ms, and the part of them in
+                  which no stream ran (the GPU waited for the host)
 
   python3 bench/peers_profile.py --system ours --model 2.8b                    # GPU, 2 steps
   python3 bench/peers_profile.py --system torch-gpu-adamw --model 2.8b --clip 1e-3
@@ -105,7 +107,30 @@ def summarise(trace, wall, top):
                             "forward_and_backward": between}
     summary["gaps"] = [{"ms": ms(g), "at_ms": ms(at - t0), "after": a[:80], "before": b[:80]}
                        for g, at, a, b in gaps[:top]]
+    summary["compute_idle"] = compute_idle(device, compute, len(wall))
     return summary
+
+
+def compute_idle(device, compute, steps, min_us=100.0):
+    """Per step: the compute stream's gaps longer than min_us, and the part of them in which
+    no other stream ran either (the GPU waited for the host), in ms."""
+    others = [(e["ts"], e["ts"] + e["dur"]) for e in device if str(e.get("tid")) != compute]
+    idle = alone = 0.0
+    end = None
+    for e in device:
+        if str(e.get("tid")) != compute:
+            continue
+        if end is not None and e["ts"] - end > min_us:
+            idle += e["ts"] - end
+            covered, last = 0.0, end
+            for a, b in others:  # sorted by start: the union of their overlap with the gap
+                a, b = max(a, last), min(b, e["ts"])
+                if b > a:
+                    covered += b - a
+                    last = b
+            alone += e["ts"] - end - covered
+        end = max(end or 0.0, e["ts"] + e["dur"])
+    return {"gaps_ms": ms(idle / steps), "gpu_idle_ms": ms(alone / steps)}
 
 
 def main():
