@@ -30,9 +30,11 @@ typedef struct CUstream_st *so_cuda_stream_t;
 /**
  * `so_session_options.gpu_budget_bytes` for a budget the session measures itself: after 3
  * steps (when the caller's allocator holds a step's peak) it takes the GPU's free memory less
- * a headroom of max(1 GiB, 5 % of the GPU's memory), places at once the first sub-groups in
- * forward order that fit, and may grow the split within it later as with an explicit
- * budget. `so_session_gpu_budget` reports the budget chosen; the trace names what was
+ * a headroom of max(1 GiB, 5 % of the GPU's memory), and the automatic split places the
+ * first sub-groups in forward order within it as with an explicit budget: as many as the
+ * exposed optimizer time asks for (all that fit when clipping every step; fewer where the
+ * CPU's speculative steps hide in the backward, since a GPU-stepped parameter costs the GPU
+ * its step). `so_session_gpu_budget` reports the budget chosen; the trace names what was
  * measured and placed.
  */
 #define SO_GPU_BUDGET_AUTO UINT64_MAX
@@ -329,7 +331,9 @@ enum so_speculation
    * Decided per step from earlier steps: speculate while the clip factor mostly stayed
    * unchanged (the default; the history is part of a checkpoint). A speculative pass that
    * has not started when the step is decided is cancelled and done by the final pass at no
-   * extra memory traffic.
+   * extra memory traffic. A device-placed sub-group's speculative step always waits for the
+   * decision, then runs with its resolution: the same bits as `SO_SPECULATION_ON`, which
+   * queues it on the GPU at hand-off.
    */
   SO_SPECULATION_AUTO = 2,
 };

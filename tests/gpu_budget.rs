@@ -1,6 +1,7 @@
 //! The automatic GPU budget (`SessionOptions::GPU_BUDGET_AUTO`): after the warm-up steps the
-//! session measures the device's free memory through its transport and places at once the
-//! first sub-groups that fit in it, less the headroom; a host session refuses it.
+//! session measures the device's free memory through its transport, less the headroom, and
+//! the automatic split places the first sub-groups within it as the exposed time asks; a
+//! host session refuses it.
 
 mod common;
 
@@ -25,18 +26,20 @@ const WARM_UP: u64 = 3;
 /// A device that reports `free` of `total` bytes and keeps placed sub-groups "on the device"
 /// (their state is not touched: these tests look at placement, not at the weights). It
 /// refuses placements after the first `accepts`; a placed sub-group gives back `given_back`
-/// bytes per element that it held while host-placed.
+/// bytes per element that it held while host-placed. Each step it reports `exposed` seconds
+/// of waiting for the optimizer (a second: more than any split here could hide).
 struct ReportedMemory {
     free: usize,
     total: usize,
     accepts: usize,
     given_back: usize,
+    exposed: f64,
     placed: AtomicUsize,
 }
 
 impl ReportedMemory {
     fn new(free: usize, total: usize) -> ReportedMemory {
-        ReportedMemory { free, total, accepts: usize::MAX, given_back: 0, placed: AtomicUsize::new(0) }
+        ReportedMemory { free, total, accepts: usize::MAX, given_back: 0, exposed: 1.0, placed: AtomicUsize::new(0) }
     }
 }
 
@@ -63,6 +66,9 @@ impl Transport for ReportedMemory {
     }
     fn host_placed_device_bytes_per_element(&self) -> usize {
         self.given_back
+    }
+    fn exposed_wait_s(&self) -> f64 {
+        self.exposed
     }
 }
 
@@ -114,7 +120,7 @@ fn warm_up_and_begin(s: &Session, name: &str) -> String {
 }
 
 #[test]
-fn the_first_subgroups_that_fit_go_to_the_device_after_the_warm_up() {
+fn with_time_exposed_the_first_subgroups_that_fit_go_to_the_device_after_the_warm_up() {
     // 16 GiB device: the headroom is 1 GiB; what is free beyond it holds three sub-groups
     // and most of a fourth.
     let room = 3 * SUBGROUP_NUMEL * DEVICE_BYTES_PER_ELEMENT + 15_000;
@@ -122,7 +128,7 @@ fn the_first_subgroups_that_fit_go_to_the_device_after_the_warm_up() {
     let (s, _masters) = session(transport.clone());
     let trace = warm_up_and_begin(&s, "fits");
     assert_eq!(s.gpu_budget(), Some(room), "free less the headroom");
-    assert_eq!(s.device_subgroups(), 3);
+    assert_eq!(s.device_subgroups(), 3, "{trace}");
     assert!(trace.contains("automatic GPU budget") && trace.contains("the first 3 of 5 sub-groups"), "{trace}");
     run_step(&s);
     assert_eq!(s.step_result(s.last_ticket(), None).unwrap().device_stepped, 3);
@@ -164,7 +170,7 @@ fn less_free_memory_than_the_headroom_places_nothing() {
     let (s, _masters) = session(Arc::new(ReportedMemory::new(GIB - 1, 16 * GIB)));
     let trace = warm_up_and_begin(&s, "full");
     assert_eq!((s.gpu_budget(), s.device_subgroups()), (Some(0), 0));
-    assert!(trace.contains("the first 0 of 5 sub-groups"), "{trace}");
+    assert!(trace.contains("automatic GPU budget 0.00 GiB") && !trace.contains("automatic split"), "{trace}");
     run_step(&s);
 }
 
@@ -175,7 +181,13 @@ fn a_refused_placement_ends_the_placement_but_not_the_step() {
     let trace = warm_up_and_begin(&s, "refused");
     assert_eq!(s.device_subgroups(), 2);
     assert!(trace.contains("the first 2 of 5") && trace.contains("sub-group 2 could not be placed"), "{trace}");
+    assert_eq!(s.gpu_budget(), Some(2 * SUBGROUP_NUMEL * DEVICE_BYTES_PER_ELEMENT), "ends at what was placed");
+    for _ in 0..6 {
+        run_step(&s);
+        s.begin_step(None, 1).unwrap();
+    }
     run_step(&s);
+    assert_eq!(s.device_subgroups(), 2, "not tried again");
 }
 
 #[test]

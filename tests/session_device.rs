@@ -2,7 +2,8 @@
 //! host memory and steps it with the CPU kernels, whose operation sequence the device kernel
 //! follows bit for bit (`src/cuda/ptx.rs`). The session's side of device placement runs
 //! here without a GPU: the speculative update queued at hand-off (or, cancelled by the
-//! decision, queued by the final pass with its resolution), the final passes that keep,
+//! decision or left to it by automatic speculation, queued by the final pass with its
+//! resolution), the final passes that keep,
 //! rescale, roll back or redo it, the step at `step()` where nothing speculated, what is
 //! published, a checkpoint of device state resumed on either side, and a sub-group moved to
 //! the host and back. A host-placed session with the same plan must end with the same bits.
@@ -352,36 +353,60 @@ fn speculation_against_host(ahead: bool) {
         // run ahead), and one publication per stepped sub-group.
         let finals = device.calls();
         for k in 0..SIZES.len() as u32 {
-            let calls: Vec<_> = finals.iter().filter(|c| c.sg == k).collect();
-            let names: Vec<&str> = calls
-                .iter()
-                .flat_map(|c| c.passes.iter())
-                .map(|p| match p {
-                    DevicePass::Update { .. } => "update",
-                    DevicePass::Rollback { .. } => "rollback",
-                    DevicePass::Rescale { .. } => "rescale",
-                })
-                .collect();
-            let resolution = match plan {
-                _ if declined(k) => "",
-                Plan::Keep | Plan::Declined => "",
-                Plan::Rescale => "rescale",
-                Plan::Skip => "rollback",
-                Plan::Redo => "rollback update",
-            };
+            let resolution = if declined(k) { "" } else { resolution(plan) };
             let expected = if ahead && !declined(k) { resolution.to_string() } else { format!("update {resolution}") };
-            assert_eq!(names.join(" "), expected.trim(), "step {step} ({plan:?}): sub-group {k}");
-            assert_eq!(calls.iter().filter(|c| c.publish).count(), usize::from(plan != Plan::Skip));
+            assert_final_passes(&finals, k, expected.trim(), plan, step);
         }
-        for k in 0..SIZES.len() {
-            let (host_state, dev_state) = (state(&host, k), state(&dev, k));
-            assert!(host_state == dev_state, "step {step} ({plan:?}): sub-group {k}: state differs");
-            let rounded = rounded_to_bf16(&host_state.0.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>());
-            let expected = if plan == Plan::Skip { &published[k] } else { &rounded };
-            assert!(&device.param(k as u32) == expected, "step {step} ({plan:?}): sub-group {k}: published weights");
-            // Padding stays zero.
-            assert!(host_state.0[SIZES[k] - 3..].iter().all(|&b| b == 0));
-        }
+        assert_host_bits_published(&host, &dev, &device, &published, plan, step);
+    }
+}
+
+/// The passes a speculative step's resolution adds after its update, by plan.
+fn resolution(plan: Plan) -> &'static str {
+    match plan {
+        Plan::Keep | Plan::Declined => "",
+        Plan::Rescale => "rescale",
+        Plan::Skip => "rollback",
+        Plan::Redo => "rollback update",
+    }
+}
+
+/// Sub-group `k`'s final passes among `finals` are `expected` (names, in order), and it is
+/// published once unless the step was skipped.
+fn assert_final_passes(finals: &[DeviceCall], k: u32, expected: &str, plan: Plan, step: u64) {
+    let calls: Vec<_> = finals.iter().filter(|c| c.sg == k).collect();
+    let names: Vec<&str> = calls
+        .iter()
+        .flat_map(|c| c.passes.iter())
+        .map(|p| match p {
+            DevicePass::Update { .. } => "update",
+            DevicePass::Rollback { .. } => "rollback",
+            DevicePass::Rescale { .. } => "rescale",
+        })
+        .collect();
+    assert_eq!(names.join(" "), expected, "step {step} ({plan:?}): sub-group {k}");
+    assert_eq!(calls.iter().filter(|c| c.publish).count(), usize::from(plan != Plan::Skip));
+}
+
+/// The device-placed session holds the host-placed one's state bit for bit, and its
+/// parameters are that state's master weights rounded (those `published` before a skipped
+/// step).
+fn assert_host_bits_published(
+    host: &Run,
+    dev: &Run,
+    device: &EmulatedDevice,
+    published: &[Vec<u16>],
+    plan: Plan,
+    step: u64,
+) {
+    for k in 0..SIZES.len() {
+        let (host_state, dev_state) = (state(host, k), state(dev, k));
+        assert!(host_state == dev_state, "step {step} ({plan:?}): sub-group {k}: state differs");
+        let rounded = rounded_to_bf16(&host_state.0.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>());
+        let expected = if plan == Plan::Skip { &published[k] } else { &rounded };
+        assert!(&device.param(k as u32) == expected, "step {step} ({plan:?}): sub-group {k}: published weights");
+        // Padding stays zero.
+        assert!(host_state.0[SIZES[k] - 3..].iter().all(|&b| b == 0));
     }
 }
 
@@ -393,6 +418,42 @@ fn a_device_placed_update_queued_at_hand_off_gives_the_host_bits() {
 #[test]
 fn a_device_placed_speculation_cancelled_at_step_gives_the_host_bits() {
     speculation_against_host(false);
+}
+
+/// With automatic speculation a device-placed sub-group decides as a host-placed one does,
+/// but queues nothing at hand-off: its speculative step waits for the decision and runs with
+/// its resolution, the last pass publishing. The bits are the host's, which stepped ahead.
+#[test]
+fn automatic_speculation_leaves_a_device_placed_step_to_the_decision_with_the_host_bits() {
+    let device = Arc::new(EmulatedDevice::new());
+    let host = run(None, Speculation::Auto);
+    let dev = run(Some(device.clone()), Speculation::Auto);
+    let mut speculated_steps = 0;
+    for (step, &plan) in (1..).zip(PLAN.iter()) {
+        let published: Vec<Vec<u16>> = (0..SIZES.len()).map(|k| device.param(k as u32)).collect();
+        let speculated = !backward(&host, None, step, plan).is_empty();
+        speculated_steps += usize::from(speculated);
+        assert!(backward(&dev, Some(&device), step, plan).is_empty(), "step {step}: a device step queued ahead");
+        assert!(device.calls().is_empty(), "step {step}: a device pass before step()");
+        finish(&host, step, plan, None);
+        let result = finish(&dev, step, plan, Some(&device));
+        assert_eq!(result.speculative, 0, "{result:?}");
+        let finals = device.calls();
+        for k in 0..SIZES.len() as u32 {
+            let declined = plan == Plan::Declined && k == 1;
+            let resolution = if speculated && !declined { resolution(plan) } else { "" };
+            let expected = match plan {
+                // Nothing stepped ahead and the step is skipped: nothing to undo.
+                Plan::Skip if !speculated => String::new(),
+                _ => format!("update {resolution}"),
+            };
+            assert_final_passes(&finals, k, expected.trim(), plan, step);
+        }
+        assert_host_bits_published(&host, &dev, &device, &published, plan, step);
+    }
+    // The plan's factor stays unchanged often enough that every step speculates: each
+    // resolution above ran after the update it resolves.
+    assert_eq!(speculated_steps, PLAN.len());
 }
 
 #[test]

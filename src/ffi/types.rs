@@ -117,7 +117,9 @@ pub enum so_speculation {
     /// Decided per step from earlier steps: speculate while the clip factor mostly stayed
     /// unchanged (the default; the history is part of a checkpoint). A speculative pass that
     /// has not started when the step is decided is cancelled and done by the final pass at no
-    /// extra memory traffic.
+    /// extra memory traffic. A device-placed sub-group's speculative step always waits for the
+    /// decision, then runs with its resolution: the same bits as `SO_SPECULATION_ON`, which
+    /// queues it on the GPU at hand-off.
     Auto = 2,
 }
 

@@ -194,7 +194,9 @@ impl Worker {
         what.count(&mut step.result);
         {
             let mut policy = self.shared.policy.lock().unwrap();
-            if matches!(what, Outcome::Stepped | Outcome::SteppedStateAfter) && elements > 0 {
+            // Update passes, all of them: a kept speculative step's final pass updates the
+            // elements its pass had not reached (all of them, where it was cancelled).
+            if matches!(what, Outcome::Stepped | Outcome::SteppedStateAfter | Outcome::Kept) && elements > 0 {
                 // With the state after, what the next forward waits for is the copy pass.
                 policy.pass_measured(elements as usize, start.elapsed());
             }

@@ -12,6 +12,13 @@
 //! of the recent steps (the last [`HISTORY`], counted with one pseudo-step each way, so a
 //! new session speculates).
 //!
+//! A device-placed sub-group decides like a host-placed one (the decision fixes the bits,
+//! and placement may follow timings), but in `Auto` its speculative step waits for the
+//! decision: on the GPU a step run beside the backward takes the GPU's memory bandwidth
+//! from it (each launch fills the GPU), so it hides nothing, and one taken after the
+//! decision writes the model's parameter in the same pass, where a step taken ahead needs a
+//! publication pass of its own (6 more bytes per element). `On` queues it at hand-off.
+//!
 //! State after the copy. A final pass with a device to publish to can write the weights'
 //! low-precision copy alone, publish it, and write the master weights and moments in a pass
 //! of its own: the next forward waits for a pass that reads what an update reads (14 bytes
@@ -39,10 +46,15 @@
 //! reserved), so the device's free memory then is what the optimizer may take: the budget is
 //! that less a headroom ([`AutoBudget::measured`]), within the limit the caller gave where its
 //! allocator works under a cap the device does not show (PyTorch's per-process memory
-//! fraction), and the first sub-groups in forward order
-//! that fit in it ([`fitting_prefix`]) go to the device at once. The split may grow within it
-//! afterwards as with an explicit budget. Sub-groups the caller placed on the device count
-//! against it as they do against an explicit budget.
+//! fraction). The split places sub-groups within it as within an explicit budget: as many as
+//! the exposed time asks for, not all that fit. A device-placed parameter is not free for the
+//! GPU: its step moves 28 bytes and its gradient's copy 4 through the GPU's memory, where a
+//! host-placed one whose step hides in the backward costs the GPU the sum of squares and the
+//! publication of its weights (4 to 6 bytes); each launch of the step fills the GPU, so it
+//! serializes with the forward beside it. Where speculative steps hide on the CPU (the factor
+//! unchanged) the split stays small; where they cannot (clipping every step) the exposed
+//! time grows it to the budget. Sub-groups the caller placed on the device count against it
+//! as they do against an explicit budget.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -91,19 +103,6 @@ impl AutoBudget {
         let headroom = HEADROOM_MIN_BYTES.max((usable as f64 * HEADROOM_FRACTION) as usize);
         AutoBudget { free, total, limit, headroom, budget: free.saturating_sub(headroom) }
     }
-}
-
-/// How many first sub-groups (of `numels`, in forward order) fit together in `budget` bytes
-/// at `bytes_per_element` each.
-pub(crate) fn fitting_prefix(numels: &[usize], bytes_per_element: usize, budget: usize) -> usize {
-    let mut bytes = 0usize;
-    numels
-        .iter()
-        .take_while(|&&n| {
-            bytes = bytes.saturating_add(n.saturating_mul(bytes_per_element));
-            bytes <= budget
-        })
-        .count()
 }
 
 pub(crate) struct Policy {
@@ -256,6 +255,13 @@ impl Policy {
         }
     }
 
+    /// Whether a device-placed sub-group's speculative step is queued on the device at
+    /// hand-off (`On`) or recorded and taken by its final pass, with its resolution, after
+    /// the decision (`Auto`): the same bits either way.
+    pub(crate) fn device_steps_ahead(&self) -> bool {
+        self.mode == Speculation::On
+    }
+
     /// The automatic split: how many first sub-groups (of `numels`, in forward order) to
     /// place on the device from now on, when it should grow (`None`: leave it as it is).
     pub(crate) fn split(&mut self, numels: &[usize], device_bytes_per_element: usize, budget: usize) -> Option<usize> {
@@ -270,15 +276,16 @@ impl Policy {
         if exposed <= EXPOSED_NEGLIGIBLE * period {
             return None;
         }
-        let mut bytes: usize =
-            numels[..self.placed.min(numels.len())].iter().map(|n| n * device_bytes_per_element).sum();
+        let bytes_of = |n: usize| n.saturating_mul(device_bytes_per_element);
+        let mut bytes =
+            numels[..self.placed.min(numels.len())].iter().fold(0usize, |b, &n| b.saturating_add(bytes_of(n)));
         let (mut hidden, mut count) = (0.0, self.placed);
         for &n in &numels[count.min(numels.len())..] {
-            if hidden >= exposed || bytes + n * device_bytes_per_element > budget {
+            if hidden >= exposed || bytes.saturating_add(bytes_of(n)) > budget {
                 break;
             }
             hidden += n as f64 * rate;
-            bytes += n * device_bytes_per_element;
+            bytes += bytes_of(n);
             count += 1;
         }
         (count > self.placed).then(|| {
@@ -302,13 +309,18 @@ impl Policy {
         AutoBudget::measured(free, total, self.memory_limit)
     }
 
-    /// The automatic budget was chosen and the first `placed` sub-groups went to the device:
-    /// the split grows from there, measured afresh (earlier steps ran with another placement).
-    pub(crate) fn budget_chosen(&mut self, chosen: AutoBudget, placed: usize) {
+    /// The automatic budget was chosen: the split places within it from now on.
+    pub(crate) fn budget_chosen(&mut self, chosen: AutoBudget) {
         self.auto_budget = Some(chosen);
+    }
+
+    /// The device refused to place the split's next sub-group: the split ends at the
+    /// `placed` first ones, and the automatic budget at the `bytes` they hold.
+    pub(crate) fn placement_refused(&mut self, placed: usize, bytes: usize) {
         self.placed = placed;
-        self.waits.clear();
-        self.state_after.reset();
+        if let Some(b) = self.auto_budget.as_mut() {
+            b.budget = bytes;
+        }
     }
 }
 
@@ -375,16 +387,22 @@ mod tests {
         assert_eq!(p.state_after_limit(false), None);
     }
 
+    /// A policy whose last steps left `waits` seconds exposed, with a CPU pass measured at a
+    /// microsecond per element.
+    fn measured(waits: &[f64]) -> Policy {
+        let mut p = Policy::new(Speculation::Auto);
+        p.pass_measured(1000, Duration::from_millis(1));
+        for &wait in waits {
+            p.step_called(wait);
+        }
+        p
+    }
+
+    /// Exposed time beyond what any split could hide.
+    const ALL_EXPOSED: [f64; SPLIT_AFTER] = [1e9; SPLIT_AFTER];
+
     #[test]
     fn split_covers_the_exposed_time_within_the_budget() {
-        let measured = |waits: &[f64]| {
-            let mut p = Policy::new(Speculation::Auto);
-            p.pass_measured(1000, Duration::from_millis(1)); // 1 µs per element
-            for &wait in waits {
-                p.step_called(wait);
-            }
-            p
-        };
         // 3 ms exposed (the first step excluded): two sub-groups of 2000 elements hide 4 ms.
         assert_eq!(measured(&[9.0, 0.0025, 0.0035]).split(&[2000; 3], 16, usize::MAX), Some(2));
         assert_eq!(measured(&[9.0, 0.0025, 0.0035]).split(&[2000; 3], 16, 2000 * 16), Some(1), "the budget caps it");
@@ -413,15 +431,21 @@ mod tests {
     }
 
     #[test]
-    fn the_first_subgroups_that_fit_are_placed() {
-        assert_eq!(fitting_prefix(&[1000, 1000, 500], 16, 2000 * 16), 2);
-        assert_eq!(fitting_prefix(&[1000, 1000, 500], 16, 2000 * 16 - 1), 1);
-        assert_eq!(fitting_prefix(&[1000, 1000, 500], 16, usize::MAX), 3);
-        assert_eq!(fitting_prefix(&[3000, 10], 16, 2000 * 16), 0, "a prefix in forward order, never a later one");
-        assert_eq!(fitting_prefix(&[], 16, usize::MAX), 0);
-        assert_eq!(fitting_prefix(&[usize::MAX, 1], 16, usize::MAX - 1), 0, "sizes that overflow do not fit");
+    fn a_split_is_a_prefix_in_forward_order_within_the_budget() {
+        assert_eq!(measured(&ALL_EXPOSED).split(&[1000, 1000, 500], 16, 2000 * 16), Some(2));
+        assert_eq!(measured(&ALL_EXPOSED).split(&[1000, 1000, 500], 16, 2000 * 16 - 1), Some(1));
+        assert_eq!(measured(&ALL_EXPOSED).split(&[1000, 1000, 500], 16, usize::MAX), Some(3));
+        assert_eq!(measured(&ALL_EXPOSED).split(&[3000, 10], 16, 2000 * 16), None, "never a later one");
+        assert_eq!(measured(&ALL_EXPOSED).split(&[], 16, usize::MAX), None);
+        assert_eq!(
+            measured(&ALL_EXPOSED).split(&[usize::MAX, 1], 16, usize::MAX - 1),
+            None,
+            "sizes that overflow do not fit"
+        );
     }
 
+    /// However much time is exposed, what the split places under the automatic budget fits in
+    /// the free memory it measured, less the headroom; with time enough exposed it fills it.
     #[test]
     fn the_automatic_budget_never_exceeds_what_was_measured_free() {
         let sizes: [&[usize]; 4] = [&[1 << 28; 40], &[1 << 20, 1 << 30, 1 << 26], &[7_000_000; 300], &[]];
@@ -431,7 +455,7 @@ mod tests {
                 assert!(b.budget + b.headroom <= free.max(b.headroom), "{b:?}");
                 for numels in sizes {
                     for per_element in [12, 16, 20] {
-                        let count = fitting_prefix(numels, per_element, b.budget);
+                        let count = measured(&ALL_EXPOSED).split(numels, per_element, b.budget).unwrap_or(0);
                         let bytes: usize = numels[..count].iter().map(|n| n * per_element).sum();
                         assert!(bytes <= free.saturating_sub(b.headroom), "{b:?}: {count} placed, {bytes} bytes");
                         let next = numels.get(count).map(|n| n * per_element);
@@ -443,20 +467,19 @@ mod tests {
     }
 
     #[test]
-    fn the_split_grows_within_the_chosen_budget() {
-        let mut p = Policy::new(Speculation::Auto);
-        p.pass_measured(1000, Duration::from_millis(1));
-        for wait in [9.0, 0.004, 0.004] {
-            p.step_called(wait);
-        }
+    fn a_refused_placement_ends_the_split_and_the_automatic_budget() {
+        let mut p = measured(&ALL_EXPOSED);
         let chosen = AutoBudget { free: 0, total: 0, limit: None, headroom: 0, budget: 4 * 1000 * 16 };
-        p.budget_chosen(chosen, 2);
+        p.budget_chosen(chosen);
         assert_eq!(p.auto_budget(), Some(chosen));
-        assert_eq!(p.split(&[1000; 6], 16, chosen.budget), None, "steps before the placement are not measured");
-        for wait in [0.5, 0.0025, 0.0025] {
+        assert_eq!(p.split(&[1000; 6], 16, chosen.budget), Some(4), "as much as the budget holds");
+        p.placement_refused(1, 1000 * 16);
+        let refused = p.auto_budget().unwrap();
+        assert_eq!(refused.budget, 1000 * 16, "the budget ends at what was placed");
+        for wait in ALL_EXPOSED {
             p.step_called(wait);
         }
-        assert_eq!(p.split(&[1000; 6], 16, chosen.budget), Some(4), "grows from the placed prefix, within the budget");
+        assert_eq!(p.split(&[1000; 6], 16, refused.budget), None, "nothing more is tried");
     }
 
     #[test]

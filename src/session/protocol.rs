@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::buffers::HostBuf;
 use super::plans::{PrepareEntry, PreparePlan, StepPlan};
-use super::policy::{AUTO_BUDGET_AFTER, fitting_prefix};
+use super::policy::AUTO_BUDGET_AFTER;
 use super::trace::Lane;
 use super::{
     Applied, HandOff, HandedSumsq, LateGrads, NormSource, Phase, Placement, STEP_LANE, Session, SessionOptions,
@@ -74,81 +74,81 @@ impl Session {
 
     /// The automatic split: each time the policy has measured enough steps, places more of
     /// the first sub-groups in forward order on the device (see `policy.rs` for the rule);
-    /// with the automatic budget, first chooses the budget once the warm-up steps have run.
+    /// with the automatic budget, first measures the budget once the warm-up steps have run.
+    /// A device that refuses a placement ends the split there; with the automatic budget that
+    /// is no error of the step (the budget is a best effort).
     fn maybe_split(&self, t: &mut Tracking) -> Result<()> {
         let numels: Vec<usize> = t.reg.live().map(|tr| tr.sg.numel).collect();
         let mut per_element = self.device_bytes_per_element();
-        let budget = match self.options.gpu_budget_bytes {
-            SessionOptions::GPU_BUDGET_AUTO => {
-                // Measured from the free memory: a placed sub-group costs its state less what
-                // it gives back.
-                let given_back = self.shared.transport().map_or(0, |t| t.host_placed_device_bytes_per_element());
-                per_element = per_element.saturating_sub(given_back);
-                let chosen = self.shared.policy.lock().unwrap().auto_budget();
-                match chosen {
-                    Some(chosen) => chosen.budget,
-                    None if t.serial < AUTO_BUDGET_AFTER => return Ok(()),
-                    None => return self.choose_budget(t, &numels, per_element),
-                }
+        let automatic = self.options.gpu_budget_bytes == SessionOptions::GPU_BUDGET_AUTO;
+        let budget = if automatic {
+            // Measured from the free memory: a placed sub-group costs its state less what it
+            // gives back.
+            let given_back = self.shared.transport().map_or(0, |t| t.host_placed_device_bytes_per_element());
+            per_element = per_element.saturating_sub(given_back);
+            let chosen = self.shared.policy.lock().unwrap().auto_budget();
+            match chosen {
+                Some(chosen) => chosen.budget,
+                None if t.serial < AUTO_BUDGET_AFTER => return Ok(()),
+                None => self.choose_budget()?,
             }
-            bytes => bytes,
+        } else {
+            self.options.gpu_budget_bytes
         };
         let Some(count) = self.shared.policy.lock().unwrap().split(&numels, per_element, budget) else {
             return Ok(());
         };
         let ids: Vec<u32> = t.reg.live().take(count).map(|tr| tr.sg.id).collect();
-        for &id in &ids {
-            self.place(t, id, Placement::Device)?;
-        }
-        self.shared.tracer.instant(Lane::Caller, || {
-            format!(
-                "automatic split: the first {count} of {} sub-groups on the GPU (budget {})",
-                numels.len(),
-                gib(budget)
-            )
-        });
-        Ok(())
-    }
-
-    /// The automatic budget: the device's free memory now, less the headroom; the first
-    /// sub-groups that fit go to the device at once. One that cannot be placed (the memory
-    /// was taken meanwhile) ends the placement there: the budget is a best effort, never an
-    /// error of the step.
-    fn choose_budget(&self, t: &mut Tracking, numels: &[usize], per_element: usize) -> Result<()> {
-        let transport = self.shared.transport().ok_or_else(|| Error::unsupported("a GPU budget needs a device"))?;
-        let (free, total) = transport.device_memory()?;
-        let chosen = self.shared.policy.lock().unwrap().measure_budget(free, total);
-        let fits = fitting_prefix(numels, per_element, chosen.budget);
-        let ids: Vec<u32> = t.reg.live().take(fits).map(|tr| tr.sg.id).collect();
-        let mut placed = 0;
         let mut refused = None;
-        for &id in &ids {
+        for (placed, &id) in ids.iter().enumerate() {
             if let Err(e) = self.place(t, id, Placement::Device) {
-                refused = Some(e);
+                let bytes = numels[..placed].iter().map(|n| n * per_element).sum();
+                self.shared.policy.lock().unwrap().placement_refused(placed, bytes);
+                refused = Some((placed, id, e));
                 break;
             }
-            placed += 1;
         }
-        self.shared.policy.lock().unwrap().budget_chosen(chosen, placed);
         self.shared.tracer.instant(Lane::Caller, || {
-            let bytes: usize = numels[..placed].iter().map(|n| n * per_element).sum();
-            let limit = chosen.limit.map_or(String::new(), |l| format!(", the caller's limit {}", gib(l)));
+            let placed = refused.as_ref().map_or(count, |r| r.0);
             let mut what = format!(
+                "automatic split: the first {placed} of {} sub-groups on the GPU (budget {})",
+                numels.len(),
+                gib(budget)
+            );
+            if let Some((_, id, e)) = &refused {
+                what.push_str(&format!("; sub-group {id} could not be placed: {}", e.message));
+            }
+            what
+        });
+        match refused {
+            Some((_, _, e)) if !automatic => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// The automatic budget: the device's free memory now, less the headroom, within the
+    /// caller's limit. The split places within it from now on.
+    fn choose_budget(&self) -> Result<usize> {
+        let transport = self.shared.transport().ok_or_else(|| Error::unsupported("a GPU budget needs a device"))?;
+        let (free, total) = transport.device_memory()?;
+        let chosen = {
+            let mut policy = self.shared.policy.lock().unwrap();
+            let chosen = policy.measure_budget(free, total);
+            policy.budget_chosen(chosen);
+            chosen
+        };
+        self.shared.tracer.instant(Lane::Caller, || {
+            let limit = chosen.limit.map_or(String::new(), |l| format!(", the caller's limit {}", gib(l)));
+            format!(
                 "automatic GPU budget {} ({} free of {} after {AUTO_BUDGET_AFTER} steps{limit}, less a headroom of {}): \
-                 the first {placed} of {} sub-groups on the GPU ({})",
+                 the split places within it",
                 gib(chosen.budget),
                 gib(free),
                 gib(total),
                 gib(chosen.headroom),
-                numels.len(),
-                gib(bytes),
-            );
-            if let Some(e) = &refused {
-                what.push_str(&format!("; sub-group {} could not be placed: {}", ids[placed], e.message));
-            }
-            what
+            )
         });
-        Ok(())
+        Ok(chosen.budget)
     }
 
     /// Limits the free device memory the automatic budget counts on to `limit` bytes (`None`:
@@ -349,23 +349,29 @@ impl Session {
     fn submit_complete(&self, t: &mut Tracking, sg: &Arc<SubGroup>) -> Option<Ticket> {
         let group = t.reg.groups[sg.group as usize];
         let mut data = sg.data.lock().unwrap();
+        let (speculate, device_ahead) = {
+            let policy = self.shared.policy.lock().unwrap();
+            (policy.should_speculate(), policy.device_steps_ahead())
+        };
         // A device-placed sub-group speculates with its whole update, queued on the device: it
         // has no copy to write ahead of its state.
         let kind = sg
             .speculation(group)
             .filter(|&k| k == SpecKind::Full || data.placement == Placement::Host)
-            .filter(|_| self.shared.policy.lock().unwrap().should_speculate());
+            .filter(|_| speculate);
         if let Some(kind) = kind {
             let hp = sg.hyper(group, data.work.step_count + 1);
             data.work.applied =
                 Applied::Speculative(SpecRecord { kind, hp, scale: unscale_factor(t.loss_scale), done: 0 });
         }
-        if kind.is_none() {
-            drop(data);
+        // Where device steps wait for the decision, the speculative step is recorded (it fixes
+        // the bits) and left to the final pass, which takes it with its resolution.
+        let queued = kind.is_some() && (data.placement == Placement::Host || device_ahead);
+        drop(data);
+        if !queued {
             self.shared.sched.mark_complete(sg.id);
             return None;
         }
-        drop(data);
         let ticket = self.shared.tickets.issue(subgroup_lane(sg.id));
         t.speculative += 1;
         self.shared.sched.submit_speculation(t.serial, sg.clone(), ticket);

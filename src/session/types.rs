@@ -33,7 +33,8 @@ pub enum Speculation {
     /// Every sub-group that can speculate does, as soon as its gradient is complete.
     On,
     /// Decided per step from what earlier steps measured (see `policy.rs`): speculate while
-    /// the clip factor mostly stayed unchanged.
+    /// the clip factor mostly stayed unchanged. A device-placed sub-group's speculative step
+    /// waits for the decision (the same bits as `On`, which queues it at hand-off).
     #[default]
     Auto,
 }
@@ -84,8 +85,8 @@ pub struct SessionOptions {
 
 impl SessionOptions {
     /// `gpu_budget_bytes` for a budget the session measures itself: after the warm-up steps
-    /// it takes the device's free memory less a headroom and places at once the first
-    /// sub-groups that fit (`policy.rs`). C: `SO_GPU_BUDGET_AUTO`.
+    /// it takes the device's free memory less a headroom, and the split places within it as
+    /// the exposed time asks (`policy.rs`). C: `SO_GPU_BUDGET_AUTO`.
     pub const GPU_BUDGET_AUTO: usize = usize::MAX;
 }
 

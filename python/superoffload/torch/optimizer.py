@@ -29,8 +29,9 @@ GPU-resident parameters (CUDA mode, `gpu_fraction > 0`; SuperOffload's `ratio < 
 parameters in forward order, up to that fraction of the elements, keep f32 master weights and
 moments on the GPU: their sub-groups are registered with SO_PLACEMENT_DEVICE and the library's
 GPU kernel steps them with the same decisions. `gpu_budget_bytes` passes through to the
-library's automatic split; its default, "auto", lets the library keep on the GPU, after the
-warm-up steps, the first sub-groups that fit in the free GPU memory less a headroom.
+library's automatic split; its default, "auto", lets the library measure the free GPU memory
+after the warm-up steps (less a headroom) and keep on the GPU, within it, the first
+sub-groups the measured optimizer waits ask for.
 
 When are the weights final? The next forward of a module waits for its own sub-groups
 (`wait="module"`); `model.state_dict()` / `load_state_dict()`, `state_dict()`, `synchronize()`
@@ -92,8 +93,11 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             the first sub-groups on the GPU after a few measured steps); 0: everything offloaded.
             "auto" (the default): after 3 steps (torch's caching allocator then holds its peak)
             the library takes the GPU's free memory less a headroom of max(1 GiB, 5 % of the
-            GPU) and keeps the first sub-groups in forward order that fit there, stepped on the
-            GPU with the same bits; the rest is offloaded. Under
+            GPU) as the budget of its automatic split, which keeps the first sub-groups in
+            forward order on the GPU, stepped with the same bits, as the exposed optimizer time
+            asks: all that fit when clipping every step, fewer where the CPU's speculative
+            steps hide in the backward (a GPU-stepped parameter costs the GPU its step); the
+            rest is offloaded. Under
             `torch.cuda.set_per_process_memory_fraction` it counts only on what the cap leaves
             (the cap less torch's reserved memory and the session's). "auto" means 0 with CPU
             parameters and with `gpu_fraction` > 0 (which fixes the split itself). `metrics()`

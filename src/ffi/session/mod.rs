@@ -125,9 +125,11 @@ pub struct so_session_options {
 
 /// `so_session_options.gpu_budget_bytes` for a budget the session measures itself: after 3
 /// steps (when the caller's allocator holds a step's peak) it takes the GPU's free memory less
-/// a headroom of max(1 GiB, 5 % of the GPU's memory), places at once the first sub-groups in
-/// forward order that fit, and may grow the split within it later as with an explicit
-/// budget. `so_session_gpu_budget` reports the budget chosen; the trace names what was
+/// a headroom of max(1 GiB, 5 % of the GPU's memory), and the automatic split places the
+/// first sub-groups in forward order within it as with an explicit budget: as many as the
+/// exposed optimizer time asks for (all that fit when clipping every step; fewer where the
+/// CPU's speculative steps hide in the backward, since a GPU-stepped parameter costs the GPU
+/// its step). `so_session_gpu_budget` reports the budget chosen; the trace names what was
 /// measured and placed.
 pub const SO_GPU_BUDGET_AUTO: u64 = u64::MAX;
 
