@@ -9,12 +9,12 @@
 
 /** Version of the header, from Cargo.toml. */
 #define SO_VERSION_MAJOR 0
-#define SO_VERSION_MINOR 3
+#define SO_VERSION_MINOR 4
 #define SO_VERSION_PATCH 0
 /** `(major << 16) | (minor << 8) | patch`. */
 #define SO_VERSION_NUMBER ((SO_VERSION_MAJOR << 16) | (SO_VERSION_MINOR << 8) | SO_VERSION_PATCH)
 /** The ABI this header describes; compare with `so_abi_version()` at start-up. */
-#define SO_ABI_VERSION 3
+#define SO_ABI_VERSION 4
 
 /** A CUDA stream: the same type as `cudaStream_t` and `CUstream` (no CUDA header needed). */
 typedef struct CUstream_st *so_cuda_stream_t;
@@ -1874,7 +1874,8 @@ so_status so_session_create_cuda(const struct so_session_options *options,
  * `grad.record_stream(copy_stream)`; otherwise keep the buffer alive until the returned
  * ticket or the step's ticket is complete.
  *
- * @param out_ticket NULL, or the ticket of the speculative step this queued (0 if none).
+ * @param out_ticket NULL, or the ticket of the speculative step this queued (0 if none; a
+ *        device-placed sub-group queues one only with `SO_SPECULATION_ON`).
  * @return As `so_session_grad_copy`; `SO_STATUS_INVALID_STATE` for a host session;
  *         `SO_STATUS_STREAM_CAPTURING` for a stream in graph capture; `SO_STATUS_UNSUPPORTED`
  *         for a dtype other than the accumulation dtype or a second hand-off in one step

@@ -36,7 +36,7 @@ inline constexpr std::uint32_t header_abi_version = SO_ABI_VERSION;
 [[nodiscard]] inline bool abi_compatible() noexcept { return so_abi_version() == SO_ABI_VERSION; }
 
 /**
- * The loaded library's version, e.g. "0.3.0" (a static string; do not free it).
+ * The loaded library's version, e.g. "0.4.0" (a static string; do not free it).
  * @note Thread-safety: safe from any thread. Never throws.
  */
 [[nodiscard]] inline const char* version_string() noexcept { return so_version_string(); }

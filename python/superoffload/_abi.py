@@ -8,7 +8,7 @@ here fails CI. Enum classes drop the C prefix (`SO_STATUS_OK` -> `Status.OK`).
 import ctypes as C
 import enum
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # `#define`d constants the package uses (`superoffload._header` checks their values).
 CONSTANTS = {

@@ -120,7 +120,8 @@ pub unsafe extern "C" fn so_session_create_cuda(
 /// `grad.record_stream(copy_stream)`; otherwise keep the buffer alive until the returned
 /// ticket or the step's ticket is complete.
 ///
-/// @param out_ticket NULL, or the ticket of the speculative step this queued (0 if none).
+/// @param out_ticket NULL, or the ticket of the speculative step this queued (0 if none; a
+///        device-placed sub-group queues one only with `SO_SPECULATION_ON`).
 /// @return As `so_session_grad_copy`; `SO_STATUS_INVALID_STATE` for a host session;
 ///         `SO_STATUS_STREAM_CAPTURING` for a stream in graph capture; `SO_STATUS_UNSUPPORTED`
 ///         for a dtype other than the accumulation dtype or a second hand-off in one step

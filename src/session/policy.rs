@@ -50,8 +50,8 @@
 //! the exposed time asks for, not all that fit. A device-placed parameter is not free for the
 //! GPU: its step moves 28 bytes and its gradient's copy 4 through the GPU's memory, where a
 //! host-placed one whose step hides in the backward costs the GPU the sum of squares and the
-//! publication of its weights (4 to 6 bytes); each launch of the step fills the GPU, so it
-//! serializes with the forward beside it. Where speculative steps hide on the CPU (the factor
+//! publication of its weights (6 bytes with a bf16 copy); each launch of the step fills the
+//! GPU, so it serializes with the forward beside it. Where speculative steps hide on the CPU (the factor
 //! unchanged) the split stays small; where they cannot (clipping every step) the exposed
 //! time grows it to the budget. Sub-groups the caller placed on the device count against it
 //! as they do against an explicit budget.
