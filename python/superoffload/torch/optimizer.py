@@ -97,9 +97,9 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             forward order on the GPU, stepped with the same bits, as the exposed optimizer time
             asks: all that fit when clipping every step, fewer where the CPU's speculative
             steps hide in the backward (a GPU-stepped parameter costs the GPU its step); the
-            rest is offloaded. Under
-            `torch.cuda.set_per_process_memory_fraction` it counts only on what the cap leaves
-            (the cap less torch's reserved memory and the session's). "auto" means 0 with CPU
+            rest is offloaded. Under `torch.cuda.set_per_process_memory_fraction` it counts
+            only on what the cap leaves (the cap less torch's reserved memory and the
+            session's). "auto" means 0 with CPU
             parameters and with `gpu_fraction` > 0 (which fixes the split itself). `metrics()`
             reports the budget chosen (`gpu_budget_bytes`) and `device_bytes`; the trace what was
             measured.
