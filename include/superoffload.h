@@ -9,12 +9,12 @@
 
 /** Version of the header, from Cargo.toml. */
 #define SO_VERSION_MAJOR 0
-#define SO_VERSION_MINOR 4
+#define SO_VERSION_MINOR 5
 #define SO_VERSION_PATCH 0
 /** `(major << 16) | (minor << 8) | patch`. */
 #define SO_VERSION_NUMBER ((SO_VERSION_MAJOR << 16) | (SO_VERSION_MINOR << 8) | SO_VERSION_PATCH)
 /** The ABI this header describes; compare with `so_abi_version()` at start-up. */
-#define SO_ABI_VERSION 4
+#define SO_ABI_VERSION 5
 
 /** A CUDA stream: the same type as `cudaStream_t` and `CUstream` (no CUDA header needed). */
 typedef struct CUstream_st *so_cuda_stream_t;
@@ -373,6 +373,75 @@ typedef uint32_t so_placement;
 #endif // __cplusplus
 
 /**
+ * Whether a CUDA session keeps a full host copy of its weights in `copy_dtype`
+ * (`so_session_options.host_copy`; a host session always keeps it).
+ */
+enum so_host_copy
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Decided when the sub-groups are provisioned (the first `so_session_begin_step` after
+   * they were registered), from the host memory available then: kept where it fits beside
+   * the gradients, else bounded.
+   */
+  SO_HOST_COPY_AUTO = 0,
+  /**
+   * Kept: speculative steps write it during backward (with bf16 moments, ahead of the rest
+   * of the step) and publication reads it.
+   */
+  SO_HOST_COPY_FULL = 1,
+  /**
+   * Not kept: each piece of the published weights is written into one of a few pinned
+   * buffers of 16 MiB as it is published. 2 bytes per element less host memory; with bf16
+   * moments the sub-group then steps after the decision.
+   */
+  SO_HOST_COPY_BOUNDED = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum so_host_copy so_host_copy;
+#else
+typedef uint32_t so_host_copy;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Where a host-stepped sub-group's gradient waits for the optimizer
+ * (`so_session_options.gradient_home`; a host session keeps it on the host).
+ */
+enum so_gradient_home
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Decided when the sub-groups are provisioned, from the host and device memory measured
+   * then: on the host for as many sub-groups in forward order as host memory holds (less a
+   * reserve of max(2 GiB, 5 % of the host)), on the device for the rest.
+   */
+  SO_GRADIENT_HOME_AUTO = 0,
+  /**
+   * A pinned host buffer (`accum_dtype`), copied into as backward produces the gradient.
+   */
+  SO_GRADIENT_HOME_HOST = 1,
+  /**
+   * A device buffer of the session's: every pass that reads the gradient copies it to the
+   * host in pieces of 2 Mi elements through a few pinned buffers. No host memory for it;
+   * late gradients are refused.
+   */
+  SO_GRADIENT_HOME_DEVICE = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum so_gradient_home so_gradient_home;
+#else
+typedef uint32_t so_gradient_home;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A pool of CPU threads that kernels (and sessions) split their work across.
  *
  * Under the hood this is an `Arc` of the pool: a session created with a pool keeps it
@@ -664,6 +733,17 @@ typedef struct so_session_options {
    * (the default) turns it off. A host session refuses any other value than 0.
    */
   uint64_t gpu_budget_bytes;
+  /**
+   * One of `so_host_copy`: whether a CUDA session keeps a full host copy of the weights in
+   * `copy_dtype` (default `SO_HOST_COPY_AUTO`: where host memory allows).
+   */
+  uint32_t host_copy;
+  /**
+   * One of `so_gradient_home`: where a CUDA session's host-stepped sub-groups keep their
+   * gradients (default `SO_GRADIENT_HOME_AUTO`: on the host where its memory allows, else on
+   * the GPU).
+   */
+  uint32_t gradient_home;
 } so_session_options;
 
 /**

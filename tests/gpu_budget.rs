@@ -25,21 +25,19 @@ const WARM_UP: u64 = 3;
 
 /// A device that reports `free` of `total` bytes and keeps placed sub-groups "on the device"
 /// (their state is not touched: these tests look at placement, not at the weights). It
-/// refuses placements after the first `accepts`; a placed sub-group gives back `given_back`
-/// bytes per element that it held while host-placed. Each step it reports `exposed` seconds
-/// of waiting for the optimizer (a second: more than any split here could hide).
+/// refuses placements after the first `accepts`. Each step it reports `exposed` seconds of
+/// waiting for the optimizer (a second: more than any split here could hide).
 struct ReportedMemory {
     free: usize,
     total: usize,
     accepts: usize,
-    given_back: usize,
     exposed: f64,
     placed: AtomicUsize,
 }
 
 impl ReportedMemory {
     fn new(free: usize, total: usize) -> ReportedMemory {
-        ReportedMemory { free, total, accepts: usize::MAX, given_back: 0, exposed: 1.0, placed: AtomicUsize::new(0) }
+        ReportedMemory { free, total, accepts: usize::MAX, exposed: 1.0, placed: AtomicUsize::new(0) }
     }
 }
 
@@ -63,9 +61,6 @@ impl Transport for ReportedMemory {
     }
     fn device_memory(&self) -> Result<(usize, usize)> {
         Ok((self.free, self.total))
-    }
-    fn host_placed_device_bytes_per_element(&self) -> usize {
-        self.given_back
     }
     fn exposed_wait_s(&self) -> f64 {
         self.exposed
@@ -133,21 +128,6 @@ fn with_time_exposed_the_first_subgroups_that_fit_go_to_the_device_after_the_war
     run_step(&s);
     assert_eq!(s.step_result(s.last_ticket(), None).unwrap().device_stepped, 3);
     assert_eq!(transport.placed.load(Ordering::Relaxed), 3, "placed once, all at once");
-}
-
-#[test]
-fn a_placement_counts_what_the_sub_group_gives_back() {
-    // Room for three sub-groups at 16 bytes an element; but a sub-group placed frees the 4
-    // bytes an element it held while host-placed (the CUDA transport's f32 staging buffer),
-    // so each costs 12 and four fit.
-    let room = 4 * SUBGROUP_NUMEL * (DEVICE_BYTES_PER_ELEMENT - 4) + 5_000;
-    assert_eq!(room / (SUBGROUP_NUMEL * DEVICE_BYTES_PER_ELEMENT), 3);
-    let transport = Arc::new(ReportedMemory { given_back: 4, ..ReportedMemory::new(GIB + room, 16 * GIB) });
-    let (s, _masters) = session(transport);
-    let trace = warm_up_and_begin(&s, "given-back");
-    assert_eq!((s.gpu_budget(), s.device_subgroups()), (Some(room), 4));
-    assert!(trace.contains("the first 4 of 5 sub-groups"), "{trace}");
-    run_step(&s);
 }
 
 #[test]

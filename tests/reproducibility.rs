@@ -21,10 +21,10 @@ use std::time::Duration;
 
 use common::Rng;
 use superoffload::error::Result;
-use superoffload::kernels::{DType, Floats, Isa, Pool, PoolOptions, bf16, pool::set_chunk_pause};
+use superoffload::kernels::{DType, Floats, FloatsMut, Isa, Pool, PoolOptions, bf16, pool::set_chunk_pause};
 use superoffload::session::{
-    Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, Speculation, StepArgs, StepResult,
-    SubGroupDesc, Transport,
+    Borrowed, GradientHome, GroupHparams, HostCopy, NormSource, Session, SessionOptions, SliceDesc, Speculation,
+    StepArgs, StepResult, SubGroupDesc, Transport,
 };
 
 /// Sub-groups large enough that a speculative pass has several chunks to be preempted
@@ -47,14 +47,36 @@ impl Jitter {
 }
 
 /// Copies that land late and hooks that pause, on the CPU-Adam thread; it keeps the weights'
-/// copy as staged and as published, the way a device would see them.
+/// copy as published piece by piece and as final after each publication, the way a device
+/// would see them.
 struct JitteryTransport {
     jitter: Arc<Jitter>,
-    staged: Mutex<Vec<Vec<u16>>>,
+    /// Each sub-group's master weights (address, length): read as a piece is published, to
+    /// tell a copy published ahead of its master weights.
+    masters: Vec<(usize, usize)>,
+    pieces: Mutex<Vec<Vec<u16>>>,
     published: Arc<Mutex<Vec<Vec<u16>>>>,
-    /// Per sub-group: whether a pass staged a copy ahead of its master weights (the copy
+    /// Per sub-group: whether a pass published a copy ahead of its master weights (the copy
     /// first, the state after).
     copy_first: Arc<Mutex<Vec<bool>>>,
+}
+
+impl JitteryTransport {
+    fn record(&self, sg: u32, offset: usize, copy: &[bf16]) {
+        let (addr, len) = self.masters[sg as usize];
+        // SAFETY: the session publishes from the pass that holds the sub-group's data lock,
+        // so nothing writes these master weights (alive for the whole run) meanwhile.
+        let master = unsafe { std::slice::from_raw_parts(addr as *const f32, len) };
+        let ahead = master[offset..offset + copy.len()].iter().zip(copy);
+        if ahead.into_iter().any(|(&m, c)| bf16::from_f32(m).to_bits() != c.to_bits()) {
+            self.copy_first.lock().unwrap()[sg as usize] = true;
+        }
+        let mut pieces = self.pieces.lock().unwrap();
+        for (d, s) in pieces[sg as usize][offset..offset + copy.len()].iter_mut().zip(copy) {
+            *d = s.to_bits();
+        }
+        self.jitter.pause(200);
+    }
 }
 
 impl Transport for JitteryTransport {
@@ -70,23 +92,27 @@ impl Transport for JitteryTransport {
         self.jitter.pause(200);
         Ok(())
     }
-    fn weights_updated(&self, sg: u32, offset: usize, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()> {
-        let (Floats::F32(master), Some(Floats::Bf16(copy))) = (master, copy) else {
-            panic!("the runs keep f32 master weights and a bf16 copy")
-        };
-        if master.iter().zip(copy).any(|(&m, c)| bf16::from_f32(m).to_bits() != c.to_bits()) {
-            self.copy_first.lock().unwrap()[sg as usize] = true;
-        }
-        let mut staged = self.staged.lock().unwrap();
-        let staged = &mut staged[sg as usize];
-        for (d, s) in staged[offset..offset + copy.len()].iter_mut().zip(copy) {
-            *d = s.to_bits();
-        }
-        self.jitter.pause(200);
+    fn publish_piece(&self, sg: u32, offset: usize, src: Floats<'_>) -> Result<()> {
+        let Floats::Bf16(copy) = src else { panic!("the runs publish a bf16 copy") };
+        self.record(sg, offset, copy);
+        Ok(())
+    }
+    fn publish_filled(
+        &self,
+        sg: u32,
+        offset: usize,
+        len: usize,
+        dtype: DType,
+        fill: &mut dyn FnMut(FloatsMut<'_>) -> Result<()>,
+    ) -> Result<()> {
+        assert_eq!(dtype, DType::Bf16, "the runs publish a bf16 copy");
+        let mut copy = vec![bf16::ZERO; len];
+        fill(FloatsMut::Bf16(&mut copy))?;
+        self.record(sg, offset, &copy);
         Ok(())
     }
     fn publish(&self, sg: u32) -> Result<()> {
-        self.published.lock().unwrap()[sg as usize] = self.staged.lock().unwrap()[sg as usize].clone();
+        self.published.lock().unwrap()[sg as usize] = self.pieces.lock().unwrap()[sg as usize].clone();
         self.jitter.pause(100);
         Ok(())
     }
@@ -110,13 +136,15 @@ struct Setup {
     transport: bool,
     speculation: Speculation,
     moments: DType,
+    /// Whether the session keeps its copy in full or publishes through bounded buffers.
+    host_copy: HostCopy,
     /// A layout of the final passes forced on the session (`Session::force_state_after`).
     state_after: Option<Option<usize>>,
 }
 
 impl Setup {
     fn new(threads: usize, transport: bool, speculation: Speculation) -> Setup {
-        Setup { threads, transport, speculation, moments: DType::F32, state_after: None }
+        Setup { threads, transport, speculation, moments: DType::F32, host_copy: HostCopy::Full, state_after: None }
     }
 }
 
@@ -166,6 +194,8 @@ impl Run {
             speculation: setup.speculation,
             moment_dtype: setup.moments,
             copy_dtype: Some(DType::Bf16),
+            host_copy: setup.host_copy,
+            gradient_home: GradientHome::Host,
             ..SessionOptions::default()
         };
         let mut masters: Vec<Vec<f32>> =
@@ -174,9 +204,10 @@ impl Run {
         let published = setup.transport.then(|| Arc::new(Mutex::new(initial_copy().collect::<Vec<Vec<u16>>>())));
         let copy_first = Arc::new(Mutex::new(vec![false; SIZES.len()]));
         let transport = published.as_ref().map(|published| {
-            let staged = Mutex::new(initial_copy().collect());
+            let pieces = Mutex::new(initial_copy().collect());
+            let masters = masters.iter_mut().map(|m| (m.as_mut_ptr() as usize, m.len())).collect();
             let (jitter, published, copy_first) = (jitter.clone(), published.clone(), copy_first.clone());
-            Arc::new(JitteryTransport { jitter, staged, published, copy_first }) as Arc<dyn Transport>
+            Arc::new(JitteryTransport { jitter, masters, pieces, published, copy_first }) as Arc<dyn Transport>
         });
         let session = Session::with_transport(options, transport).unwrap();
         if let Some(limit) = setup.state_after {
@@ -349,11 +380,31 @@ fn the_layout_of_the_final_passes_is_invisible_in_the_bits() {
         (5, Some(a + b + c - 1), [true, true, false]),
         (6, Some(b), [false, false, false]),
     ] {
-        let again = run(layout(limit), seed);
-        assert_eq!(again.copy_first.as_deref(), Some(&copy_first[..]), "limit {limit:?}");
-        assert!(reference.masters == again.masters, "limit {limit:?}: the master weights differ");
-        assert!(reference.moments == again.moments, "limit {limit:?}: the moments differ");
-        assert_eq!(reference.results, again.results, "limit {limit:?}");
+        for host_copy in [HostCopy::Full, HostCopy::Bounded] {
+            let again = run(Setup { host_copy, ..layout(limit) }, seed);
+            let what = format!("limit {limit:?}, {host_copy:?}");
+            assert_eq!(again.copy_first.as_deref(), Some(&copy_first[..]), "{what}");
+            assert!(reference.masters == again.masters, "{what}: the master weights differ");
+            assert!(reference.moments == again.moments, "{what}: the moments differ");
+            assert_eq!(reference.results, again.results, "{what}");
+        }
+    }
+    set_chunk_pause(None);
+}
+
+/// Without a full copy kept, each piece published is written by the final pass (or converted
+/// from the master weights) into the transport's buffer: the same bits as with the copy, in
+/// the masters, the moments and what the device is given, with speculation on.
+#[test]
+fn a_copy_written_piece_by_piece_publishes_the_same_bits() {
+    set_chunk_pause(Some(chunk_pause));
+    let reference = run(Setup::new(2, true, Speculation::On), 1);
+    for seed in 2..5 {
+        let again = run(Setup { host_copy: HostCopy::Bounded, ..Setup::new(2, true, Speculation::On) }, seed);
+        assert!(reference.masters == again.masters, "seed {seed}: the master weights differ");
+        assert!(reference.moments == again.moments, "seed {seed}: the moments differ");
+        assert!(reference.published == again.published, "seed {seed}: the published copies differ");
+        assert_eq!(reference.results, again.results, "seed {seed}");
     }
     set_chunk_pause(None);
 }

@@ -1,7 +1,9 @@
 //! Device-placed sub-groups over an emulated device: a transport that keeps their state in
 //! host memory and steps it with the CPU kernels, whose operation sequence the device kernel
-//! follows bit for bit (`src/cuda/ptx.rs`). The session's side of device placement runs
-//! here without a GPU: the speculative update queued at hand-off (or, cancelled by the
+//! follows bit for bit (`src/cuda/ptx.rs`). It also keeps host-placed sub-groups' gradients
+//! where the session leaves them on the device, and the model's parameters that every
+//! sub-group is published into. The session's side of device placement runs here without a
+//! GPU: the speculative update queued at hand-off (or, cancelled by the
 //! decision or left to it by automatic speculation, queued by the final pass with its
 //! resolution), the final passes that keep,
 //! rescale, roll back or redo it, the step at `step()` where nothing speculated, what is
@@ -21,8 +23,9 @@ use superoffload::kernels::{
     dtype::f32_to_bf16_bits,
 };
 use superoffload::session::{
-    Borrowed, DeviceParam, DevicePass, GroupHparams, HandOff, HandedSumsq, HostState, NormSource, Placement, Session,
-    SessionOptions, SliceDesc, Speculation, StepArgs, StepResult, SubGroupDesc, Ticket, Transport,
+    Borrowed, DeviceParam, DevicePass, GradientHome, GroupHparams, HandOff, HandedSumsq, HostCopy, HostState,
+    NormSource, Placement, Session, SessionOptions, SliceDesc, Speculation, StepArgs, StepResult, SubGroupDesc, Ticket,
+    Transport,
 };
 
 /// The bf16 parameter of master weights: rounded as the library rounds them.
@@ -36,8 +39,6 @@ struct DeviceSubGroup {
     exp_avg: Vec<f32>,
     exp_avg_sq: Vec<f32>,
     grad: Vec<bf16>,
-    /// The model's parameter: the bf16 weights last published.
-    param: Vec<u16>,
 }
 
 impl DeviceSubGroup {
@@ -52,7 +53,6 @@ impl DeviceSubGroup {
             exp_avg: f32s(&state.exp_avg)?,
             exp_avg_sq: f32s(&state.exp_avg_sq)?,
             grad: vec![bf16::ZERO; n],
-            param: rounded_to_bf16(&master),
             master,
         })
     }
@@ -64,10 +64,6 @@ impl DeviceSubGroup {
             let FloatsMut::F32(dst) = dst else { panic!("f32 state expected") };
             dst.copy_from_slice(src);
         }
-    }
-
-    fn publish(&mut self) {
-        self.param = rounded_to_bf16(&self.master);
     }
 
     fn buffers(&mut self) -> AdamBuffers<'_> {
@@ -91,6 +87,10 @@ struct DeviceCall {
 struct EmulatedDevice {
     pool: Pool,
     subgroups: Mutex<HashMap<u32, DeviceSubGroup>>,
+    /// Every attached sub-group's parameter in the model: the bf16 weights last published.
+    params: Mutex<HashMap<u32, Vec<u16>>>,
+    /// The gradients of host-placed sub-groups that the session keeps on the device.
+    kept: Mutex<HashMap<u32, Vec<bf16>>>,
     calls: Mutex<Vec<DeviceCall>>,
     /// While set, no gradient has landed: the CPU-Adam thread runs no job that reads one.
     held: AtomicBool,
@@ -101,6 +101,8 @@ impl EmulatedDevice {
         EmulatedDevice {
             pool: Pool::new(&PoolOptions { num_threads: 1, isa: Some(Isa::best()), ..Default::default() }).unwrap(),
             subgroups: Mutex::new(HashMap::new()),
+            params: Mutex::new(HashMap::new()),
+            kept: Mutex::new(HashMap::new()),
             calls: Mutex::new(Vec::new()),
             held: AtomicBool::new(false),
         }
@@ -111,17 +113,22 @@ impl EmulatedDevice {
     }
 
     /// Delivers a gradient as the CUDA transport does: into the device gradient of a
-    /// device-placed sub-group, else into the session's host buffer; its sum of squares is
-    /// that of the source.
+    /// device-placed sub-group or one kept on the device, else into the session's host
+    /// buffer; its sum of squares is that of the source.
     fn deliver(&self, h: HandOff<'_>, g: &[bf16]) -> Result<Option<HandedSumsq>> {
         let sumsq = h.sumsq_scale.map(|scale| kernels::grad_sumsq_here(Floats::Bf16(g), scale)).transpose()?;
-        match self.subgroups.lock().unwrap().get_mut(&h.sg) {
-            Some(_) if h.late => return Err(Error::unsupported("a device-placed sub-group takes no late gradients")),
-            Some(d) => d.grad[h.range].copy_from_slice(g),
-            None => {
-                let FloatsMut::Bf16(dst) = h.dst else { panic!("bf16 accumulation expected") };
-                dst.copy_from_slice(g);
-            }
+        let on_device =
+            self.subgroups.lock().unwrap().contains_key(&h.sg) || self.kept.lock().unwrap().contains_key(&h.sg);
+        if on_device && h.late {
+            return Err(Error::unsupported("a gradient on the device takes no late gradients"));
+        }
+        if let Some(d) = self.subgroups.lock().unwrap().get_mut(&h.sg) {
+            d.grad[h.range].copy_from_slice(g);
+        } else if let Some(kept) = self.kept.lock().unwrap().get_mut(&h.sg) {
+            kept[h.range].copy_from_slice(g);
+        } else {
+            let Some(FloatsMut::Bf16(dst)) = h.dst else { panic!("bf16 accumulation expected") };
+            dst.copy_from_slice(g);
         }
         Ok(sumsq.map(HandedSumsq::Known))
     }
@@ -131,13 +138,19 @@ impl EmulatedDevice {
     }
 
     fn param(&self, sg: u32) -> Vec<u16> {
-        self.subgroups.lock().unwrap()[&sg].param.clone()
+        self.params.lock().unwrap()[&sg].clone()
+    }
+
+    fn write_param(&self, sg: u32, offset: usize, bits: impl Iterator<Item = u16>) {
+        let mut params = self.params.lock().unwrap();
+        for (d, b) in params.get_mut(&sg).expect("attached")[offset..].iter_mut().zip(bits) {
+            *d = b;
+        }
     }
 }
 
 impl Transport for EmulatedDevice {
     transport_without_pinning!();
-    transport_without_publishing!();
     fn attach(
         &self,
         sg: u32,
@@ -146,7 +159,53 @@ impl Transport for EmulatedDevice {
         placement: Placement,
         state: HostState<'_>,
     ) -> Result<()> {
+        let FloatsMut::F32(master) = &state.master else { panic!("f32 master weights") };
+        self.params.lock().unwrap().insert(sg, rounded_to_bf16(master));
         self.set_placement(sg, placement, state)
+    }
+    fn master_write(&self, _: u32) -> Result<()> {
+        Ok(())
+    }
+    fn publish_piece(&self, sg: u32, offset: usize, src: Floats<'_>) -> Result<()> {
+        let Floats::Bf16(copy) = src else { panic!("the session publishes its bf16 copy") };
+        self.write_param(sg, offset, copy.iter().map(|c| c.to_bits()));
+        Ok(())
+    }
+    fn publish_filled(
+        &self,
+        sg: u32,
+        offset: usize,
+        len: usize,
+        dtype: DType,
+        fill: &mut dyn FnMut(FloatsMut<'_>) -> Result<()>,
+    ) -> Result<()> {
+        assert_eq!(dtype, DType::Bf16, "bf16 parameters");
+        let mut piece = vec![bf16::ZERO; len];
+        fill(FloatsMut::Bf16(&mut piece))?;
+        self.write_param(sg, offset, piece.iter().map(|c| c.to_bits()));
+        Ok(())
+    }
+    fn publish(&self, _: u32) -> Result<()> {
+        Ok(())
+    }
+    fn keep_gradient_on_device(&self, sg: u32) -> Result<()> {
+        let n = self.params.lock().unwrap()[&sg].len();
+        self.kept.lock().unwrap().insert(sg, vec![bf16::ZERO; n]);
+        Ok(())
+    }
+    fn gradient_pieces(
+        &self,
+        sg: u32,
+        range: Range<usize>,
+        piece: usize,
+        f: &mut dyn FnMut(usize, Floats<'_>) -> Result<()>,
+    ) -> Result<()> {
+        for start in range.clone().step_by(piece) {
+            // A copy, as a piece copied to the host is: `f` may publish meanwhile.
+            let copied: Vec<bf16> = self.kept.lock().unwrap()[&sg][start..(start + piece).min(range.end)].to_vec();
+            f(start, Floats::Bf16(&copied))?;
+        }
+        Ok(())
     }
     fn gradient_ready(&self, _: u32) -> Result<()> {
         Ok(())
@@ -171,12 +230,15 @@ impl Transport for EmulatedDevice {
             }
         }
         if publish {
-            d.publish();
+            self.params.lock().unwrap().insert(sg, rounded_to_bf16(&d.master));
         }
         Ok(())
     }
     fn device_zero_gradient(&self, sg: u32, range: Range<usize>) -> Result<()> {
-        self.subgroups.lock().unwrap().get_mut(&sg).expect("device-placed").grad[range].fill(bf16::ZERO);
+        match self.subgroups.lock().unwrap().get_mut(&sg) {
+            Some(d) => d.grad[range].fill(bf16::ZERO),
+            None => self.kept.lock().unwrap().get_mut(&sg).expect("a gradient on the device")[range].fill(bf16::ZERO),
+        }
         Ok(())
     }
     fn set_placement(&self, sg: u32, placement: Placement, state: HostState<'_>) -> Result<()> {
@@ -202,6 +264,7 @@ impl Transport for EmulatedDevice {
         let d = subgroups.get_mut(&sg).expect("device-placed");
         let grad = std::mem::take(&mut d.grad);
         *d = DeviceSubGroup { grad, ..DeviceSubGroup::from_host(&state)? };
+        self.params.lock().unwrap().insert(sg, rounded_to_bf16(&d.master));
         Ok(())
     }
 }
@@ -215,16 +278,17 @@ struct Run {
 }
 
 fn run(transport: Option<Arc<EmulatedDevice>>, speculation: Speculation) -> Run {
+    let placement = if transport.is_some() { Placement::Device } else { Placement::Host };
+    run_with(transport, placement, SessionOptions { speculation, ..Default::default() })
+}
+
+/// A session of [`SIZES`] with `options` (bf16 gradients and a pool of two threads added),
+/// every sub-group registered with `placement`.
+fn run_with(transport: Option<Arc<EmulatedDevice>>, placement: Placement, options: SessionOptions) -> Run {
     let pool =
         Arc::new(Pool::new(&PoolOptions { num_threads: 2, isa: Some(Isa::best()), ..Default::default() }).unwrap());
-    let placement = if transport.is_some() { Placement::Device } else { Placement::Host };
-    let opts = SessionOptions {
-        pool: Some(pool),
-        grad_dtype: DType::Bf16,
-        accum_dtype: DType::Bf16,
-        speculation,
-        ..Default::default()
-    };
+    let opts = SessionOptions { pool: Some(pool), grad_dtype: DType::Bf16, accum_dtype: DType::Bf16, ..options };
+    let with_device = transport.is_some();
     let session = Session::with_transport(opts, transport.map(|t| t as Arc<dyn Transport>)).unwrap();
     session.add_group(GroupHparams { lr: 1e-2, weight_decay: 0.05, ..GroupHparams::default() }).unwrap();
     let mut masters: Vec<Vec<f32>> =
@@ -234,7 +298,9 @@ fn run(transport: Option<Arc<EmulatedDevice>>, speculation: Speculation) -> Run 
         let master = unsafe { Borrowed::new("m", m.as_mut_ptr().cast(), m.len(), DType::F32) }.unwrap();
         // One slice short of the end: the padding must stay zero on the device too.
         let slices = vec![SliceDesc { name: format!("sg{k}"), offset: 0, numel: m.len() - 3 }];
-        session.add_subgroup(SubGroupDesc { placement, ..SubGroupDesc::new(0, master, slices) }).unwrap();
+        // The model's bf16 parameter (the emulated device keeps its own).
+        let device = with_device.then_some(DeviceParam { ptr: 1 + k as u64, dtype: DType::Bf16 });
+        session.add_subgroup(SubGroupDesc { placement, device, ..SubGroupDesc::new(0, master, slices) }).unwrap();
     }
     Run { session, _masters: masters }
 }
@@ -519,6 +585,52 @@ fn a_checkpoint_of_device_placed_sub_groups_resumes_on_either_side_and_placement
             let expected = state(&host, k);
             assert!(state(&resumed_host, k) == expected, "step {step} ({plan:?}): sub-group {k}: host resumed");
             assert!(state(&resumed_dev, k) == expected, "step {step} ({plan:?}): sub-group {k}: device resumed");
+        }
+    }
+}
+
+/// Host-placed sub-groups with nothing beside their state on the host: the gradient kept on
+/// the device and read back in pieces by every pass, the copy written piece by piece into the
+/// transport's buffer as it is published (and, where the gradient is on the host, with the
+/// copy kept in full). Every speculation mode, over the whole plan: the host session's state
+/// bit for bit, and its master weights rounded published (the previous ones where a step is
+/// skipped).
+#[test]
+fn host_placed_sub_groups_keep_gradients_on_the_device_and_publish_without_a_copy_with_the_host_bits() {
+    for speculation in [Speculation::On, Speculation::Auto, Speculation::Off] {
+        for (gradient_home, host_copy) in [
+            (GradientHome::Device, HostCopy::Bounded),
+            (GradientHome::Device, HostCopy::Full),
+            (GradientHome::Host, HostCopy::Bounded),
+        ] {
+            let what = format!("{speculation:?}, gradient {gradient_home:?}, copy {host_copy:?}");
+            let device = Arc::new(EmulatedDevice::new());
+            let host = run(None, speculation);
+            let options = SessionOptions {
+                speculation,
+                gradient_home,
+                host_copy,
+                copy_dtype: Some(DType::Bf16),
+                ..Default::default()
+            };
+            let dev = run_with(Some(device.clone()), Placement::Host, options);
+            for (step, &plan) in (1..).zip(PLAN.iter()) {
+                let published: Vec<Vec<u16>> = (0..SIZES.len()).map(|k| device.param(k as u32)).collect();
+                backward(&host, None, step, plan);
+                backward(&dev, Some(&device), step, plan);
+                finish(&host, step, plan, None);
+                let result = finish(&dev, step, plan, Some(&device));
+                assert_eq!(result.device_stepped, 0, "{what}: {result:?}");
+                assert!(device.calls().is_empty(), "{what}: nothing is stepped on the device");
+                assert_host_bits_published(&host, &dev, &device, &published, plan, step);
+            }
+            let on_device = device.kept.lock().unwrap().len();
+            assert_eq!(on_device, if gradient_home == GradientHome::Device { SIZES.len() } else { 0 }, "{what}");
+            let bytes = dev.session.host_bytes();
+            let copy = if host_copy == HostCopy::Full { 2 } else { 0 };
+            let grad = if gradient_home == GradientHome::Host { 2 } else { 0 };
+            let moments = 8;
+            assert_eq!(bytes, SIZES.iter().sum::<usize>() * (moments + grad + copy), "{what}: host bytes");
         }
     }
 }

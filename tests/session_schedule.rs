@@ -103,7 +103,13 @@ impl Model {
             let g = gradient(self.masters[k].len(), k, step);
             tickets[k] = s
                 .hand_off(k as u32, g.len(), "test", |h| {
-                    Ok(kernels::copy_into(h.dst, Floats::F32(&g), h.accumulate, h.sumsq_scale)?.map(HandedSumsq::Known))
+                    Ok(kernels::copy_into(
+                        h.dst.expect("a host gradient buffer"),
+                        Floats::F32(&g),
+                        h.accumulate,
+                        h.sumsq_scale,
+                    )?
+                    .map(HandedSumsq::Known))
                 })
                 .unwrap();
         }

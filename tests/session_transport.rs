@@ -13,8 +13,8 @@ use std::time::Duration;
 use superoffload::error::{Result, Status};
 use superoffload::kernels::{self, DType, Floats, FloatsMut, Isa, Pool, PoolOptions, bf16};
 use superoffload::session::{
-    Borrowed, GroupHparams, HandedSumsq, NormSource, Session, SessionOptions, SliceDesc, Speculation, StepArgs,
-    SubGroupDesc, Transport,
+    Borrowed, GroupHparams, HandedSumsq, HostCopy, NormSource, Session, SessionOptions, SliceDesc, Speculation,
+    StepArgs, SubGroupDesc, Transport,
 };
 
 /// Copies land 2 ms after the hand-off, on another thread; `gradient_ready` waits for them.
@@ -56,9 +56,20 @@ impl Transport for DelayedCopies {
         self.log.lock().unwrap().push(format!("write {sg}"));
         Ok(())
     }
-    fn weights_updated(&self, sg: u32, _: usize, _: Floats<'_>, _: Option<Floats<'_>>) -> Result<()> {
-        self.log.lock().unwrap().push(format!("staged {sg}"));
+    fn publish_piece(&self, sg: u32, _: usize, _: Floats<'_>) -> Result<()> {
+        self.log.lock().unwrap().push(format!("piece {sg}"));
         Ok(())
+    }
+    fn publish_filled(
+        &self,
+        sg: u32,
+        _: usize,
+        len: usize,
+        dtype: DType,
+        fill: &mut dyn FnMut(FloatsMut<'_>) -> Result<()>,
+    ) -> Result<()> {
+        self.log.lock().unwrap().push(format!("piece {sg}"));
+        common::with_scratch(dtype, len, fill)
     }
     fn publish(&self, sg: u32) -> Result<()> {
         self.log.lock().unwrap().push(format!("publish {sg}"));
@@ -127,7 +138,7 @@ fn delayed_copies_give_host_mode_bits() {
                     Some(scale) => Some(HandedSumsq::Known(kernels::grad_sumsq_here(Floats::Bf16(&g), scale)?)),
                     None => None,
                 };
-                transport.deliver(h.sg, h.dst, g.clone());
+                transport.deliver(h.sg, h.dst.expect("a host gradient buffer"), g.clone());
                 Ok(sumsq)
             })
             .unwrap();
@@ -152,12 +163,13 @@ fn delayed_copies_give_host_mode_bits() {
     let timeline = std::fs::read_to_string(&trace).unwrap();
     std::fs::remove_file(&trace).ok();
     assert!(timeline.contains("state, sub-group"), "no state pass ran");
-    // Weights are staged after every change and published only for steps that were not skipped.
+    // Weights go to the device piece by piece, then the sub-group is published; nothing of a
+    // skipped step (step 4) is.
     let log = transport.log.lock().unwrap();
     assert!(log.iter().any(|l| l.starts_with("publish")));
     for (i, l) in log.iter().enumerate() {
         if let Some(sg) = l.strip_prefix("publish ") {
-            assert!(log[..i].iter().any(|p| p == &format!("staged {sg}")), "publish without staging");
+            assert_eq!(log[..i].last(), Some(&format!("piece {sg}")), "publish without its pieces");
         }
     }
 }
@@ -201,7 +213,7 @@ fn a_hand_off_waits_for_the_previous_steps_state_pass() {
         for (k, g) in g.iter().enumerate() {
             host.grad_copy(k as u32, Floats::Bf16(g)).unwrap();
             dev.hand_off(k as u32, g.len(), "test", |h| {
-                let FloatsMut::Bf16(d) = h.dst else { panic!("bf16 accumulation expected") };
+                let Some(FloatsMut::Bf16(d)) = h.dst else { panic!("bf16 accumulation expected") };
                 d.copy_from_slice(g);
                 Ok(h.sumsq_scale
                     .map(|scale| HandedSumsq::Known(kernels::grad_sumsq_here(Floats::Bf16(g), scale).unwrap())))
@@ -230,11 +242,13 @@ fn a_hand_off_waits_for_the_previous_steps_state_pass() {
     }
 }
 
-/// With a low-precision copy, every time weights are staged the copy is the master rounded
-/// to nearest even (after steps, rescales, redos and a checkpoint load alike).
+/// With a low-precision copy, every piece published is the master rounded to nearest even
+/// (after steps, rescales, redos and a checkpoint load alike).
 #[derive(Default)]
 struct CopyChecker {
-    staged: Mutex<usize>,
+    /// The master weights (address, length), read when a piece is published.
+    master: Mutex<(usize, usize)>,
+    published: Mutex<usize>,
 }
 
 impl Transport for CopyChecker {
@@ -245,13 +259,28 @@ impl Transport for CopyChecker {
     fn master_write(&self, _: u32) -> Result<()> {
         Ok(())
     }
-    fn weights_updated(&self, _: u32, _: usize, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()> {
-        let (Floats::F32(m), Some(Floats::Bf16(c))) = (master, copy) else { panic!("f32 master with a bf16 copy") };
-        for (x, y) in m.iter().zip(c) {
+    fn publish_piece(&self, _: u32, offset: usize, src: Floats<'_>) -> Result<()> {
+        let Floats::Bf16(c) = src else { panic!("a bf16 copy") };
+        let (addr, len) = *self.master.lock().unwrap();
+        // SAFETY: the session publishes from the pass that holds the sub-group's data lock
+        // (or from a load between steps), so nothing writes the master weights meanwhile; the
+        // test keeps them alive past the session.
+        let m = unsafe { std::slice::from_raw_parts(addr as *const f32, len) };
+        for (x, y) in m[offset..offset + c.len()].iter().zip(c) {
             assert_eq!(bf16::from_f32(*x).to_bits(), y.to_bits(), "copy of {x}");
         }
-        *self.staged.lock().unwrap() += 1;
+        *self.published.lock().unwrap() += 1;
         Ok(())
+    }
+    fn publish_filled(
+        &self,
+        _: u32,
+        _: usize,
+        _: usize,
+        _: DType,
+        _: &mut dyn FnMut(FloatsMut<'_>) -> Result<()>,
+    ) -> Result<()> {
+        panic!("the session keeps a full copy here")
     }
     fn publish(&self, _: u32) -> Result<()> {
         Ok(())
@@ -261,11 +290,16 @@ impl Transport for CopyChecker {
 #[test]
 fn the_low_precision_copy_follows_the_master() {
     let checker = Arc::new(CopyChecker::default());
-    let opts =
-        SessionOptions { copy_dtype: Some(DType::Bf16), speculation: Speculation::On, ..SessionOptions::default() };
+    let opts = SessionOptions {
+        copy_dtype: Some(DType::Bf16),
+        speculation: Speculation::On,
+        host_copy: HostCopy::Full,
+        ..SessionOptions::default()
+    };
     let s = Session::with_transport(opts, Some(checker.clone() as Arc<dyn Transport>)).unwrap();
     s.add_group(GroupHparams::default()).unwrap();
     let mut master: Vec<f32> = (0..5000).map(|i| (i as f32 * 0.37).sin()).collect();
+    *checker.master.lock().unwrap() = (master.as_mut_ptr() as usize, master.len());
     // SAFETY: `master` is dropped after the session (the explicit drops at the end).
     let m = unsafe { Borrowed::new("m", master.as_mut_ptr().cast(), master.len(), DType::F32) }.unwrap();
     s.add_subgroup(SubGroupDesc::new(0, m, vec![SliceDesc { name: "w".into(), offset: 0, numel: 5000 }])).unwrap();
@@ -281,7 +315,7 @@ fn the_low_precision_copy_follows_the_master() {
     s.save(&path).unwrap();
     s.load(&path).unwrap();
     std::fs::remove_file(&path).unwrap();
-    assert!(*checker.staged.lock().unwrap() >= 5, "staged after each step (speculative and rescaled) and the load");
+    assert!(*checker.published.lock().unwrap() >= 4, "published after each step and the load");
     drop(s);
     drop(master);
 }
@@ -307,10 +341,20 @@ impl Transport for PieceRecorder {
     fn master_write(&self, _: u32) -> Result<()> {
         Ok(())
     }
-    fn weights_updated(&self, _: u32, offset: usize, master: Floats<'_>, _: Option<Floats<'_>>) -> Result<()> {
-        let Floats::F32(m) = master else { panic!("f32 master") };
+    fn publish_piece(&self, _: u32, offset: usize, src: Floats<'_>) -> Result<()> {
+        let Floats::F32(m) = src else { panic!("f32 master") };
         self.pieces.lock().unwrap().push((offset, m.len(), checksum(m)));
         Ok(())
+    }
+    fn publish_filled(
+        &self,
+        _: u32,
+        _: usize,
+        _: usize,
+        _: DType,
+        _: &mut dyn FnMut(FloatsMut<'_>) -> Result<()>,
+    ) -> Result<()> {
+        panic!("f32 parameters are published from the master weights")
     }
     fn publish(&self, _: u32) -> Result<()> {
         let pieces = std::mem::take(&mut *self.pieces.lock().unwrap());
@@ -418,7 +462,7 @@ fn speculative_steps_run_while_an_earlier_gradient_is_in_flight() {
         host.grad_copy(k as u32, Floats::Bf16(&g)).unwrap();
         let ticket = dev
             .hand_off(k as u32, g.len(), "test", |h| {
-                let FloatsMut::Bf16(d) = h.dst else { panic!("bf16 accumulation expected") };
+                let Some(FloatsMut::Bf16(d)) = h.dst else { panic!("bf16 accumulation expected") };
                 d.copy_from_slice(&g);
                 match h.sumsq_scale {
                     Some(scale) => Ok(Some(HandedSumsq::Known(kernels::grad_sumsq_here(Floats::Bf16(&g), scale)?))),

@@ -67,6 +67,22 @@ enum Placement : std::uint32_t {
     Device = SO_PLACEMENT_DEVICE, ///< GPU memory (CUDA sessions), stepped by the library's GPU kernel.
 };
 } // namespace placement
+namespace host_copy {
+/** Whether a CUDA session keeps a full host copy of its weights (`so_host_copy`); see superoffload::HostCopy. */
+enum HostCopy : std::uint32_t {
+    Auto = SO_HOST_COPY_AUTO,       ///< Where host memory allows (decided at the first step).
+    Full = SO_HOST_COPY_FULL,       ///< Kept: speculative steps write it during backward.
+    Bounded = SO_HOST_COPY_BOUNDED, ///< Not kept: each piece is written as it is published.
+};
+} // namespace host_copy
+namespace gradient_home {
+/** Where a CUDA session's host-stepped gradients wait (`so_gradient_home`); see superoffload::GradientHome. */
+enum GradientHome : std::uint32_t {
+    Auto = SO_GRADIENT_HOME_AUTO,     ///< On the host where its memory allows, else on the GPU.
+    Host = SO_GRADIENT_HOME_HOST,     ///< A pinned host buffer.
+    Device = SO_GRADIENT_HOME_DEVICE, ///< A device buffer, read back in pieces by each pass.
+};
+} // namespace gradient_home
 namespace skip_reason {
 /** Why a step was skipped (`so_skip_reason`); see superoffload::SkipReason. */
 enum SkipReason : std::uint32_t {
@@ -96,6 +112,10 @@ using Mode = enums::mode::Mode;
 using Speculation = enums::speculation::Speculation;
 /** Where a sub-group's state lives (`so_placement`): `Placement::Host`, `Placement::Device`. */
 using Placement = enums::placement::Placement;
+/** Whether a CUDA session keeps a full host copy (`so_host_copy`): `HostCopy::Auto`, `Full`, `Bounded`. */
+using HostCopy = enums::host_copy::HostCopy;
+/** Where host-stepped gradients wait (`so_gradient_home`): `GradientHome::Auto`, `Host`, `Device`. */
+using GradientHome = enums::gradient_home::GradientHome;
 /** Why a step was skipped (`so_skip_reason`): `SkipReason::None`, `Overflow`, ... */
 using SkipReason = enums::skip_reason::SkipReason;
 /** Where step() takes the global norm from (`so_norm_source`): `NormSource::Local`, `Given`. */

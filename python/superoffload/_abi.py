@@ -8,7 +8,7 @@ here fails CI. Enum classes drop the C prefix (`SO_STATUS_OK` -> `Status.OK`).
 import ctypes as C
 import enum
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 # `#define`d constants the package uses (`superoffload._header` checks their values).
 CONSTANTS = {
@@ -97,6 +97,18 @@ class Placement(enum.IntEnum):
     DEVICE = 1
 
 
+class HostCopy(enum.IntEnum):
+    AUTO = 0
+    FULL = 1
+    BOUNDED = 2
+
+
+class GradientHome(enum.IntEnum):
+    AUTO = 0
+    HOST = 1
+    DEVICE = 2
+
+
 ENUMS = {
     "so_status": Status,
     "so_dtype": DType,
@@ -106,6 +118,8 @@ ENUMS = {
     "so_skip_reason": SkipReason,
     "so_speculation": Speculation,
     "so_placement": Placement,
+    "so_host_copy": HostCopy,
+    "so_gradient_home": GradientHome,
 }
 
 
@@ -153,7 +167,8 @@ class SessionOptions(_Struct):
     _fields_ = [("struct_size", c_size_t), ("pool", c_void_p), ("cores", P(c_u32)), ("num_cores", c_size_t),
                 ("mode", c_u32), ("bias_correction", c_bool), ("moment_dtype", c_u32), ("grad_dtype", c_u32),
                 ("accum_dtype", c_u32), ("speculation", c_u32), ("host_memory_limit", c_u64), ("amsgrad", c_bool),
-                ("loss_scaler", P(LossScalerOptions)), ("copy_dtype", c_u32), ("gpu_budget_bytes", c_u64)]
+                ("loss_scaler", P(LossScalerOptions)), ("copy_dtype", c_u32), ("gpu_budget_bytes", c_u64),
+                ("host_copy", c_u32), ("gradient_home", c_u32)]
 
 
 class GroupHparams(_Struct):

@@ -1,7 +1,8 @@
 //! Gradient copies: device gradients to the session's pinned host buffers in pieces on two
-//! copy streams (or, for a device-placed sub-group, into its device gradient, by the pass
-//! that sums it), and each slice's sum of squares taken on the GPU as it arrives, its block
-//! partials copied to pinned host memory for the session to add.
+//! copy streams (or, for a sub-group whose gradient stays on the device, into its device
+//! gradient, by the pass that sums it, read back in bounded pieces for each CPU pass), and
+//! each slice's sum of squares taken on the GPU as it arrives, its block partials copied to
+//! pinned host memory for the session to add.
 
 use std::ops::Range;
 
@@ -11,7 +12,7 @@ use super::events::Event;
 use super::memory::{DeviceBuffer, PinnedBox};
 use super::transport::{CudaTransport, floats_mut_ptr, not_attached};
 use crate::error::{Error, Result, Status};
-use crate::kernels::DType;
+use crate::kernels::{DType, Floats};
 use crate::session::{HandOff, HandedSumsq};
 
 /// Elements per partial of a sum of squares (the CPU kernels' block).
@@ -37,7 +38,7 @@ pub(crate) struct SumsqPartials {
     /// Per slice: its partials' indices.
     spans: Vec<Range<usize>>,
     dev: DeviceBuffer,
-    host: PinnedBox,
+    host: PinnedBox<f64>,
     /// Per slice: recorded after its partials' copy to the host, until consumed.
     ready: Vec<Option<Event>>,
 }
@@ -89,16 +90,6 @@ impl CudaTransport {
                  micro-steps on the GPU, as PyTorch does in .grad); only a late gradient may follow",
             ));
         }
-        let mut dst = h.dst;
-        if dst.dtype() != dtype {
-            return Err(Error::unsupported(format!(
-                "a {} device gradient cannot land in a {} host buffer: in CUDA sessions the gradient dtype is the \
-                 accumulation dtype (bf16 gradients of f32 master weights cross the link once, in bf16)",
-                dtype.name(),
-                dst.dtype().name()
-            )));
-        }
-        let (dst, bytes) = floats_mut_ptr(&mut dst);
         if src == 0 {
             return Err(Error::new(Status::NullArgument, "the device gradient is NULL"));
         }
@@ -106,14 +97,39 @@ impl CudaTransport {
         driver::refuse_capturing(stream)?;
         let mut state = self.state.lock().unwrap();
         let dev = state.subgroups.get_mut(&h.sg).ok_or_else(|| not_attached(h.sg))?;
-        let on_device = dev.device.is_some();
-        if on_device && (h.late || h.sumsq_scale.is_none()) {
-            return Err(Error::unsupported(
-                "a device-placed sub-group takes each slice's gradient once per step, at the last micro-step \
-                 (no late gradients)",
-            ));
+        let size = dtype.size();
+        // A gradient that stays on the device is copied there by the pass that sums it (once
+        // the device step before, if any, has read the gradient there).
+        let on_device = dev.device_gradient_at(h.range.start * size);
+        let host = match (on_device, h.dst) {
+            (Some(_), _) if h.late || h.sumsq_scale.is_none() => {
+                return Err(Error::unsupported(
+                    "a sub-group whose gradient stays on the device takes each slice's gradient once per step, at the \
+                     last micro-step (no late gradients)",
+                ));
+            }
+            (Some(_), _) => None,
+            (None, Some(mut dst)) => {
+                if dst.dtype() != dtype {
+                    return Err(Error::unsupported(format!(
+                        "a {} device gradient cannot land in a {} host buffer: in CUDA sessions the gradient dtype is \
+                         the accumulation dtype (bf16 gradients of f32 master weights cross the link once, in bf16)",
+                        dtype.name(),
+                        dst.dtype().name()
+                    )));
+                }
+                Some(floats_mut_ptr(&mut dst))
+            }
+            (None, None) => return Err(Error::new(Status::Panic, "a gradient with nowhere to land")),
+        };
+        if on_device.is_some() && dtype != self.accum_dtype {
+            return Err(Error::unsupported(format!(
+                "a {} device gradient cannot land in the session's {} device gradient",
+                dtype.name(),
+                self.accum_dtype.name()
+            )));
         }
-        let side_used = h.sumsq_scale.is_some() || on_device;
+        let side_used = h.sumsq_scale.is_some() || on_device.is_some();
         {
             let ready = self.events.record(stream)?;
             ready.wait_in(self.d2h[0].0)?;
@@ -121,20 +137,14 @@ impl CudaTransport {
                 ready.wait_in(self.side.0)?;
             }
         }
-        // A device-placed sub-group's gradient is copied into its device gradient by the pass
-        // that sums it, once the device step before has read the gradient there.
-        let copy = match &dev.device {
-            Some(device) => {
-                if let Some(stepped) = &dev.stepped {
-                    stepped.wait_in(self.side.0)?;
-                }
-                device.grad_at(h.range.start * dtype.size())
-            }
-            None => 0,
-        };
+        if on_device.is_some()
+            && let Some(stepped) = &dev.stepped
+        {
+            stepped.wait_in(self.side.0)?;
+        }
         let handed = match h.sumsq_scale {
             Some(scale) => {
-                let sumsq = SumsqSource { src, numel: h.range.len(), dtype, scale, copy };
+                let sumsq = SumsqSource { src, numel: h.range.len(), dtype, scale, copy: on_device.unwrap_or(0) };
                 self.queue_sumsq(&mut dev.partials, h.slice, sumsq)?;
                 Some(HandedSumsq::Deferred)
             }
@@ -148,11 +158,56 @@ impl CudaTransport {
             // the sum of squares and of the device-gradient copy too.
             self.events.record(self.side.0)?.wait_in(self.d2h[0].0)?;
         }
-        if !on_device {
+        if let Some((dst, bytes)) = host {
             self.copy_pieces(dst, src, bytes)?;
         }
         dev.copies.push(self.events.record(self.d2h[0].0)?);
         Ok(handed)
+    }
+
+    /// Copies elements `range` of a gradient kept on the device to the host in pieces of at
+    /// most `piece` elements through the gradient slots, calling `f` on each in order while
+    /// the next ones are in flight (on the second copy stream).
+    pub(super) fn read_kept_gradient(
+        &self,
+        sg: u32,
+        range: Range<usize>,
+        piece: usize,
+        f: &mut dyn FnMut(usize, Floats<'_>) -> Result<()>,
+    ) -> Result<()> {
+        self.enter()?;
+        let size = self.accum_dtype.size();
+        let src = {
+            let state = self.state.lock().unwrap();
+            let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
+            d.device_gradient_at(0).ok_or_else(|| {
+                Error::new(Status::InvalidState, format!("sub-group {sg} keeps no gradient on the device"))
+            })?
+        };
+        let pieces: Vec<Range<usize>> =
+            range.clone().step_by(piece.max(1)).map(|s| s..(s + piece).min(range.end)).collect();
+        let stream = self.d2h[1].0;
+        let mut slots = self.gradient_slots.lock().unwrap();
+        self.noted(slots.reserve(piece * size))?;
+        let ahead = slots.len();
+        let queue = |slots: &mut super::slots::Slots, i: usize| -> Result<()> {
+            let p = &pieces[i];
+            let slot = self.noted(slots.ready(i % ahead))?;
+            driver::memcpy_dtoh_async(slot.ptr(), src + (p.start * size) as u64, p.len() * size, stream)?;
+            slot.used_by(self.events.record(stream)?);
+            Ok(())
+        };
+        for i in 0..pieces.len().min(ahead) {
+            queue(&mut slots, i)?;
+        }
+        for (i, p) in pieces.iter().enumerate() {
+            let slot = self.noted(slots.ready(i % ahead))?;
+            f(p.start, slot.floats(self.accum_dtype, p.len()))?;
+            if i + ahead < pieces.len() {
+                queue(&mut slots, i + ahead)?;
+            }
+        }
+        Ok(())
     }
 
     /// Queues a slice's sum of squares on the side stream: block partials on the device, then

@@ -65,26 +65,31 @@ impl Drop for HostRegistration {
     }
 }
 
-/// Host memory allocated and page-locked here, for device-to-host copies of small results.
-pub(crate) struct PinnedBox {
+/// Host memory allocated and page-locked here: the partials of sums of squares, and the
+/// slots of the bounded buffers pieces of weights and gradients pass through.
+pub(crate) struct PinnedBox<T> {
     // Declared before `data`, so dropped first: the range is unregistered before it is freed.
     _registration: HostRegistration,
-    data: Box<[f64]>,
+    data: Box<[T]>,
 }
 
-impl PinnedBox {
+impl<T: Copy + Default> PinnedBox<T> {
     /// `len` zeros, page-locked.
-    pub(crate) fn zeros(len: usize) -> Result<PinnedBox> {
-        let mut data = vec![0.0f64; len].into_boxed_slice();
-        let registration = HostRegistration::register(data.as_mut_ptr().cast(), len * 8)?;
+    pub(crate) fn zeros(len: usize) -> Result<PinnedBox<T>> {
+        let mut data = vec![T::default(); len].into_boxed_slice();
+        let registration = HostRegistration::register(data.as_mut_ptr().cast(), len * size_of::<T>())?;
         Ok(PinnedBox { _registration: registration, data })
     }
 
-    pub(crate) fn as_slice(&self) -> &[f64] {
+    pub(crate) fn as_slice(&self) -> &[T] {
         &self.data
     }
 
-    /// Where a copy of elements `[offset, ..)` lands.
+    pub(crate) fn bytes(&self) -> usize {
+        self.data.len() * size_of::<T>()
+    }
+
+    /// The address of elements `[offset, ..)`.
     pub(crate) fn dst_at(&mut self, offset: usize) -> *mut u8 {
         self.data[offset..].as_mut_ptr().cast()
     }

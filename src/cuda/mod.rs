@@ -13,6 +13,7 @@ mod faults;
 mod gradients;
 mod memory;
 mod ptx;
+mod slots;
 mod transport;
 
 use std::sync::Arc;

@@ -1,10 +1,12 @@
 //! The CUDA transport: device gradients to pinned host buffers in pieces on two copy
-//! streams, their sums of squares taken on the GPU as they arrive (`gradients.rs`); updated
-//! weights to per-sub-group GPU staging buffers, published into the model's parameters once
-//! `step()` has decided; device-placed sub-groups stepped by the library's own GPU kernel
-//! (`device_state.rs`); stream waits for published weights. Device memory, host
-//! registrations (`memory.rs`) and events (`events.rs`) are owners: dropped, they release
-//! what they hold.
+//! streams, or kept on the device and read back in bounded pieces, their sums of squares
+//! taken on the GPU as they arrive (`gradients.rs`); updated weights copied from host memory
+//! straight into the model's parameters once `step()` has decided, behind the caller's
+//! backward, piece by piece as the final passes write them (from the session's copy, the
+//! master weights, or bounded slots, `slots.rs`); device-placed sub-groups stepped by the
+//! library's own GPU kernel (`device_state.rs`); stream waits for published weights. Device
+//! memory, host registrations (`memory.rs`) and events (`events.rs`) are owners: dropped,
+//! they release what they hold.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -17,6 +19,7 @@ use super::events::{self, Event, EventPool, WaitTimes};
 use super::faults::CopyFaults;
 use super::gradients::SumsqPartials;
 use super::memory::{DeviceBuffer, HostRegistration};
+use super::slots::Slots;
 use crate::error::{Error, Result, Status};
 use crate::kernels::{DType, Floats, FloatsMut};
 use crate::session::{DeviceParam, DevicePass, HostState, Placement, Transport};
@@ -42,47 +45,67 @@ pub(super) struct SgDevice {
     /// The model's parameter (caller-owned device memory).
     param: CUdeviceptr,
     param_dtype: DType,
-    /// Where a host-placed sub-group's updated weights wait until `publish` (a device-placed
-    /// one publishes from its device state and holds none).
-    staging: Option<DeviceBuffer>,
-    staging_dtype: DType,
     numel: usize,
     pub(super) partials: SumsqPartials,
-    /// Recorded after each gradient copy of this step (to the host, or into `device`'s gradient).
+    /// Recorded after each gradient copy of this step (to the host, or into a device gradient).
     pub(super) copies: Vec<Event>,
-    /// Recorded after the latest staging copy, which reads the host master (or copy).
-    staged: Option<Event>,
-    /// Recorded after the latest publication (from `staging`, which it reads, or by a device
-    /// step): what a stream waits for before reading this sub-group's parameter.
+    /// Recorded after the latest publication copy that reads the session's host memory (its
+    /// copy or master weights): they are not written again before it is done.
+    publishing: Option<Event>,
+    /// Recorded after the latest publication (or device step that published): what a stream
+    /// waits for before reading this sub-group's parameter.
     published: Option<Event>,
     /// Recorded after the latest device step, which reads the device gradient: the next
     /// gradient written there waits for it (a rolled-back step publishes nothing that the
     /// next backward would otherwise follow).
     pub(super) stepped: Option<Event>,
     pub(super) device: Option<DeviceState>,
+    /// Whether a host-placed sub-group's gradient is kept on the device (`kept` holds it
+    /// while the sub-group is host-placed; a device-placed one uses its state's).
+    keeps_gradient: bool,
+    kept: Option<DeviceBuffer>,
 }
 
 impl SgDevice {
     fn bytes(&self) -> usize {
-        self.staging.as_ref().map_or(0, DeviceBuffer::bytes)
-            + self.partials.host_bytes()
+        self.partials.host_bytes()
             + self.device.as_ref().map_or(0, DeviceState::bytes)
+            + self.kept.as_ref().map_or(0, DeviceBuffer::bytes)
     }
 
     fn param(&self) -> Param {
         Param { ptr: self.param, dtype: self.param_dtype, numel: self.numel }
     }
 
-    fn staging(&self, sg: u32) -> Result<&DeviceBuffer> {
-        self.staging.as_ref().ok_or_else(|| {
-            Error::new(Status::InvalidState, format!("sub-group {sg} is device-placed: it stages no weights"))
-        })
+    /// Where a gradient handed over lands on the device, `offset` bytes in: a device-placed
+    /// sub-group's state, or the buffer a host-placed one keeps it in; `None`: the host.
+    pub(super) fn device_gradient_at(&self, offset: usize) -> Option<CUdeviceptr> {
+        match (&self.device, &self.kept) {
+            (Some(state), _) => Some(state.grad_at(offset)),
+            (None, Some(kept)) => Some(kept.at(offset)),
+            (None, None) => None,
+        }
+    }
+
+    /// Checks that elements `offset..offset + len` in `dtype` can be published into the parameter.
+    fn check_piece(&self, sg: u32, offset: usize, len: usize, dtype: DType) -> Result<()> {
+        if dtype != self.param_dtype {
+            return Err(Error::unsupported(format!(
+                "sub-group {sg}: {} weights cannot be published into a {} parameter",
+                dtype.name(),
+                self.param_dtype.name()
+            )));
+        }
+        if offset + len > self.numel {
+            return Err(Error::new(Status::Panic, format!("sub-group {sg}: published elements beyond its end")));
+        }
+        Ok(())
     }
 
     /// Every event of work still queued for this sub-group.
     fn take_events(&mut self) -> Vec<Event> {
         let mut events = std::mem::take(&mut self.copies);
-        events.extend(self.staged.take());
+        events.extend(self.publishing.take());
         events.extend(self.published.take());
         events.extend(self.stepped.take());
         events.extend(self.partials.take_pending());
@@ -120,17 +143,17 @@ pub struct CudaTransport {
     pub(super) d2h: [Raw<CUstream>; 2],
     /// Device steps and publication; a step's publications follow the caller's backward.
     h2d: Raw<CUstream>,
-    /// Staging copies of updated weights (host to `staging`). Not behind that wait: the
-    /// weights of speculative steps taken during backward reach the device while backward
-    /// runs, and the first layer's publication after it does not queue behind them.
-    stage: Raw<CUstream>,
-    /// Sums of squares and device-placed gradients.
+    /// Sums of squares and gradients that land on the device.
     pub(super) side: Raw<CUstream>,
     pub(super) piece_bytes: usize,
-    /// The session's accumulation dtype (of device-placed gradients) and the dtype of the
-    /// low-precision copy it keeps, if any (what is staged for 16-bit parameters).
-    accum_dtype: DType,
+    /// The session's accumulation dtype (of gradients on the device) and the dtype of the
+    /// low-precision copy it keeps, if any (what 16-bit parameters are published from).
+    pub(super) accum_dtype: DType,
     copy_dtype: Option<DType>,
+    /// Pieces of weights on their way to the device where the session keeps no copy.
+    publish_slots: Mutex<Slots>,
+    /// Pieces of gradients kept on the device, on their way to a pass.
+    pub(super) gradient_slots: Mutex<Slots>,
     pub(super) faults: CopyFaults,
     /// The first failure of queued work (a copy, a kernel): CUDA reports those errors on
     /// every later call of the context, so the transport refuses from then on.
@@ -166,7 +189,7 @@ impl CudaTransport {
         }
         let ctx = Context::primary(options.device)?;
         let kernels = Kernels::load()?;
-        let [a, b, c, d, e] = take_streams(options.device)?;
+        let [a, b, c, d] = take_streams(options.device)?;
         let transport = CudaTransport {
             device: options.device,
             ctx,
@@ -174,10 +197,11 @@ impl CudaTransport {
             d2h: [a, b],
             h2d: c,
             side: d,
-            stage: e,
             piece_bytes: options.piece_bytes,
             accum_dtype,
             copy_dtype,
+            publish_slots: Mutex::new(Slots::new(SLOTS)),
+            gradient_slots: Mutex::new(Slots::new(SLOTS)),
             faults: CopyFaults::from_env(),
             fault: OnceLock::new(),
             events: Arc::default(),
@@ -198,7 +222,7 @@ impl CudaTransport {
     }
 
     /// Remembers a failure of queued work (see `fault`).
-    fn noted<T>(&self, outcome: Result<T>) -> Result<T> {
+    pub(super) fn noted<T>(&self, outcome: Result<T>) -> Result<T> {
         if let Err(e) = &outcome {
             let _ = self.fault.set(e.clone());
         }
@@ -211,9 +235,10 @@ impl CudaTransport {
         self.d2h[0].0
     }
 
-    /// Host bytes this transport page-locked.
+    /// Host bytes this transport page-locked: the session's buffers and its own slots.
     pub fn pinned_bytes(&self) -> usize {
-        self.state.lock().unwrap().pins.values().map(HostRegistration::pinned_bytes).sum()
+        let slots = self.publish_slots.lock().unwrap().bytes() + self.gradient_slots.lock().unwrap().bytes();
+        slots + self.state.lock().unwrap().pins.values().map(HostRegistration::pinned_bytes).sum::<usize>()
     }
 
     /// Registers the caller's compute stream (borrowed): publication of updated weights
@@ -256,15 +281,21 @@ impl CudaTransport {
         Ok(())
     }
 
-    /// Staged weights are f32, or the session's low-precision copy when it keeps one.
-    fn staging_dtype(&self) -> DType {
-        self.copy_dtype.unwrap_or(DType::F32)
-    }
-
     /// Waits for `events`, which then go back to the pool. Called without the state lock: a
     /// host thread waiting for a copy must not block the training thread's hand-offs.
     pub(super) fn wait_and_free(&self, events: Vec<Event>) -> Result<()> {
         self.noted(events::synchronize_all(events))
+    }
+
+    /// Queues the copy of `bytes` at host `src` into `sg`'s parameter, `offset` elements in,
+    /// on the publish stream behind the caller's backward; the event recorded after it.
+    fn publish_copy(&self, sg: u32, offset: usize, src: *const u8, bytes: usize) -> Result<Event> {
+        let mut state = self.state.lock().unwrap();
+        state.publication_follows_backward(self.h2d.0)?;
+        let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
+        let dst = d.param + (offset * d.param_dtype.size()) as CUdeviceptr;
+        driver::memcpy_htod_async(dst, src, bytes, self.h2d.0)?;
+        self.events.record(self.h2d.0)
     }
 
     /// A device state of `numel` elements holding `host`'s (complete on return; freed again
@@ -301,12 +332,15 @@ impl CudaTransport {
     }
 }
 
+/// Slots of each bounded buffer: one piece filled while others are in flight.
+const SLOTS: usize = 4;
+
 /// Copy streams outlive the sessions that used them: callers `record_stream` them into
 /// PyTorch's caching allocator, which records events on them whenever it later frees such
 /// memory. So they are never destroyed; a later session on the same device reuses them.
-static SPARE_STREAMS: Mutex<Vec<(i32, [Raw<CUstream>; 5])>> = Mutex::new(Vec::new());
+static SPARE_STREAMS: Mutex<Vec<(i32, [Raw<CUstream>; 4])>> = Mutex::new(Vec::new());
 
-fn take_streams(device: i32) -> Result<[Raw<CUstream>; 5]> {
+fn take_streams(device: i32) -> Result<[Raw<CUstream>; 4]> {
     let mut spare = SPARE_STREAMS.lock().unwrap();
     if let Some(i) = spare.iter().position(|(d, _)| *d == device) {
         return Ok(spare.swap_remove(i).1);
@@ -316,11 +350,10 @@ fn take_streams(device: i32) -> Result<[Raw<CUstream>; 5]> {
         Raw(driver::stream_create()?),
         Raw(driver::stream_create()?),
         Raw(driver::stream_create()?),
-        Raw(driver::stream_create()?),
     ])
 }
 
-fn give_back_streams(device: i32, streams: [Raw<CUstream>; 5]) {
+fn give_back_streams(device: i32, streams: [Raw<CUstream>; 4]) {
     SPARE_STREAMS.lock().unwrap().push((device, streams));
 }
 
@@ -366,33 +399,31 @@ impl Transport for CudaTransport {
             return Err(Error::new(Status::NullArgument, "the device parameter is NULL"));
         }
         let numel = state.master.len();
-        let staging_dtype = self.staging_dtype();
-        if staging_dtype != DType::F32 && staging_dtype != device.dtype {
+        if let Some(copy) = self.copy_dtype.filter(|&c| c != device.dtype) {
             return Err(Error::unsupported(format!(
-                "the session sends {} copies of the weights, which can only be published into {} parameters (this one is {})",
-                staging_dtype.name(),
-                staging_dtype.name(),
+                "the session keeps {} copies of the weights, which can only be published into {} parameters (this \
+                 one is {})",
+                copy.name(),
+                copy.name(),
                 device.dtype.name()
             )));
         }
         self.enter()?;
         // Each owner releases what it took if a later one fails.
-        let staging =
-            (placement == Placement::Host).then(|| DeviceBuffer::alloc(numel * staging_dtype.size())).transpose()?;
         let partials = SumsqPartials::new(slices)?;
         let on_device = (placement == Placement::Device).then(|| self.uploaded(numel, &mut state)).transpose()?;
         let dev = SgDevice {
             param: device.ptr,
             param_dtype: device.dtype,
-            staging,
-            staging_dtype,
             numel,
             partials,
             copies: Vec::new(),
-            staged: None,
+            publishing: None,
             published: None,
             stepped: None,
             device: on_device,
+            keeps_gradient: false,
+            kept: None,
         };
         self.state.lock().unwrap().subgroups.insert(sg, dev);
         Ok(())
@@ -403,7 +434,7 @@ impl Transport for CudaTransport {
         let removed = self.state.lock().unwrap().subgroups.remove(&sg);
         if let Some(mut d) = removed {
             let _ = self.wait_and_free(d.take_events());
-            for s in [self.side, self.stage, self.h2d] {
+            for s in [self.side, self.h2d, self.d2h[1]] {
                 let _ = driver::stream_synchronize(s.0);
             }
             // Nothing queued uses `d` any more: dropping it frees its buffers.
@@ -435,39 +466,46 @@ impl Transport for CudaTransport {
 
     fn master_write(&self, sg: u32) -> Result<()> {
         self.enter()?;
-        let staged = self.state.lock().unwrap().subgroups.get_mut(&sg).and_then(|d| d.staged.take());
-        self.wait_and_free(staged.into_iter().collect())
+        let publishing = self.state.lock().unwrap().subgroups.get_mut(&sg).and_then(|d| d.publishing.take());
+        self.wait_and_free(publishing.into_iter().collect())
     }
 
-    fn weights_updated(&self, sg: u32, offset: usize, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()> {
+    fn publish_piece(&self, sg: u32, offset: usize, src: Floats<'_>) -> Result<()> {
         self.enter()?;
-        let mut state = self.state.lock().unwrap();
-        let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
-        let source = match copy {
-            Some(c) if c.dtype() == d.staging_dtype => c,
-            _ if master.dtype() == d.staging_dtype => master,
-            _ => {
-                return Err(Error::unsupported(format!(
-                    "the session keeps no {} copy of the weights to publish",
-                    d.staging_dtype.name()
-                )));
-            }
-        };
-        // The staging buffer is overwritten only after the previous publication read it (the
-        // first piece of a pass waits; the rest follow it on the stream).
-        if let Some(published) = d.published.take() {
-            published.wait_in(self.stage.0)?;
+        {
+            let state = self.state.lock().unwrap();
+            let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
+            d.check_piece(sg, offset, src.len(), src.dtype())?;
         }
-        let len = source.len();
-        if offset + len > d.numel {
-            return Err(Error::new(Status::Panic, format!("sub-group {sg}: staged elements beyond its end")));
+        // The session leaves `src` (its pinned copy or master weights) unchanged until
+        // `master_write`, which waits for this copy.
+        let copied = self.publish_copy(sg, offset, floats_ptr(&src), src.len() * src.dtype().size())?;
+        if let Some(d) = self.state.lock().unwrap().subgroups.get_mut(&sg) {
+            d.publishing = Some(copied);
         }
-        let size = d.staging_dtype.size();
-        let dst = d.staging(sg)?.at(offset * size);
-        driver::memcpy_htod_async(dst, floats_ptr(&source), len * size, self.stage.0)?;
-        // The staging copies of a sub-group run in order on one stream: the newest event
-        // covers the earlier ones, which go back at once.
-        d.staged = Some(self.events.record(self.stage.0)?);
+        Ok(())
+    }
+
+    fn publish_filled(
+        &self,
+        sg: u32,
+        offset: usize,
+        len: usize,
+        dtype: DType,
+        fill: &mut dyn FnMut(FloatsMut<'_>) -> Result<()>,
+    ) -> Result<()> {
+        self.enter()?;
+        {
+            let state = self.state.lock().unwrap();
+            let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
+            d.check_piece(sg, offset, len, dtype)?;
+        }
+        // Without the state lock while the slot frees up and `fill` runs: hand-offs go on.
+        let mut slots = self.publish_slots.lock().unwrap();
+        let slot = self.noted(slots.next_ready(len * dtype.size()))?;
+        fill(slot.floats_mut(dtype, len))?;
+        let copied = self.publish_copy(sg, offset, slot.ptr(), len * dtype.size())?;
+        slot.used_by(copied);
         Ok(())
     }
 
@@ -476,11 +514,6 @@ impl Transport for CudaTransport {
         let mut state = self.state.lock().unwrap();
         state.publication_follows_backward(self.h2d.0)?;
         let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
-        // The latest staging copy (if the host has not waited for it already) comes first.
-        if let Some(staged) = &d.staged {
-            staged.wait_in(self.h2d.0)?;
-        }
-        self.publish_from(d, d.staging(sg)?.ptr(), d.staging_dtype)?;
         d.published = Some(self.events.record(self.h2d.0)?);
         Ok(())
     }
@@ -537,16 +570,37 @@ impl Transport for CudaTransport {
         Ok(())
     }
 
+    fn keep_gradient_on_device(&self, sg: u32) -> Result<()> {
+        self.enter()?;
+        let mut state = self.state.lock().unwrap();
+        let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
+        if d.device.is_none() && d.kept.is_none() {
+            d.kept = Some(DeviceBuffer::alloc(d.numel * self.accum_dtype.size())?);
+        }
+        d.keeps_gradient = true;
+        Ok(())
+    }
+
+    fn gradient_pieces(
+        &self,
+        sg: u32,
+        range: Range<usize>,
+        piece: usize,
+        f: &mut dyn FnMut(usize, Floats<'_>) -> Result<()>,
+    ) -> Result<()> {
+        self.read_kept_gradient(sg, range, piece, f)
+    }
+
     fn device_zero_gradient(&self, sg: u32, range: Range<usize>) -> Result<()> {
         self.enter()?;
         let mut state = self.state.lock().unwrap();
         let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
-        let dev = d.device.as_ref().ok_or_else(not_device_placed)?;
         let size = self.accum_dtype.size();
+        let dst = d.device_gradient_at(range.start * size).ok_or_else(not_device_placed)?;
         if let Some(stepped) = &d.stepped {
             stepped.wait_in(self.side.0)?;
         }
-        driver::memset_async(dev.grad_at(range.start * size), range.len() * size, self.side.0)?;
+        driver::memset_async(dst, range.len() * size, self.side.0)?;
         d.copies.push(self.events.record(self.side.0)?);
         Ok(())
     }
@@ -558,16 +612,16 @@ impl Transport for CudaTransport {
         match (placement, &d.device) {
             (Placement::Device, None) => {
                 d.device = Some(self.uploaded(d.numel, &mut host)?);
-                // The staging buffer goes once its copies are done (the upload synchronised the
-                // stream of the publications, which read it).
-                self.wait_and_free(d.staged.take().into_iter().collect())?;
-                d.staging = None;
+                // Its state's gradient replaces the one kept for it (every pass that read that
+                // one waited for its copies).
+                d.kept = None;
             }
             (Placement::Host, Some(dev)) => {
-                // The staging buffer first, and the device state freed only once the host holds it.
-                let staging = DeviceBuffer::alloc(d.numel * d.staging_dtype.size())?;
+                // The kept gradient first, and the device state freed only once the host holds it.
+                let kept =
+                    d.keeps_gradient.then(|| DeviceBuffer::alloc(d.numel * self.accum_dtype.size())).transpose()?;
                 self.download(dev, &mut host)?;
-                d.staging = Some(staging);
+                d.kept = kept;
                 d.device = None;
             }
             _ => {}
@@ -595,10 +649,6 @@ impl Transport for CudaTransport {
         self.publish_from(d, dev.master(), DType::F32)
     }
 
-    fn host_placed_device_bytes_per_element(&self) -> usize {
-        self.staging_dtype().size()
-    }
-
     fn device_bytes(&self) -> usize {
         let state = self.state.lock().unwrap();
         state.subgroups.values().map(SgDevice::bytes).sum::<usize>()
@@ -618,7 +668,7 @@ impl Drop for CudaTransport {
             std::mem::forget(state);
             return;
         }
-        for s in self.d2h.iter().chain([&self.h2d, &self.side, &self.stage]) {
+        for s in self.d2h.iter().chain([&self.h2d, &self.side]) {
             let _ = driver::stream_synchronize(s.0);
         }
         // Nothing queued is left: the sub-groups' buffers are freed, the pins undone and
@@ -626,6 +676,6 @@ impl Drop for CudaTransport {
         drop(state);
         std::mem::take(&mut *self.waits.lock().unwrap());
         self.events.destroy_free();
-        give_back_streams(self.device, [self.d2h[0], self.d2h[1], self.h2d, self.side, self.stage]);
+        give_back_streams(self.device, [self.d2h[0], self.d2h[1], self.h2d, self.side]);
     }
 }

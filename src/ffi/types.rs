@@ -5,7 +5,7 @@
 use super::convert::{Field, FromC, abi_enum};
 use crate::error::{Error, Result};
 use crate::kernels::{AdamMode, DType, Isa};
-use crate::session::{Placement, SkipReason, Speculation};
+use crate::session::{GradientHome, HostCopy, Placement, SkipReason, Speculation};
 
 /// Element type of a buffer. Fields and arguments of type `uint32_t` named `*_dtype`
 /// take these values.
@@ -138,3 +138,42 @@ pub enum so_placement {
 }
 
 abi_enum!(so_placement <=> Placement { Host = Host, Device = Device });
+
+/// Whether a CUDA session keeps a full host copy of its weights in `copy_dtype`
+/// (`so_session_options.host_copy`; a host session always keeps it).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum so_host_copy {
+    /// Decided when the sub-groups are provisioned (the first `so_session_begin_step` after
+    /// they were registered), from the host memory available then: kept where it fits beside
+    /// the gradients, else bounded.
+    Auto = 0,
+    /// Kept: speculative steps write it during backward (with bf16 moments, ahead of the rest
+    /// of the step) and publication reads it.
+    Full = 1,
+    /// Not kept: each piece of the published weights is written into one of a few pinned
+    /// buffers of 16 MiB as it is published. 2 bytes per element less host memory; with bf16
+    /// moments the sub-group then steps after the decision.
+    Bounded = 2,
+}
+
+abi_enum!(so_host_copy <=> HostCopy { Auto = Auto, Full = Full, Bounded = Bounded });
+
+/// Where a host-stepped sub-group's gradient waits for the optimizer
+/// (`so_session_options.gradient_home`; a host session keeps it on the host).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum so_gradient_home {
+    /// Decided when the sub-groups are provisioned, from the host and device memory measured
+    /// then: on the host for as many sub-groups in forward order as host memory holds (less a
+    /// reserve of max(2 GiB, 5 % of the host)), on the device for the rest.
+    Auto = 0,
+    /// A pinned host buffer (`accum_dtype`), copied into as backward produces the gradient.
+    Host = 1,
+    /// A device buffer of the session's: every pass that reads the gradient copies it to the
+    /// host in pieces of 2 Mi elements through a few pinned buffers. No host memory for it;
+    /// late gradients are refused.
+    Device = 2,
+}
+
+abi_enum!(so_gradient_home <=> GradientHome { Auto = Auto, Host = Host, Device = Device });

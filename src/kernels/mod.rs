@@ -231,7 +231,7 @@ pub fn update_copy(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, grad_scal
 
 /// The second half of [`update_copy`]: the parameter and the moments of the same step, from
 /// the buffers as [`update_copy`] found them (it changed none of them). The copy is not
-/// written.
+/// written, and need not be given.
 pub fn update_state(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, grad_scale: f32) -> Result<()> {
     split_update(pool, hp, bufs, grad_scale, Stores::State)
 }
@@ -246,7 +246,9 @@ pub fn can_split_update(bufs: &AdamBuffers<'_>) -> bool {
 fn split_update(pool: &Pool, hp: &AdamHyper, bufs: AdamBuffers<'_>, grad_scale: f32, stores: Stores) -> Result<()> {
     hp.validate()?;
     check_scale("grad_scale", grad_scale)?;
-    if !can_split_update(&bufs) {
+    // The state pass writes no copy: it needs the f32 parameter alone.
+    let splits = bufs.param.dtype() == DType::F32 && (stores == Stores::State || bufs.copy_out.is_some());
+    if !splits {
         return Err(Error::unsupported(format!(
             "a split update needs an f32 parameter and a copy to write; got a {} parameter {} a copy",
             bufs.param.dtype().name(),

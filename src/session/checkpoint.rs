@@ -367,6 +367,10 @@ impl Session {
         }
         for (track, (sg, step)) in tracks.iter().zip(&plan) {
             let mut data = sg.data.lock().unwrap();
+            if let (Some(transport), Placement::Host) = (transport, data.placement) {
+                // The latest publication may still be reading the host weights.
+                transport.master_write(sg.id)?;
+            }
             for i in track.slices.clone() {
                 let slice = &t.reg.slices[i];
                 let range = slice.range.clone();
@@ -389,8 +393,7 @@ impl Session {
             match (transport, d.placement) {
                 (Some(transport), Placement::Device) => transport.load_state(sg.id, d.host_state())?,
                 (Some(transport), Placement::Host) => {
-                    transport.master_write(sg.id)?;
-                    transport.weights_updated(sg.id, 0, d.master.floats(), d.copy.as_ref().map(|c| c.floats()))?;
+                    self.shared.write_and_publish(sg, d, 0..sg.numel, None)?;
                     transport.publish(sg.id)?;
                 }
                 (None, _) => {}

@@ -5,7 +5,8 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::passes::{StepInFlight, Worker, buffers, guarded};
+use super::passes::{StepInFlight, Worker, guarded};
+use super::publish::{CopyTo, Pass, writes_copy};
 use super::scheduler::Lifecycle;
 use super::state_after::take_from_prefix;
 use super::trace::Lane;
@@ -14,10 +15,7 @@ use super::{
     speculation_stands, unscale_factor,
 };
 use crate::error::Result;
-use crate::kernels::{self, AdamHyper, Resolution, UpdateOptions};
-
-/// Elements of a final pass staged for the device at a time (16 MiB of bf16 weights).
-const PUBLISH_PIECE: usize = 1 << 23;
+use crate::kernels::{self, AdamBuffers, AdamHyper, Resolution, UpdateOptions};
 
 /// The step's verdict, as one sub-group sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -234,7 +232,10 @@ impl Worker {
         let start = Instant::now();
         let outcome = guarded(|| {
             let mut data = sg.data.lock().unwrap();
-            kernels::update_state(&self.shared.pool, hp, buffers(&mut data, 0..sg.numel), scale)
+            let pool = &self.shared.pool;
+            self.shared.each_piece(sg, &mut data, 0..sg.numel, CopyTo::Nowhere, &mut |_, b| {
+                kernels::update_state(pool, hp, b, scale)
+            })
         });
         if outcome.is_ok() {
             self.shared.policy.lock().unwrap().state_pass_measured(sg.numel, start.elapsed());
@@ -258,37 +259,12 @@ impl Worker {
     }
 
     /// Whether a step's master weights and moments can be written after its copy is
-    /// published: there is a device to publish to, and the gradient buffer is the session's
-    /// (a caller-provided one may be rewritten once the weights are final).
-    fn state_can_follow(&self, data: &mut SgData) -> bool {
-        self.shared.transport().is_some() && data.grad.is_owned() && kernels::can_split_update(&buffers(data, 0..0))
-    }
-
-    /// Writes elements `range` of a step (the copy alone with `copy_only`), with a device to
-    /// publish to in pieces, each staged as it is done: the next forward waits for this pass
-    /// and the staging copy of its last piece only.
-    fn write_pieces(
-        &self,
-        sg: &SubGroup,
-        data: &mut SgData,
-        hp: &AdamHyper,
-        factor: f32,
-        range: Range<usize>,
-        copy_only: bool,
-    ) -> Result<()> {
-        let pool = &self.shared.pool;
-        let piece_len = if self.shared.transport().is_some() { PUBLISH_PIECE } else { range.len().max(1) };
-        let update = UpdateOptions { grad_scale: factor, ..Default::default() };
-        for start in range.clone().step_by(piece_len) {
-            let piece = start..(start + piece_len).min(range.end);
-            if copy_only {
-                kernels::update_copy(pool, hp, buffers(data, piece.clone()), factor)?;
-            } else {
-                kernels::update(pool, hp, buffers(data, piece.clone()), &update)?;
-            }
-            self.staged_range(sg, data, piece)?;
-        }
-        Ok(())
+    /// published: there is a device to publish to and a copy to publish, and the gradient
+    /// buffer is the session's (a caller-provided one may be rewritten once the weights are
+    /// final).
+    fn state_can_follow(&self, sg: &SubGroup, data: &SgData) -> bool {
+        let transport = self.shared.transport().is_some();
+        transport && data.grad.as_ref().is_none_or(|g| g.is_owned()) && writes_copy(sg, data, transport)
     }
 
     /// Makes one sub-group exact with the step's verdict ([`decide`]) and publishes it.
@@ -351,20 +327,35 @@ impl Worker {
                 if reads_gradient {
                     self.master_write(sg)?;
                 }
-                let applied = buffers(&mut data, 0..spec.done);
-                if let Err(e) = kernels::resolve(pool, &spec.hp, spec.scale, resolution, true, applied) {
+                let (done, skipped) = (spec.done, resolution == Resolution::Rollback);
+                let resolve = |applied: bool| {
+                    move |_: Range<usize>, b: AdamBuffers<'_>| {
+                        kernels::resolve(pool, &spec.hp, spec.scale, resolution, applied, b)
+                    }
+                };
+                // Where the speculative update is applied, a step that stands is final as it is.
+                let kept = resolution == Resolution::Keep;
+                let (mut on_applied, mut on_rest) = (resolve(true), resolve(false));
+                let applied_part = if skipped {
+                    self.shared.each_piece(sg, &mut data, 0..done, CopyTo::Session, &mut on_applied)
+                } else {
+                    self.shared.write_and_publish(
+                        sg,
+                        &mut data,
+                        0..done,
+                        (!kept).then_some(&mut on_applied as &mut Pass<'_>),
+                    )
+                };
+                if let Err(e) = applied_part {
                     data.work.applied = Applied::Speculative(spec);
                     return Err(e);
                 }
-                kernels::resolve(pool, &spec.hp, spec.scale, resolution, false, buffers(&mut data, spec.done..n))?;
                 out.elements += resolve_elements(&spec, resolution, n);
-                if resolution == Resolution::Rollback {
+                if skipped {
                     // The model keeps its weights: those of a skipped step are never published.
-                    return Ok(());
+                    return self.shared.each_piece(sg, &mut data, done..n, CopyTo::Session, &mut on_rest);
                 }
-                if reads_gradient {
-                    self.staged(sg, &data)?;
-                }
+                self.shared.write_and_publish(sg, &mut data, done..n, Some(&mut on_rest))?;
             }
             Action::RestoreCopy { done } => {
                 self.restore_copy(sg, &mut data, done)?;
@@ -377,8 +368,16 @@ impl Worker {
                 // The next forward waits for the weights' copy alone: the pass can write the
                 // copy, and the master weights and moments be written by a pass of their own
                 // after publication, where the CPU has time for it (the policy).
-                let defer = self.state_can_follow(&mut data) && take_from_prefix(state_after, n);
-                self.write_pieces(sg, &mut data, &hp, factor, 0..n, defer)?;
+                let defer = self.state_can_follow(sg, &data) && take_from_prefix(state_after, n);
+                let update = UpdateOptions { grad_scale: factor, ..Default::default() };
+                let mut pass = |_: Range<usize>, b: AdamBuffers<'_>| {
+                    if defer {
+                        kernels::update_copy(pool, &hp, b, factor)
+                    } else {
+                        kernels::update(pool, &hp, b, &update).map(drop)
+                    }
+                };
+                self.shared.write_and_publish(sg, &mut data, 0..n, Some(&mut pass))?;
                 out.elements += n as u64;
                 if defer {
                     out.state_after = Some((hp, factor));
@@ -390,16 +389,20 @@ impl Worker {
             Action::KeepCopy { spec } => {
                 if spec.done < n {
                     self.master_write(sg)?;
-                    // A preempted pass staged nothing of what it wrote.
-                    self.staged_range(sg, &data, 0..spec.done)?;
-                    self.write_pieces(sg, &mut data, &spec.hp, spec.scale, spec.done..n, true)?;
-                    out.elements += (n - spec.done) as u64;
                 }
+                // The copy that stepped ahead is final where its pass got; the rest is written.
+                self.shared.write_and_publish(sg, &mut data, 0..spec.done, None)?;
+                let mut copy =
+                    |_: Range<usize>, b: AdamBuffers<'_>| kernels::update_copy(pool, &spec.hp, b, spec.scale);
+                self.shared.write_and_publish(sg, &mut data, spec.done..n, Some(&mut copy))?;
+                out.elements += (n - spec.done) as u64;
                 // The state pass is due either way: after publication where it can be.
-                if self.state_can_follow(&mut data) {
+                if self.state_can_follow(sg, &data) {
                     out.state_after = Some((spec.hp, spec.scale));
                 } else {
-                    kernels::update_state(pool, &spec.hp, buffers(&mut data, 0..n), spec.scale)?;
+                    self.shared.each_piece(sg, &mut data, 0..n, CopyTo::Nowhere, &mut |_, b| {
+                        kernels::update_state(pool, &spec.hp, b, spec.scale)
+                    })?;
                     out.elements += n as u64;
                 }
             }

@@ -18,9 +18,9 @@
 //!    that had not started, then finalizes the sub-groups in forward order, each with one
 //!    exact pass where possible, publishing each as soon as its own pass ends.
 //!
-//! The layout: [`registry`] (groups, slices, sub-groups, memory), [`protocol`] (the caller's
-//! side of a step), [`scheduler`] (the CPU-Adam thread, job priorities and each sub-group's
-//! lifecycle), [`passes`] (the optimizer passes a job runs), [`policy`] (automatic
+//! The layout: [`registry`] (groups, slices, sub-groups, memory), [`provision`] (the buffers
+//! beside the state, from the memory measured), [`protocol`] (the caller's side of a step), [`scheduler`] (the CPU-Adam thread, job priorities and each sub-group's
+//! lifecycle), [`passes`] (the optimizer passes a job runs; [`publish`]: the weights to the device), [`policy`] (automatic
 //! speculation and GPU split; [`state_after`]: which final passes publish the copy first),
 //! [`tickets`], [`checkpoint`].
 
@@ -31,6 +31,8 @@ mod passes;
 mod plans;
 mod policy;
 mod protocol;
+mod provision;
+mod publish;
 mod registry;
 mod scaler;
 mod scheduler;
@@ -47,13 +49,14 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 pub use buffers::Borrowed;
+pub use provision::HostMemory;
 pub use registry::SubGroupState;
 pub use scaler::{LossScaler, LossScalerOptions};
 pub use tickets::{STEP_LANE, Ticket, TicketState, subgroup_lane};
 pub use transport::{DevicePass, HandOff, HandedSumsq, HostState, Transport};
 pub use types::{
-    DeviceParam, GroupHparams, NormSource, Placement, SessionOptions, SkipReason, SliceDesc, Speculation, StepArgs,
-    StepResult, SubGroupDesc,
+    DeviceParam, GradientHome, GroupHparams, HostCopy, NormSource, Placement, SessionOptions, SkipReason, SliceDesc,
+    Speculation, StepArgs, StepResult, SubGroupDesc,
 };
 
 use crate::error::{Error, Result, Status};

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::plans::{PreparePlan, StepPlan};
+use super::publish::CopyTo;
 use super::scheduler::{Job, JobKey, Lifecycle};
 use super::trace::Lane;
 use super::{
@@ -15,7 +16,7 @@ use super::{
     StepResult, SubGroup, Ticket, clip_coefficient, grad_factor, speculation_stands, unscale_factor, usable_factor,
 };
 use crate::error::{Error, Result, Status};
-use crate::kernels::{self, AdamBuffers, CopyOutMut, FloatsMut, MomentsMut, Resolution, UpdateOptions};
+use crate::kernels::{self, AdamBuffers, Resolution, UpdateOptions};
 
 /// Elements of one chunk of a speculative pass: between two chunks the pass checks whether
 /// more urgent work is waiting (about a millisecond of work on a many-core pool).
@@ -62,21 +63,6 @@ pub(crate) fn guarded<T>(body: impl FnOnce() -> Result<T>) -> Result<T> {
             .unwrap_or_default();
         Err(Error::new(Status::Panic, format!("internal error in the CPU-Adam thread: {what}")))
     })
-}
-
-/// The buffers of elements `range` of a sub-group.
-pub(crate) fn buffers(data: &mut SgData, range: Range<usize>) -> AdamBuffers<'_> {
-    let moments = match (data.exp_avg.range_mut(range.clone()), data.exp_avg_sq.range_mut(range.clone())) {
-        (FloatsMut::F32(m), FloatsMut::F32(v)) => MomentsMut::F32 { exp_avg: m, exp_avg_sq: v },
-        (FloatsMut::Bf16(m), FloatsMut::Bf16(v)) => MomentsMut::Bf16 { exp_avg: m, exp_avg_sq: v },
-        _ => unreachable!("moments are allocated f32 or bf16, both alike"),
-    };
-    let copy_out = data.copy.as_mut().map(|c| match c.range_mut(range.clone()) {
-        FloatsMut::F16(s) => CopyOutMut::F16(s),
-        FloatsMut::Bf16(s) => CopyOutMut::Bf16(s),
-        FloatsMut::F32(_) => unreachable!("copies are bf16 or f16"),
-    });
-    AdamBuffers { param: data.master.range_mut(range.clone()), grad: data.grad.range(range), moments, copy_out }
 }
 
 impl Worker {
@@ -127,24 +113,6 @@ impl Worker {
         self.shared.transport().map_or(Ok(()), |t| t.master_write(sg.id))
     }
 
-    /// Tells the transport that a pass changed the master weights.
-    pub(crate) fn staged(&self, sg: &SubGroup, data: &SgData) -> Result<()> {
-        self.staged_range(sg, data, 0..sg.numel)
-    }
-
-    /// Tells the transport that a pass changed the master weights in `range`.
-    pub(crate) fn staged_range(&self, sg: &SubGroup, data: &SgData, range: Range<usize>) -> Result<()> {
-        match self.shared.transport() {
-            Some(t) => t.weights_updated(
-                sg.id,
-                range.start,
-                data.master.range(range.clone()),
-                data.copy.as_ref().map(|c| c.range(range)),
-            ),
-            None => Ok(()),
-        }
-    }
-
     /// Writes the weights' copy of elements `[0, done)` from the master weights again, as
     /// registration wrote it: what a copy that stepped ahead ([`SpecKind::CopyAhead`]) holds
     /// when its step is not taken.
@@ -168,7 +136,10 @@ impl Worker {
                 Ok(s)
             }
             None => {
-                let s = kernels::grad_sumsq(&self.shared.pool, data.grad.range(sg.slices[index].clone()), scale)?;
+                let grad = data.grad.as_ref().ok_or_else(|| {
+                    Error::new(Status::Panic, "a gradient kept on the device without a sum of squares")
+                })?;
+                let s = kernels::grad_sumsq(&self.shared.pool, grad.range(sg.slices[index].clone()), scale)?;
                 data.sumsq[index] = Some(HandedSumsq::Known(s));
                 Ok(s)
             }
@@ -244,21 +215,19 @@ impl Worker {
             let opts = UpdateOptions { grad_scale: spec.scale, ..Default::default() };
             // A pass resumed after a preparation preempted it goes on from where it stopped.
             let start_done = spec.done;
+            let pool = &self.shared.pool;
+            let mut step = |_: Range<usize>, b: AdamBuffers<'_>| match spec.kind {
+                SpecKind::Full => kernels::update(pool, &spec.hp, b, &opts).map(drop),
+                SpecKind::CopyAhead => kernels::update_copy(pool, &spec.hp, b, spec.scale),
+            };
             while spec.done < sg.numel {
                 if spec.done > start_done && self.shared.sched.should_yield(&|id| self.shared.gradient_landed(id)) {
                     break;
                 }
                 let end = (spec.done + SPECULATION_CHUNK).min(sg.numel);
-                let chunk = buffers(&mut data, spec.done..end);
-                match spec.kind {
-                    SpecKind::Full => kernels::update(&self.shared.pool, &spec.hp, chunk, &opts).map(drop)?,
-                    SpecKind::CopyAhead => kernels::update_copy(&self.shared.pool, &spec.hp, chunk, spec.scale)?,
-                }
+                self.shared.each_piece(sg, &mut data, spec.done..end, CopyTo::Session, &mut step)?;
                 spec.done = end;
                 data.work.applied = Applied::Speculative(spec);
-            }
-            if spec.done == sg.numel {
-                self.staged(sg, &data)?;
             }
             Ok(Some((spec.done, spec.done - start_done)))
         });
@@ -314,13 +283,13 @@ impl Worker {
             let device = data.placement == Placement::Device;
             for &index in &entry.unseen {
                 let range = sg.slices[index].clone();
-                if device {
-                    self.shared
+                match data.grad.as_mut().filter(|_| !device) {
+                    Some(grad) => grad.zero_range(range),
+                    None => self
+                        .shared
                         .transport()
-                        .expect("device placement has a transport")
-                        .device_zero_gradient(sg.id, range)?;
-                } else {
-                    data.grad.zero_range(range);
+                        .expect("a gradient on the device has a transport")
+                        .device_zero_gradient(sg.id, range)?,
                 }
                 data.sumsq[index] = Some(HandedSumsq::Known(0.0));
             }
@@ -337,23 +306,18 @@ impl Worker {
                         data.work.applied = Applied::Nothing;
                     } else if spec.done > 0 || speculation_stands(self.subgroup_sumsq(sg, &mut data, plan.scale)?) {
                         self.master_write(sg)?;
-                        let (n, hp, scale) = (sg.numel, spec.hp, spec.scale);
-                        kernels::resolve(
-                            pool,
-                            &hp,
-                            scale,
-                            Resolution::Rollback,
-                            true,
-                            buffers(&mut data, 0..spec.done),
-                        )?;
-                        kernels::resolve(
-                            pool,
-                            &hp,
-                            scale,
-                            Resolution::Rollback,
-                            false,
-                            buffers(&mut data, spec.done..n),
-                        )?;
+                        let (n, done) = (sg.numel, spec.done);
+                        for (range, applied) in [(0..done, true), (done..n, false)] {
+                            self.shared.each_piece(
+                                sg,
+                                &mut data,
+                                range,
+                                CopyTo::Session,
+                                &mut |_, b: AdamBuffers<'_>| {
+                                    kernels::resolve(pool, &spec.hp, spec.scale, Resolution::Rollback, applied, b)
+                                },
+                            )?;
+                        }
                         *elements += n as u64;
                         data.work.applied = Applied::Undone;
                     } else {
@@ -368,13 +332,15 @@ impl Worker {
                         }
                     }
                 }
-                for range in late.ranges.drain(..) {
-                    kernels::copy_into(
-                        data.grad.range_mut(range.clone()),
-                        late.buffer.range(range.clone()),
-                        true,
-                        None,
-                    )?;
+                let grad = data
+                    .grad
+                    .as_mut()
+                    .ok_or_else(|| Error::new(Status::Panic, "late gradients for a gradient kept on the device"))?;
+                let merged: Vec<Range<usize>> = late.ranges.drain(..).collect();
+                for range in &merged {
+                    kernels::copy_into(grad.range_mut(range.clone()), late.buffer.range(range.clone()), true, None)?;
+                }
+                for range in merged {
                     if let Some(index) = sg.slices.iter().position(|r| *r == range) {
                         data.sumsq[index] = None;
                     }

@@ -299,6 +299,11 @@ impl Policy {
         self.auto_budget
     }
 
+    /// The caller's limit on the free device memory the session counts on, if it gave one.
+    pub(crate) fn device_memory_limit(&self) -> Option<usize> {
+        self.memory_limit
+    }
+
     pub(crate) fn limit_device_memory(&mut self, limit: Option<usize>) {
         self.memory_limit = limit;
     }

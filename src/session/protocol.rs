@@ -59,6 +59,9 @@ impl Session {
                 self.shared.scaler.lock().unwrap().map_or(1.0, |s| s.scale)
             }
         };
+        if !t.reg.unprovisioned.is_empty() {
+            self.provision(&mut t)?;
+        }
         if self.options.gpu_budget_bytes > 0 {
             self.maybe_split(&mut t)?;
         }
@@ -79,13 +82,9 @@ impl Session {
     /// is no error of the step (the budget is a best effort).
     fn maybe_split(&self, t: &mut Tracking) -> Result<()> {
         let numels: Vec<usize> = t.reg.live().map(|tr| tr.sg.numel).collect();
-        let mut per_element = self.device_bytes_per_element();
+        let per_element = self.device_bytes_per_element();
         let automatic = self.options.gpu_budget_bytes == SessionOptions::GPU_BUDGET_AUTO;
         let budget = if automatic {
-            // Measured from the free memory: a placed sub-group costs its state less what it
-            // gives back.
-            let given_back = self.shared.transport().map_or(0, |t| t.host_placed_device_bytes_per_element());
-            per_element = per_element.saturating_sub(given_back);
             let chosen = self.shared.policy.lock().unwrap().auto_budget();
             match chosen {
                 Some(chosen) => chosen.budget,
@@ -218,7 +217,13 @@ impl Session {
             )));
         }
         self.hand_off(slice, src.len(), "grad_copy", |h| {
-            Ok(kernels::copy_into(h.dst, src, h.accumulate, h.sumsq_scale)?.map(HandedSumsq::Known))
+            let dst = h.dst.ok_or_else(|| {
+                Error::unsupported(format!(
+                    "sub-group {}'s gradient is on the device: hand it over from device memory (so_session_grad_device)",
+                    h.sg
+                ))
+            })?;
+            Ok(kernels::copy_into(dst, src, h.accumulate, h.sumsq_scale)?.map(HandedSumsq::Known))
         })
     }
 
@@ -260,7 +265,7 @@ impl Session {
             let handed = deliver(HandOff {
                 sg: sg.id,
                 slice: index,
-                dst: data.grad.range_mut(range.clone()),
+                dst: data.grad.as_mut().map(|g| g.range_mut(range.clone())),
                 range,
                 accumulate: seen > 0,
                 late: false,
@@ -285,7 +290,7 @@ impl Session {
         let (index, range, sg_id) = (info.index, info.range.clone(), info.sg);
         let track = t.reg.track(sg_id)?;
         let (sg, final_ticket) = (track.sg.clone(), track.final_ticket);
-        if sg.data.lock().unwrap().grad.is_owned() {
+        if sg.data.lock().unwrap().grad.as_ref().is_none_or(|g| g.is_owned()) {
             return Err(Error::invalid(format!(
                 "sub-group {sg_id} has a session-owned gradient buffer; hand gradients over with grad_copy"
             )));
@@ -300,7 +305,8 @@ impl Session {
         }
         if micro + 1 == micro_steps {
             let mut data = sg.data.lock().unwrap();
-            let sumsq = kernels::grad_sumsq_here(data.grad.range(range), unscale_factor(t.loss_scale))?;
+            let grad = data.grad.as_ref().expect("a lent gradient buffer");
+            let sumsq = kernels::grad_sumsq_here(grad.range(range), unscale_factor(t.loss_scale))?;
             data.sumsq[index] = Some(HandedSumsq::Known(sumsq));
         }
         Ok(self.mark_gradient(&mut t, slice, &sg, micro, micro_steps))
@@ -356,7 +362,7 @@ impl Session {
         // A device-placed sub-group speculates with its whole update, queued on the device: it
         // has no copy to write ahead of its state.
         let kind = sg
-            .speculation(group)
+            .speculation(group, &data)
             .filter(|&k| k == SpecKind::Full || data.placement == Placement::Host)
             .filter(|_| speculate);
         if let Some(kind) = kind {
@@ -402,7 +408,7 @@ impl Session {
         deliver(HandOff {
             sg: sg.id,
             slice: index,
-            dst: late.buffer.range_mut(range.clone()),
+            dst: Some(late.buffer.range_mut(range.clone())),
             range: range.clone(),
             accumulate: seen,
             late: true,

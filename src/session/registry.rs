@@ -6,6 +6,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use super::buffers::HostBuf;
+use super::provision::{check_host_allocation, padding};
 use super::{
     GroupHparams, Phase, Placement, Session, SgData, SgWork, SliceDesc, SubGroup, SubGroupDesc, Ticket, state_error,
     to_f32, unknown, validate_group,
@@ -43,6 +44,8 @@ pub(crate) struct Registry {
     names: HashMap<String, u32>,
     pub subgroups: Vec<Option<SgTrack>>,
     host_bytes: usize,
+    /// Sub-groups registered but not yet provisioned (`provision.rs`), in registration order.
+    pub unprovisioned: Vec<u32>,
 }
 
 impl Registry {
@@ -66,6 +69,19 @@ impl Registry {
             )));
         }
         Ok(info)
+    }
+
+    /// Host bytes the session allocated.
+    pub(crate) fn host_bytes(&self) -> usize {
+        self.host_bytes
+    }
+
+    /// A sub-group's gradient buffer and copy were allocated (`bytes`) and pinned (`pins`).
+    pub(crate) fn provisioned(&mut self, sg: u32, bytes: usize, pins: Vec<usize>) {
+        let track = self.subgroups[sg as usize].as_mut().expect("registered");
+        track.host_bytes += bytes;
+        track.pinned.extend(pins);
+        self.host_bytes += bytes;
     }
 
     fn check_memory(&self, limit: Option<usize>, more: usize) -> Result<()> {
@@ -160,12 +176,11 @@ impl Session {
         check_no_overlap(&labelled, &t.reg.subgroups)?;
         let borrowed: Vec<Range<usize>> = labelled.into_iter().map(|(_, r)| r).collect();
 
-        let owned = |b: &Option<HostBuf>, dtype: DType| if b.is_none() { numel * dtype.size() } else { 0 };
-        let host_bytes = owned(&exp_avg, o.moment_dtype)
-            + owned(&exp_avg_sq, o.moment_dtype)
-            + owned(&grad, o.accum_dtype)
-            + o.copy_dtype.map_or(0, |d| numel * d.size());
+        // The moments now; the gradient buffer and the copy when the sub-group is provisioned.
+        let owned = |b: &Option<HostBuf>| if b.is_none() { numel * o.moment_dtype.size() } else { 0 };
+        let host_bytes = owned(&exp_avg) + owned(&exp_avg_sq);
         t.reg.check_memory(o.host_memory_limit, host_bytes)?;
+        check_host_allocation(host_bytes, "the Adam moments")?;
         let allocate = |b: Option<HostBuf>, dtype: DType, what: &str| match b {
             Some(b) => Ok(b),
             None => HostBuf::zeros(dtype, numel, what),
@@ -176,8 +191,8 @@ impl Session {
         let mut data = SgData {
             exp_avg: allocate(exp_avg, o.moment_dtype, "sub-group state")?,
             exp_avg_sq: allocate(exp_avg_sq, o.moment_dtype, "sub-group state")?,
-            grad: allocate(grad, o.accum_dtype, "a gradient buffer")?,
-            copy: o.copy_dtype.map(|d| HostBuf::zeros(d, numel, "a master-weight copy")).transpose()?,
+            grad,
+            copy: None,
             master,
             work: SgWork::default(),
             sumsq: vec![None; ranges.len()],
@@ -187,12 +202,10 @@ impl Session {
         // (no gradient ever lands there), so no checkpoint needs them.
         let padding = padding(&ranges, numel);
         for gap in &padding {
-            for buf in [&mut data.master, &mut data.exp_avg, &mut data.exp_avg_sq, &mut data.grad] {
+            for buf in [&mut data.master, &mut data.exp_avg, &mut data.exp_avg_sq].into_iter().chain(data.grad.as_mut())
+            {
                 buf.zero_range(gap.clone());
             }
-        }
-        if let Some(copy) = data.copy.as_mut() {
-            crate::kernels::copy_into(copy.floats_mut(), data.master.floats(), false, None)?;
         }
         let pinned = self.pin_all(&mut data)?;
         if let Some(transport) = transport {
@@ -201,14 +214,13 @@ impl Session {
                 .and_then(|()| zero_device_padding(transport, id, desc.placement, &padding));
             if let Err(e) = attached {
                 transport.detach(id);
-                for &p in &pinned {
-                    transport.unpin(p as *mut u8);
-                }
+                self.unpin_all(pinned.into_iter());
                 return Err(e);
             }
         }
         let speculative_dtypes = data.master.dtype() == DType::F32 && o.moment_dtype == DType::F32;
-        let copy_ahead = data.master.dtype() == DType::F32 && data.copy.is_some();
+        let published_dtype = desc.device.map(|d| d.dtype).or(o.copy_dtype).unwrap_or(data.master.dtype());
+        let mut pinned = pinned;
         let sg = Arc::new(SubGroup {
             id,
             group: desc.group,
@@ -217,10 +229,27 @@ impl Session {
             mode: o.mode,
             bias_correction: o.bias_correction,
             speculative_dtypes,
-            copy_ahead,
+            published_dtype,
             data: Mutex::new(data),
             late: Mutex::new(None),
         });
+        let mut host_bytes = host_bytes;
+        if self.provisions_at_registration() {
+            match self.provide(t.reg.host_bytes() + host_bytes, std::slice::from_ref(&sg)) {
+                Ok(mut provided) => {
+                    let (bytes, pins) = provided.pop().expect("one sub-group");
+                    host_bytes += bytes;
+                    pinned.extend(pins);
+                }
+                Err(e) => {
+                    if let Some(transport) = transport {
+                        transport.detach(id);
+                    }
+                    self.unpin_all(pinned.into_iter());
+                    return Err(e);
+                }
+            }
+        }
         let first = t.reg.slices.len();
         for (index, s) in slices.iter().enumerate() {
             let slice_id = t.reg.slices.len() as u32;
@@ -232,6 +261,9 @@ impl Session {
         t.subgroup_added(slice_ids.len());
         self.shared.sched.add_subgroup(id);
         t.reg.subgroups.push(Some(SgTrack { sg, slices: slice_ids, final_ticket: 0, borrowed, host_bytes, pinned }));
+        if !self.provisions_at_registration() {
+            t.reg.unprovisioned.push(id);
+        }
         Ok(id)
     }
 
@@ -245,14 +277,20 @@ impl Session {
         t.reg.track(sg)?;
         self.shared.tickets.drain();
         let track = t.reg.subgroups[sg as usize].take().expect("checked");
+        t.reg.unprovisioned.retain(|&u| u != sg);
+        self.forget(&mut t, track);
+        Ok(())
+    }
+
+    /// Releases a sub-group taken out of the registry: its buffers, pins, slice names.
+    fn forget(&self, t: &mut super::Tracking, track: SgTrack) {
         let bytes = self.release(&track);
         for i in track.slices {
             let name = std::mem::take(&mut t.reg.slices[i].name);
             t.reg.names.remove(&name);
         }
         t.reg.host_bytes -= bytes;
-        self.shared.sched.remove_subgroup(sg);
-        Ok(())
+        self.shared.sched.remove_subgroup(track.sg.id);
     }
 
     /// Detaches a sub-group from the transport and unpins its buffers; the host bytes it held.
@@ -281,24 +319,36 @@ impl Session {
         }
     }
 
-    /// Pins, through the transport, every buffer of a new sub-group that crosses to the
-    /// device: the master weights, the gradient buffer and the copy. Undone on failure.
+    /// Pins, through the transport, the buffers of a new sub-group that cross to the device:
+    /// the master weights and a lent gradient buffer. Undone on failure.
     fn pin_all(&self, data: &mut SgData) -> Result<Vec<usize>> {
-        let Some(transport) = self.shared.transport() else { return Ok(Vec::new()) };
-        let mut buffers = vec![&mut data.master, &mut data.grad];
-        buffers.extend(data.copy.as_mut());
         let mut pinned = Vec::new();
-        for buf in buffers {
-            let (ptr, bytes) = (buf.as_mut_ptr(), buf.bytes());
-            if let Err(e) = transport.pin(ptr, bytes) {
-                for p in pinned {
-                    transport.unpin(p as *mut u8);
+        for buf in std::iter::once(&mut data.master).chain(data.grad.as_mut()) {
+            match self.pin_buffer(buf) {
+                Ok(p) => pinned.extend(p),
+                Err(e) => {
+                    self.unpin_all(pinned.into_iter());
+                    return Err(e);
                 }
-                return Err(e);
             }
-            pinned.push(ptr as usize);
         }
         Ok(pinned)
+    }
+
+    /// Pins a buffer through the transport, if there is one; its address.
+    pub(crate) fn pin_buffer(&self, buf: &mut HostBuf) -> Result<Option<usize>> {
+        let Some(transport) = self.shared.transport() else { return Ok(None) };
+        let ptr = buf.as_mut_ptr();
+        transport.pin(ptr, buf.bytes())?;
+        Ok(Some(ptr as usize))
+    }
+
+    pub(crate) fn unpin_all(&self, pins: impl Iterator<Item = usize>) {
+        if let Some(transport) = self.shared.transport() {
+            for p in pins {
+                transport.unpin(p as *mut u8);
+            }
+        }
     }
 
     /// Pins a buffer the session allocates on the fly (late gradients).
@@ -498,19 +548,6 @@ fn check_slices(slices: &[SliceDesc], numel: usize, names: &HashMap<String, u32>
         }
     }
     Ok(())
-}
-
-/// The ranges of a sub-group of `numel` elements outside its slices (`slices` sorted).
-fn padding(slices: &[Range<usize>], numel: usize) -> Vec<Range<usize>> {
-    let mut gaps = Vec::new();
-    let mut next = 0;
-    for r in slices.iter().chain(std::iter::once(&(numel..numel))) {
-        if r.start > next {
-            gaps.push(next..r.start);
-        }
-        next = r.end;
-    }
-    gaps
 }
 
 /// A device-placed sub-group's gradient buffer is not initialised: its padding is zeroed

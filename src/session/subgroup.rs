@@ -5,7 +5,7 @@ use std::sync::Mutex;
 
 use super::buffers::HostBuf;
 use super::{GroupHparams, HandedSumsq, HostState, Placement};
-use crate::kernels::{AdamHyper, AdamMode};
+use crate::kernels::{AdamHyper, AdamMode, DType};
 
 /// Gradients that arrived after the sub-group completed.
 pub(crate) struct LateGrads {
@@ -71,8 +71,11 @@ pub(crate) struct SgData {
     pub master: HostBuf,
     pub exp_avg: HostBuf,
     pub exp_avg_sq: HostBuf,
-    pub grad: HostBuf,
-    /// Low-precision copy of the master weights, written by every pass that changes them.
+    /// The gradient's host buffer; `None` where the transport keeps the gradient on the
+    /// device (or before the sub-group is provisioned: `Registry::unprovisioned`).
+    pub grad: Option<HostBuf>,
+    /// Low-precision copy of the master weights, written by every pass that changes them,
+    /// where the session keeps one in full (`HostCopy`).
     pub copy: Option<HostBuf>,
     pub work: SgWork,
     /// Per slice (in sub-group order): the sum of squares of this step's gradient, once
@@ -101,8 +104,9 @@ pub(crate) struct SubGroup {
     pub bias_correction: bool,
     /// f32 master weights and moments: a speculative update can be rolled back.
     pub speculative_dtypes: bool,
-    /// f32 master weights and a low-precision copy: the copy can step ahead of the rest.
-    pub copy_ahead: bool,
+    /// The dtype the device is given the weights in: its parameter's, or without one the
+    /// copy's (or the master weights') as kept.
+    pub published_dtype: DType,
     pub data: Mutex<SgData>,
     pub late: Mutex<Option<LateGrads>>,
 }
@@ -123,12 +127,12 @@ impl SubGroup {
 
     /// How the sub-group can speculate, if at all: the whole update where it can be rolled
     /// back (f32 master weights and moments, nonzero betas and an invertible decay), else the
-    /// weights' copy alone where there is one to write ahead.
-    pub(crate) fn speculation(&self, g: GroupHparams) -> Option<SpecKind> {
+    /// weights' copy alone where a full copy is kept to write ahead (f32 master weights).
+    pub(crate) fn speculation(&self, g: GroupHparams, data: &SgData) -> Option<SpecKind> {
         if self.speculative_dtypes && g.beta1 > 0.0 && g.beta2 > 0.0 && self.hyper(g, 1).decay_factor() > 0.0 {
             Some(SpecKind::Full)
         } else {
-            self.copy_ahead.then_some(SpecKind::CopyAhead)
+            (data.master.dtype() == DType::F32 && data.copy.is_some()).then_some(SpecKind::CopyAhead)
         }
     }
 }

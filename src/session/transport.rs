@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use super::{DeviceParam, Placement, Ticket};
 use crate::error::{Error, Result, Status};
-use crate::kernels::{self, AdamHyper, Floats};
+use crate::kernels::{self, AdamHyper, DType, Floats};
 
 /// Where an arriving gradient goes: a slice's range of the sub-group's gradient buffer
 /// (or, after the sub-group completed, of its late-gradient buffer).
@@ -16,7 +16,9 @@ pub struct HandOff<'a> {
     pub slice: usize,
     /// The slice's elements within the sub-group.
     pub range: Range<usize>,
-    pub dst: kernels::FloatsMut<'a>,
+    /// The host place of the gradient; `None` where the transport keeps it on the device (a
+    /// device-placed sub-group, or [`Transport::keep_gradient_on_device`]).
+    pub dst: Option<kernels::FloatsMut<'a>>,
     /// Add to what is there (a later micro-step, or a repeated gradient), else overwrite.
     pub accumulate: bool,
     pub late: bool,
@@ -92,16 +94,26 @@ pub trait Transport: Send + Sync + Any {
         Err(Error::new(Status::Panic, "this transport defers no sums of squares"))
     }
     /// Before the master weights (or their copy) of `sg` are modified: wait until nothing
-    /// still reads them.
+    /// still reads them (a publication copying them to the device).
     fn master_write(&self, sg: u32) -> Result<()>;
-    /// `sg`'s master weights from element `offset` on changed (its low-precision copy too,
-    /// when the session keeps one): `master` and `copy` hold those elements. Stage them for
-    /// the device, not yet visible to the model. A pass may report its sub-group piece by
-    /// piece, so that staging copies overlap the rest of the pass. Where the session keeps a
-    /// copy, the copy is what the device is given: a speculative pass may write it ahead of
-    /// the master weights (`master` then still holds the previous step's weights).
-    fn weights_updated(&self, sg: u32, offset: usize, master: Floats<'_>, copy: Option<Floats<'_>>) -> Result<()>;
-    /// `sg` is final for this step: make the staged weights the model's.
+    /// Queues elements `offset..offset + src.len()` of `sg`'s new weights, read from host
+    /// memory the session leaves unchanged until its next `master_write` for `sg` (its copy or
+    /// its master weights, in the device parameter's dtype), into the model's parameter,
+    /// behind what the caller queued before `step()` (which may still read the parameter).
+    fn publish_piece(&self, sg: u32, offset: usize, src: Floats<'_>) -> Result<()>;
+    /// Like `publish_piece`, for a sub-group that keeps no host copy in the parameter's dtype:
+    /// `fill` writes the `len` elements (in `dtype`, the parameter's) into a bounded buffer of
+    /// the transport's, which is then copied. A bounded number of pieces are in flight.
+    fn publish_filled(
+        &self,
+        sg: u32,
+        offset: usize,
+        len: usize,
+        dtype: DType,
+        fill: &mut dyn FnMut(kernels::FloatsMut<'_>) -> Result<()>,
+    ) -> Result<()>;
+    /// Every piece of `sg`'s weights for this step is queued: what waits for its final ticket
+    /// waits for them.
     fn publish(&self, sg: u32) -> Result<()>;
     /// `ticket` of `lane` completes (after its work and any `publish` of it; within a lane, in
     /// issue order).
@@ -125,7 +137,25 @@ pub trait Transport: Send + Sync + Any {
     fn device_step(&self, _sg: u32, _passes: &[DevicePass], _publish: bool) -> Result<()> {
         no_device(false)
     }
-    /// Zeroes part of a device-placed sub-group's gradient (a slice that got none).
+    /// Keeps a host-placed sub-group's gradient on the device from now on: hand-offs deliver
+    /// it there (`HandOff::dst` is `None`) and the session reads it with `gradient_pieces`.
+    fn keep_gradient_on_device(&self, _sg: u32) -> Result<()> {
+        no_device(false)
+    }
+    /// Copies elements `range` of a gradient kept on the device to the host in pieces of at
+    /// most `piece` elements, calling `f(first element, piece)` for each in order; the
+    /// copies of the next pieces are in flight while `f` runs. Call after `gradient_ready`.
+    fn gradient_pieces(
+        &self,
+        _sg: u32,
+        _range: Range<usize>,
+        _piece: usize,
+        _f: &mut dyn FnMut(usize, Floats<'_>) -> Result<()>,
+    ) -> Result<()> {
+        no_device(false)
+    }
+    /// Zeroes part of a gradient on the device, a device-placed sub-group's or one kept there
+    /// (a slice that got none).
     fn device_zero_gradient(&self, _sg: u32, _range: Range<usize>) -> Result<()> {
         no_device(false)
     }
@@ -143,11 +173,6 @@ pub trait Transport: Send + Sync + Any {
     }
     /// Device bytes this transport allocated.
     fn device_bytes(&self) -> usize {
-        0
-    }
-    /// Device bytes per element a host-placed sub-group holds and a device-placed one gives
-    /// back (where a host-stepped sub-group's weights wait for publication).
-    fn host_placed_device_bytes_per_element(&self) -> usize {
         0
     }
     /// The device's free and total memory in bytes, as the driver reports them now (what

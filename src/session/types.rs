@@ -49,6 +49,41 @@ pub enum Placement {
     Device,
 }
 
+/// Whether a session keeps a full-size host copy of its master weights in `copy_dtype`
+/// (CUDA sessions; a host session always keeps it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HostCopy {
+    /// Decided when the sub-groups are provisioned (the first `begin_step` after they were
+    /// registered) from the host memory measured then: kept where it fits beside the
+    /// gradients, else bounded.
+    #[default]
+    Auto,
+    /// Kept: a speculative step writes it during backward (with bf16 moments, ahead of the
+    /// rest of the step), and publication reads it.
+    Full,
+    /// Not kept: each piece of the published weights is written into a bounded buffer of the
+    /// transport's as it is published (the final pass's copy output, or converted from the
+    /// master weights). 2 bytes per element less host memory; a sub-group with bf16 moments
+    /// then takes its step after the decision.
+    Bounded,
+}
+
+/// Where a host-stepped sub-group's gradient waits for the optimizer (CUDA sessions; a host
+/// session keeps it on the host).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GradientHome {
+    /// Decided at provisioning from the host and device memory measured then: on the host
+    /// for as many sub-groups in forward order as its memory holds, on the device for the
+    /// rest.
+    #[default]
+    Auto,
+    /// A pinned host buffer the gradient is copied into as backward produces it.
+    Host,
+    /// A device buffer of the transport's: each pass that reads the gradient streams it to
+    /// the host in bounded pieces. No host memory for it; late gradients are refused.
+    Device,
+}
+
 /// How a session is set up.
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
@@ -81,6 +116,10 @@ pub struct SessionOptions {
     /// default): off; [`Self::GPU_BUDGET_AUTO`]: the device's free memory after the warm-up steps,
     /// less a headroom. CUDA sessions only (a host session refuses any other value than 0).
     pub gpu_budget_bytes: usize,
+    /// Whether the copy of `copy_dtype` is kept in full on the host (see [`HostCopy`]).
+    pub host_copy: HostCopy,
+    /// Where the gradients of host-stepped sub-groups wait (see [`GradientHome`]).
+    pub gradient_home: GradientHome,
 }
 
 impl SessionOptions {
@@ -106,6 +145,8 @@ impl Default for SessionOptions {
             loss_scaler: None,
             copy_dtype: None,
             gpu_budget_bytes: 0,
+            host_copy: HostCopy::Auto,
+            gradient_home: GradientHome::Auto,
         }
     }
 }

@@ -4,7 +4,8 @@
 
 use half::{bf16, f16};
 use superoffload::kernels::{
-    AdamBuffers, AdamHyper, AdamMode, CopyOutMut, DType, GradRef, Isa, MomentsMut, ParamMut, Pool, PoolOptions,
+    AdamBuffers, AdamHyper, AdamMode, CopyOutMut, DType, FloatsMut, GradRef, Isa, MomentsMut, ParamMut, Pool,
+    PoolOptions,
 };
 
 /// splitmix64: small, fast, reproducible.
@@ -426,7 +427,8 @@ macro_rules! transport_without_pinning {
     };
 }
 
-/// The hooks of a test transport that publishes nowhere: `master_write`, `weights_updated`,
+/// The hooks of a test transport that publishes nowhere: `master_write`, `publish_piece`,
+/// `publish_filled` (which fills a scratch buffer: the session's pass runs in `fill`) and
 /// `publish`.
 #[macro_export]
 macro_rules! transport_without_publishing {
@@ -434,17 +436,36 @@ macro_rules! transport_without_publishing {
         fn master_write(&self, _: u32) -> superoffload::error::Result<()> {
             Ok(())
         }
-        fn weights_updated(
+        fn publish_piece(
             &self,
             _: u32,
             _: usize,
             _: superoffload::kernels::Floats<'_>,
-            _: Option<superoffload::kernels::Floats<'_>>,
         ) -> superoffload::error::Result<()> {
             Ok(())
+        }
+        fn publish_filled(
+            &self,
+            _: u32,
+            _: usize,
+            len: usize,
+            dtype: superoffload::kernels::DType,
+            fill: &mut dyn FnMut(superoffload::kernels::FloatsMut<'_>) -> superoffload::error::Result<()>,
+        ) -> superoffload::error::Result<()> {
+            $crate::common::with_scratch(dtype, len, fill)
         }
         fn publish(&self, _: u32) -> superoffload::error::Result<()> {
             Ok(())
         }
     };
+}
+
+/// Runs `f` on a zeroed buffer of `len` elements of `dtype` (a publication slot of a test
+/// transport).
+pub fn with_scratch<T>(dtype: DType, len: usize, f: &mut dyn FnMut(FloatsMut<'_>) -> T) -> T {
+    match dtype {
+        DType::F32 => f(FloatsMut::F32(&mut vec![0.0; len])),
+        DType::Bf16 => f(FloatsMut::Bf16(&mut vec![bf16::ZERO; len])),
+        DType::F16 => f(FloatsMut::F16(&mut vec![f16::ZERO; len])),
+    }
 }

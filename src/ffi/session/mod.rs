@@ -121,6 +121,13 @@ pub struct so_session_options {
     /// docs/library.md); `SO_GPU_BUDGET_AUTO` for a budget the session measures itself; 0
     /// (the default) turns it off. A host session refuses any other value than 0.
     pub gpu_budget_bytes: u64,
+    /// One of `so_host_copy`: whether a CUDA session keeps a full host copy of the weights in
+    /// `copy_dtype` (default `SO_HOST_COPY_AUTO`: where host memory allows).
+    pub host_copy: u32,
+    /// One of `so_gradient_home`: where a CUDA session's host-stepped sub-groups keep their
+    /// gradients (default `SO_GRADIENT_HOME_AUTO`: on the host where its memory allows, else on
+    /// the GPU).
+    pub gradient_home: u32,
 }
 
 /// `so_session_options.gpu_budget_bytes` for a budget the session measures itself: after 3
@@ -159,6 +166,8 @@ abi_struct! {
         host_memory_limit,
         amsgrad,
         copy_dtype,
+        host_copy,
+        gradient_home,
     }
     to_core (unsafe) |raw, arg| {
         gpu_budget_bytes: gpu_budget_from_c(raw.gpu_budget_bytes, arg)?,

@@ -39,7 +39,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use superoffload::kernels::{
-    self, AdamBuffers, AdamHyper, DType, Floats, FloatsMut, MomentsMut, Pool, PoolOptions, UpdateOptions,
+    self, AdamBuffers, AdamHyper, DType, Floats, FloatsMut, MomentsMut, Pool, PoolOptions, UpdateOptions, bf16,
 };
 use superoffload::session::{
     Borrowed, GroupHparams, NormSource, Session, SessionOptions, SliceDesc, Speculation, StepArgs, SubGroupDesc,
@@ -274,14 +274,18 @@ impl Transport for Publisher {
     fn master_write(&self, _: u32) -> superoffload::error::Result<()> {
         Ok(())
     }
-    fn weights_updated(
+    fn publish_piece(&self, _: u32, _: usize, _: Floats<'_>) -> superoffload::error::Result<()> {
+        Ok(())
+    }
+    fn publish_filled(
         &self,
         _: u32,
         _: usize,
-        _: Floats<'_>,
-        _: Option<Floats<'_>>,
+        len: usize,
+        _: DType,
+        fill: &mut dyn FnMut(FloatsMut<'_>) -> superoffload::error::Result<()>,
     ) -> superoffload::error::Result<()> {
-        Ok(())
+        fill(FloatsMut::Bf16(&mut vec![bf16::ZERO; len]))
     }
     fn publish(&self, _: u32) -> superoffload::error::Result<()> {
         Ok(())
