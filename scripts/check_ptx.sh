@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Assembles the device kernels shipped as PTX text (src/cuda/ptx.rs) with ptxas, for the
+# Assembles the device kernels shipped as PTX text (src/cuda/kernels.ptx) with ptxas, for the
 # GPUs the project runs on (sm_80, sm_90): a syntax or register error fails here rather than
 # at cuModuleLoadData on a GPU machine. ptxas comes from $SO_PTXAS, the PATH, or (with
 # --install) NVIDIA's pip wheel nvidia-cuda-nvcc-cu12, installed into a scratch directory;
@@ -19,15 +19,10 @@ if [ -z "$ptxas" ]; then
     echo "check_ptx: no ptxas (set SO_PTXAS, or pass --install to fetch NVIDIA's wheel)"
     exit 77
 fi
+ptx=src/cuda/kernels.ptx
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-python3 - src/cuda/ptx.rs "$work/kernels.ptx" <<'PY'
-import re, sys
-text = open(sys.argv[1]).read()
-ptx = re.search(r'r#"(.*?)"#', text, re.S).group(1)
-open(sys.argv[2], "w").write(ptx)
-PY
 for arch in sm_80 sm_90; do
-    "$ptxas" -arch="$arch" -o "$work/kernels-$arch.cubin" "$work/kernels.ptx"
+    "$ptxas" -arch="$arch" -o "$work/kernels-$arch.cubin" "$ptx"
 done
-echo "check_ptx: src/cuda/ptx.rs assembles for sm_80 and sm_90 ($("$ptxas" --version | tail -n 1))"
+echo "check_ptx: $ptx assembles for sm_80 and sm_90 ($("$ptxas" --version | tail -n 1))"
