@@ -47,12 +47,16 @@ DIRECTIVE = re.compile(r"^<!--\s*snippet:(.*?)-->\s*$")
 class Block:
     def __init__(self, path, line, lang, code, directives):
         self.path, self.line, self.lang, self.code = path, line, lang, code
-        self.gpu = "gpu" in directives
-        self.file = next((d[len("file "):].strip() for d in directives if d.startswith("file ")), None)
-        self.covered_by = next((d[len("covered by "):].strip() for d in directives if d.startswith("covered by ")), None)
-        known = [d for d in directives if d == "gpu" or d.startswith(("file ", "covered by "))]
-        if len(known) != len(directives):
-            raise SystemExit(f"{self.where()}: unknown snippet directive in {directives}")
+        self.gpu, self.file, self.covered_by = False, None, None
+        for d in directives:
+            if d == "gpu":
+                self.gpu = True
+            elif d.startswith("file "):
+                self.file = d[len("file "):].strip()
+            elif d.startswith("covered by "):
+                self.covered_by = d[len("covered by "):].strip()
+            else:
+                raise SystemExit(f"{self.where()}: unknown snippet directive {d!r}")
         if lang in ("c", "cmake") and not self.file and not self.covered_by:
             raise SystemExit(f"{self.where()}: a {lang} block needs <!-- snippet: file PATH --> before it")
 
