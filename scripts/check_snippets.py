@@ -13,7 +13,8 @@ FILE.md defaults to README.md and python/README.md. The blocks are taken in docu
 
 An HTML comment on the line before a block says more about it (several separated by ";"):
 
-    <!-- snippet: gpu -->               needs CUDA: run where torch sees a GPU, else SKIPPED
+    <!-- snippet: gpu -->               needs CUDA: run where torch sees a GPU, else SKIPPED (a python
+                                        block's syntax is still checked)
     <!-- snippet: file app/main.c -->   written to that path in the work directory, not run
     <!-- snippet: covered by WHERE -->  not run here: WHERE runs the same steps (printed as COVERED)
 
@@ -147,6 +148,12 @@ def main():
         if b.gpu and no_cuda and not args.gpu:
             skipped.append(f"{b.title()}: needs a GPU ({no_cuda})")
             print(f"SKIPPED: {skipped[-1]}")
+            if b.lang == "python":  # not run here, but it must parse
+                try:
+                    compile(b.code, b.where(), "exec")
+                except SyntaxError as e:
+                    failed.append(f"{b.title()}: {e}")
+                    print(f"FAILED: {failed[-1]}")
             continue
         if b.lang == "sh" and not args.prefix:
             skipped.append(f"{b.title()}: needs an install of superoffload (--prefix)")
