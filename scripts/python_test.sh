@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The Python package's checks on a CPU machine (the GPU ones are python/tests/gpu_checks.py):
-#   1. builds the wheel (`pip wheel .`; the library from the CMake build of scripts/test.sh when
-#      it exists, else cargo builds it) and shows auditwheel's verdict on it;
+#   1. builds the wheel as the README says, with python/build_wheel.sh (`pip wheel .`, then
+#      auditwheel's verdict and its manylinux tag; the library from the CMake build of
+#      scripts/test.sh when it exists, else cargo builds it);
 #   2. installs it into a fresh virtual environment and, with nothing but that environment on
 #      PATH (no Rust, no compiler), runs the torch-free layer tests (header mirrors, ctypes
 #      session, errors, checkpoints, core shares);
-#   3. unless SO_PY_TORCH=0: installs torch (CPU use of PyPI's wheel), transformers and
-#      accelerate into that environment, runs python/README.md's host-mode quick start there and
-#      the torch tests (host mode: parity, speculation, resume, migration, accumulation, bf16
-#      moments, FSDP2 + DCP with 2 gloo ranks, Hugging Face Trainer) and bench/peers.py's
-#      harness on the CPU (one rank, two FSDP2 ranks).
+#   3. unless SO_PY_TORCH=0: installs torch (CPU use of PyPI's wheel) into that environment, then
+#      the package's [hf] extra with the README's command (transformers, accelerate), runs every
+#      Python snippet of README.md and python/README.md there (scripts/check_snippets.py; those
+#      that need a GPU are skipped) and the torch tests (host mode: parity, speculation, resume,
+#      migration, accumulation, bf16 moments, FSDP2 + DCP with 2 gloo ranks, Hugging Face
+#      Trainer) and bench/peers.py's harness on the CPU (one rank, two FSDP2 ranks).
 #
 # Step 3 needs about 9 GiB of disk while pip installs (5.6 GiB once installed): with less
 # than SO_PY_TORCH_MIN_FREE_GIB (10) free it says so and exits 77 after step 2.
@@ -29,7 +31,7 @@ section() { printf '\n==== %s (+%ss) ====\n' "$1" "$(( $(date +%s) - start ))"; 
 rm -rf "$work"
 mkdir -p "$work/dist"
 
-section "wheel"
+section "wheel (python/build_wheel.sh)"
 build_dir="${SO_BUILD_DIR:-build}"
 case "$build_dir" in /*) ;; *) build_dir="$root/$build_dir" ;; esac
 prebuilt="$build_dir/cargo/release/libsuperoffload.so"
@@ -37,13 +39,9 @@ if [ "${SO_PY_REBUILD:-0}" != 1 ] && [ -f "$prebuilt" ]; then
     echo "library from the CMake build: $prebuilt"
     export SUPEROFFLOAD_PREBUILT_LIBRARY="$prebuilt"
 fi
-"$py" -m pip wheel --no-deps -q -w "$work/dist" .
+PYTHON="$py" bash "$root/python/build_wheel.sh" "$work/dist"
 unset SUPEROFFLOAD_PREBUILT_LIBRARY
 wheel="$(ls "$work"/dist/superoffload-*.whl)"
-ls -l "$wheel"
-"$py" -m venv "$work/tools"
-"$work/tools/bin/pip" install -q auditwheel
-"$work/tools/bin/auditwheel" show "$wheel"
 
 section "fresh environment: the wheel + pytest"
 "$py" -m venv "$work/venv"
@@ -66,12 +64,15 @@ if [ "${SO_PY_TORCH:-1}" = 1 ]; then
         exit 77
     fi
     t0=$(date +%s)
-    "$venv/bin/pip" install -q ${SO_PY_TORCH_SPEC:-torch} transformers accelerate
+    "$venv/bin/pip" install -q ${SO_PY_TORCH_SPEC:-torch}
+    # The README's install command, beside the wheel: its [hf] extra brings transformers and
+    # accelerate (torch, installed above as SO_PY_TORCH_SPEC asks, satisfies the extra).
+    (cd "$work" && "$venv/bin/pip" install -q --find-links dist "superoffload[hf]")
     echo "installed in $(( $(date +%s) - t0 )) s; environment size $(du -sh "$venv" | cut -f1)"
     isolated python -c 'import torch, transformers, accelerate; print("torch", torch.__version__, "transformers", transformers.__version__, "accelerate", accelerate.__version__)'
 
-    section "README quick start (host mode), in the fresh environment"
-    isolated python "$root/python/tests/readme_quickstart.py" "$root/python/README.md"
+    section "README snippets (Python), in the fresh environment (scripts/check_snippets.py)"
+    (cd "$root" && isolated python scripts/check_snippets.py --lang python --work "$work/snippets")
 
     section "torch tests"
     isolated python -m pytest -q -p no:cacheprovider "$root/python/tests"

@@ -9,15 +9,18 @@
 #      reproducibility harness, which needs the `fault-injection` feature;
 #   3. the CMake build and the ctest suite in c_tests/;
 #   4. the install (stripped) into <build>/install, with its size;
-#   5. the ctest suite once more, every test under valgrind memcheck (errors fatal);
-#   7. the Python package (scripts/python_test.sh): the wheel, its install into a fresh virtual
-#      environment without Rust or a compiler, the torch-free layer tests, then torch,
-#      transformers and accelerate and the host-mode torch, FSDP2 and Trainer tests;
-#   6. the C/C++ tests built with AddressSanitizer and UndefinedBehaviorSanitizer
+#   5. against that install: the main job (scripts/demo.sh, a short run) and the README's C
+#      quick start, its CMake project and program as written (scripts/check_snippets.py);
+#   6. the ctest suite once more, every test under valgrind memcheck (errors fatal);
+#   7. the C/C++ tests built with AddressSanitizer and UndefinedBehaviorSanitizer
 #      (-fsanitize=address,undefined -fno-sanitize-recover=all) against the installed library,
 #      and run. The Rust library itself is not instrumented (that needs a nightly rustc):
 #      ASan still checks every heap block the library allocates through malloc (bounds of
-#      what the tests access, double frees, leaks at exit), not the library's own accesses.
+#      what the tests access, double frees, leaks at exit), not the library's own accesses;
+#   8. the Python package (scripts/python_test.sh): the wheel, its install into a fresh virtual
+#      environment without Rust or a compiler, the torch-free layer tests, then torch,
+#      transformers and accelerate, the READMEs' Python snippets and the host-mode torch,
+#      FSDP2 and Trainer tests.
 #
 # Runs on a fresh Debian machine with a Rust toolchain (rustfmt included), gcc/g++ and
 # pkg-config. What is missing of cmake, valgrind and clang-format-14 is installed with
@@ -165,6 +168,15 @@ rm -rf "$prefix"
 cmake --install "$build_dir" --prefix "$prefix" >/dev/null
 (cd "$prefix" && du -ab . | sort -k2 | awk '$1 > 65536 && !/\/$/ { printf "%9.2f MB  %s\n", $1 / 1e6, $2 }')
 echo "install tree: $(du -sb "$prefix" | awk '{ printf "%.2f MB", $1 / 1e6 }') in $(find "$prefix" -type f | wc -l) files"
+
+# ---------------------------------------------------------------- the main job and the C quick start
+# Against the install above: the library is not built a second time.
+section "Main job: scripts/demo.sh against $prefix"
+SO_PREBUILT_DIR="$prefix" SO_DEMO_BUILD="$build_dir/demo" bash scripts/demo.sh --steps 40
+
+section "README's C quick start against $prefix (scripts/check_snippets.py)"
+rm -rf "$build_dir/snippets"
+python3 scripts/check_snippets.py --lang sh,cmake,c --prefix "$prefix" --work "$build_dir/snippets"
 
 # ---------------------------------------------------------------- valgrind
 # build_consumer is left out: it runs cmake and a compiler, and its programs are the API

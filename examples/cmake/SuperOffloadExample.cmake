@@ -3,7 +3,9 @@
 #
 #   so_example_find_superoffload(<name>)   find_package(SuperOffload CONFIG), unless the
 #                                          SuperOffload:: targets already exist (the project is
-#                                          a subdirectory of the root project), and say which
+#                                          a subdirectory of the root project), and say which;
+#                                          it asks for no version: the examples are built with
+#                                          the release they ship with
 #   so_example_warnings(<target> [flag...]) -Wall -Wextra and the flags, on GCC and Clang
 
 if(NOT CMAKE_BUILD_TYPE AND NOT CMAKE_CONFIGURATION_TYPES)
@@ -12,7 +14,7 @@ endif()
 
 macro(so_example_find_superoffload name)
   if(NOT TARGET SuperOffload::superoffload)
-    find_package(SuperOffload 0.3 CONFIG REQUIRED)
+    find_package(SuperOffload CONFIG REQUIRED)
     message(STATUS "${name}: SuperOffload ${SuperOffload_VERSION} from ${SuperOffload_DIR}")
   endif()
 endmacro()
