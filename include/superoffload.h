@@ -1350,6 +1350,21 @@ so_status so_session_create(const struct so_session_options *options,
 void so_session_destroy(struct so_session *session);
 
 /**
+ * @brief What this host can give a session now: the memory available (`MemAvailable`, within
+ * the limit of the process's memory cgroup where it sets one) and the host's total memory, in
+ * bytes. A session measures the same before it allocates (its sub-groups' moments, gradient
+ * buffers and copies) and refuses with `SO_STATUS_OUT_OF_RESOURCES` what would not fit; a
+ * caller allocating the master weights and moments it lends a session can check them the
+ * same way.
+ * @return `SO_STATUS_UNSUPPORTED` where the system does not say (not Linux).
+ * @note Thread-safety: safe to call from any thread.
+ *
+ * # Safety
+ * `out_available` and `out_total` are NULL or writable.
+ */
+SO_NODISCARD so_status so_host_memory(size_t *out_available, size_t *out_total);
+
+/**
  * @brief Host bytes the session allocated (moments, gradient buffers, late gradients).
  * @note Thread-safety: see `so_session`.
  *

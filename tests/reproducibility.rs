@@ -200,12 +200,13 @@ impl Run {
         };
         let mut masters: Vec<Vec<f32>> =
             SIZES.iter().map(|&n| (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-3).collect()).collect();
+        let addresses: Vec<(usize, usize)> = masters.iter_mut().map(|m| (m.as_mut_ptr() as usize, m.len())).collect();
         let initial_copy = || masters.iter().map(|m| m.iter().map(|&x| bf16::from_f32(x).to_bits()).collect());
         let published = setup.transport.then(|| Arc::new(Mutex::new(initial_copy().collect::<Vec<Vec<u16>>>())));
         let copy_first = Arc::new(Mutex::new(vec![false; SIZES.len()]));
         let transport = published.as_ref().map(|published| {
             let pieces = Mutex::new(initial_copy().collect());
-            let masters = masters.iter_mut().map(|m| (m.as_mut_ptr() as usize, m.len())).collect();
+            let masters = addresses.clone();
             let (jitter, published, copy_first) = (jitter.clone(), published.clone(), copy_first.clone());
             Arc::new(JitteryTransport { jitter, masters, pieces, published, copy_first }) as Arc<dyn Transport>
         });

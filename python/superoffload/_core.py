@@ -199,6 +199,18 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, numel, *, lr=1e-3, beta1=0.9, 
     return out.value
 
 
+def host_memory():
+    """(available, total) host bytes, as a session measures them before it allocates
+    (`so_host_memory`: MemAvailable within the process's cgroup limit); None where the system
+    does not say."""
+    available, total = C.c_size_t(), C.c_size_t()
+    status = lib().so_host_memory(C.byref(available), C.byref(total))
+    if status == Status.UNSUPPORTED:
+        return None
+    check(status, "so_host_memory")
+    return available.value, total.value
+
+
 # ---- sessions -----------------------------------------------------------------------------------
 
 def _step_result_dict(r):

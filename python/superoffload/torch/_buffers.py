@@ -2,7 +2,12 @@
 page-aligned host arena, moment buffers (torch tensors the session steps in place, so the state
 dict can view them), and in CUDA mode one flat device buffer per sub-group that the model's
 parameters are re-pointed into, which is where the library publishes. In host mode the
-parameters are re-pointed into the master weights themselves."""
+parameters are re-pointed into the master weights themselves.
+
+The host state is checked against what the host can give (`so_host_memory`) before any of it
+is allocated, so a model too large for the host is an error, not a process the kernel kills;
+the device buffers are allocated one sub-group at a time, each parameter's old storage freed as
+it moves, so the GPU never holds two copies of the weights."""
 import mmap
 import os
 
@@ -49,6 +54,32 @@ def first_touch(bufs, pool):
                           grad_dtype="bf16", moment_dtype=DTYPE_NAMES[m.dtype])
 
 
+GIB = 1 << 30
+# Host memory left free when the state is allocated (the library's reserve starts there too).
+HOST_RESERVE_BYTES = 2 * GIB
+
+
+def check_host_memory(numel, *, masters, moment_dtype):
+    """Raises SuperOffloadError (OUT_OF_RESOURCES) before anything is allocated when the host
+    cannot hold the f32 master weights (`masters`: this layer allocates them) and both moments
+    of `numel` parameters, with what it needs, what there is and what lowers it."""
+    measured = _core.host_memory()
+    if measured is None:
+        return
+    available, _ = measured
+    moment_bytes = 2 * numel * torch.tensor([], dtype=TORCH_DTYPES[moment_dtype]).element_size()
+    need = moment_bytes + (4 * numel if masters else 0)
+    if need + HOST_RESERVE_BYTES > available:
+        lower = ('moment_dtype="bf16" (4 bytes per parameter less)' if moment_dtype == "f32" else
+                 "fewer parameters offloaded (freeze some, or a smaller model)")
+        raise _core.SuperOffloadError(
+            _abi.Status.OUT_OF_RESOURCES,
+            f"SuperOffloadAdamW needs {need / GIB:.2f} GiB of host memory for the optimizer state of {numel:,} "
+            f"parameters ({'f32 master weights and ' if masters else ''}{moment_dtype} moments) and the library "
+            f"keeps {HOST_RESERVE_BYTES / GIB:.0f} GiB free; {available / GIB:.2f} GiB is available: lower it with "
+            f"{lower}, or run on a host with more memory")
+
+
 @torch.no_grad()
 def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, align_bytes, pool, touch):
     """Lays out every sub-group's slices, allocates and fills its buffers, registers it with the
@@ -68,6 +99,7 @@ def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, ali
             off += info.numel
         sg.numel = off
     page_el = PAGE_BYTES // 4
+    check_host_memory(sum(sg.numel for sg in subgroups), masters=not borrow, moment_dtype=moment_dtype)
     arena = None
     if not borrow:
         total = sum(round_up(sg.numel, page_el) for sg in subgroups) + page_el
@@ -75,11 +107,7 @@ def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, ali
         if touch:
             first_touch([arena], pool)
         base = (-(arena.data_ptr() // 4)) % page_el  # first page boundary
-    dev_arena = None
-    if cuda and not fsdp:
-        dev_arena = torch.zeros(sum(round_up(sg.numel, dev_align) for sg in subgroups), dtype=param_dtype,
-                                device=device)
-    host_pos, dev_pos = (base if arena is not None else 0), 0
+    host_pos = base if arena is not None else 0
     mdt = TORCH_DTYPES[moment_dtype]
     for sg in subgroups:
         if borrow:
@@ -101,8 +129,9 @@ def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, ali
             if fsdp:
                 sg.device_param = _contiguous_shard(sg.params[0])
             else:
-                sg.device_param = dev_arena[dev_pos:dev_pos + sg.numel]
-                dev_pos += round_up(sg.numel, dev_align)
+                # The parameters' old storage goes as they move in: the caching allocator hands
+                # it to the next sub-group's buffer.
+                sg.device_param = torch.zeros(sg.numel, dtype=param_dtype, device=device)
                 for info in sg.params:
                     view = sg.device_param[sg.span(info)]
                     view.copy_(info.param.data.reshape(-1))
@@ -122,6 +151,7 @@ def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, ali
             info.sg, info.slice = sg.id, sid
     if cuda:
         torch.cuda.current_stream(device).synchronize()
+        torch.cuda.empty_cache()  # what the moved parameters left cached goes back to the device
     return arena
 
 

@@ -121,6 +121,17 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         first_touch: allocate the host state untouched and let the optimizer pool's threads write
             it first (NUMA placement), before the master weights are filled in.
         align_bytes: alignment of each parameter's slice in the device buffers (CUDA mode).
+        host_copy: CUDA mode with a copy_dtype: "auto" (the default: the library keeps a full host
+            copy of the weights in copy_dtype where host memory allows, measured at the first
+            step), "full" (kept: speculative steps write it during backward, and with bf16 moments
+            the copy steps ahead of the rest) or "bounded" (each piece of the weights is written
+            into one of a few 16 MiB pinned buffers as it is published: 2 bytes per parameter
+            less host memory).
+        gradient_home: CUDA mode: where each offloaded sub-group's gradient waits for the
+            optimizer. "auto" (the default: on the host for as many sub-groups in forward order
+            as its memory holds, less a reserve, on the GPU for the rest), "host" (a pinned host
+            buffer, 2 bytes per parameter with bf16) or "device" (a GPU buffer the library reads
+            back in pieces for each pass: no host memory for it).
         piece_bytes, host_memory_limit, bias_correction: passed to the session.
     """
 
@@ -128,8 +139,11 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
                  speculation="auto", sub_group_numel=1 << 25, cores=None, cores_fraction=1.0, model=None, wait="auto",
                  copy_dtype="auto", moment_dtype="f32", accumulation_steps=1, distributed="auto", process_group=None,
                  loss_scaler=None, piece_bytes=16 << 20, host_memory_limit=0, bias_correction=True, align_bytes=256,
-                 gpu_fraction=0.0, gpu_budget_bytes="auto", nvtx=None, first_touch=True):
+                 gpu_fraction=0.0, gpu_budget_bytes="auto", nvtx=None, first_touch=True, host_copy="auto",
+                 gradient_home="auto"):
         _check_arguments(lr, betas, max_grad_norm, accumulation_steps, gpu_fraction, moment_dtype, wait)
+        host_copy, gradient_home = _choice("host_copy", host_copy, _abi.HostCopy), _choice(
+            "gradient_home", gradient_home, _abi.GradientHome)
         params, names = _params.split_names(params)
         self._constructing = True
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -183,7 +197,8 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             cuda=self.cuda, device=(self.device.index or 0) if self.cuda else 0, speculation=speculation,
             mode="adamw", bias_correction=bias_correction, grad_dtype=dt, accum_dtype=dt, moment_dtype=moment_dtype,
             copy_dtype=copy_dtype, pool=self._pool, host_memory_limit=int(host_memory_limit),
-            piece_bytes=int(piece_bytes), loss_scaler=loss_scaler, gpu_budget_bytes=gpu_budget_bytes)
+            piece_bytes=int(piece_bytes), loss_scaler=loss_scaler, gpu_budget_bytes=gpu_budget_bytes,
+            host_copy=host_copy, gradient_home=gradient_home)
         self._accum_torch = TORCH_DTYPES[dt]
         self._group_hp = [None] * len(self.param_groups)
         for gi, g in enumerate(self.param_groups):
@@ -632,6 +647,14 @@ def _check_arguments(lr, betas, max_grad_norm, accumulation_steps, gpu_fraction,
         raise ValueError(f'moment_dtype must be "f32" or "bf16", not {moment_dtype!r}')
     if wait not in ("auto", "module", "step"):
         raise ValueError(f'wait must be "auto", "module" or "step", not {wait!r}')
+
+
+def _choice(name, value, enum):
+    """The so_session_options value of a string option ("auto", ...) of `enum`."""
+    names = [m.name.lower() for m in enum]
+    if value not in names:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, names))}, not {value!r}")
+    return int(enum[value.upper()])
 
 
 def _gpu_budget(value, automatic):

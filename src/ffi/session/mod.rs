@@ -23,8 +23,9 @@ use super::boundary::ffi_boundary;
 use super::convert::{Field, FromC, abi_struct};
 use super::handle::{free_handle, handle, handle_ref, into_handle};
 use super::pool::{pool_arg, so_pool};
+use crate::error::Error;
 use crate::error::{Result, Status};
-use crate::session::{LossScalerOptions, Session, SessionOptions};
+use crate::session::{HostMemory, LossScalerOptions, Session, SessionOptions};
 
 /// An offload session: sub-groups of parameters whose Adam state lives in host memory,
 /// stepped on the session's own CPU-Adam thread.
@@ -278,6 +279,33 @@ pub unsafe extern "C" fn so_session_destroy(session: *mut so_session) {
         // other call on it running (this function's contract).
         unsafe { free_handle(session) };
         Ok(())
+    })
+}
+
+/// @brief What this host can give a session now: the memory available (`MemAvailable`, within
+/// the limit of the process's memory cgroup where it sets one) and the host's total memory, in
+/// bytes. A session measures the same before it allocates (its sub-groups' moments, gradient
+/// buffers and copies) and refuses with `SO_STATUS_OUT_OF_RESOURCES` what would not fit; a
+/// caller allocating the master weights and moments it lends a session can check them the
+/// same way.
+/// @return `SO_STATUS_UNSUPPORTED` where the system does not say (not Linux).
+/// @note Thread-safety: safe to call from any thread.
+///
+/// # Safety
+/// `out_available` and `out_total` are NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_host_memory(out_available: *mut usize, out_total: *mut usize) -> Status {
+    ffi_boundary!({
+        // Both outputs are checked before either is written: a failed call writes nothing.
+        non_null(out_available, "out_available")?;
+        non_null(out_total, "out_total")?;
+        let m = HostMemory::measure().ok_or_else(|| Error::unsupported("this system does not report its memory"))?;
+        // SAFETY: both are NULL or writable (this function's contract), and not NULL.
+        unsafe {
+            write_out(out_available, "out_available", m.available)?;
+            write_out(out_total, "out_total", m.total)
+        }
     })
 }
 
