@@ -22,6 +22,8 @@ script with --worker), without clipping and with clipping on every step (max_gra
                        parameters and moments on the CPU, fused CPU AdamW after backward; it does
                        not clip, so the clipped run scales the host gradients in a step pre-hook
                        of each per-parameter optimizer by the norm of the GPU gradients
+  torchao-offload-grads  the same with offload_gradients=True (its memory mode: no gradient
+                       stays on the GPU, so nothing clips; its clipped rows say so)
   ds-zero3-offload     DeepSpeed ZeRO-3, offload_optimizer {device: cpu, pin_memory: true}, AdamW
                        (DeepSpeedCPUAdam), top-level gradient_clipping
   torch-fsdp2-offload  FSDP2 fully_shard per decoder layer and at the root, with
@@ -37,19 +39,27 @@ script with --worker), without clipping and with clipping on every step (max_gra
 
 Models: 1.1b (TinyLlama's shape: 22 x 2048, intermediate 5632, 32 heads, 4 KV heads, batch 16 x
 seq 2048 = 32K tokens a step), 2.8b (26 x 3072, intermediate 8192, 24 heads, 8 KV heads, batch 8
-x 2048 = 16K tokens), tiny (2 x 64, for --device cpu: the harness, no numbers).
+x 2048 = 16K tokens), and for capacity 7b (Llama-2-7B's shape: 32 x 4096, intermediate 11008),
+8b (Llama-3-8B's: 32 x 4096, intermediate 14336, 8 KV heads, a 128K vocabulary), 10b (48 x
+4096) and 13b (Llama-2-13B's: 40 x 5120, intermediate 13824), each batch 8 x 2048 (--batch
+overrides it); tiny (2 x 64, for --device cpu: the harness, no numbers). Models are built in
+bf16 on the GPU directly (no f32 copy at init).
 
 --ranks N (N > 1; the three FSDP2 systems only) starts every worker as N processes, one per GPU
 (NCCL; gloo with --device cpu), each on its own data: the tables then hold N times the tokens a
 step, and their baseline is torch-fsdp2-gpu-adamw with as many ranks.
 
 Per row: the median s/step of --steps timed steps after --warmup, its ratio to the uncapped
-baseline row of the same model, clipping and ranks, GPU memory as torch's peak (allocated) plus
-the device bytes our session holds outside torch's allocator (metrics()["device_bytes"]; 0 for
-the others, whose GPU memory is all torch's; the largest of the ranks), rank 0's loss after the
-last step, and the error of a failed run. With --mem-cap-gib each worker first calls
-torch.cuda.set_per_process_memory_fraction; an out-of-memory error is a result (status oom), not
-a crash. A system that errs or times out is not run again for the later models and caps
+baseline row of the same model, clipping and ranks, model TFLOPS ((6 N + 12 layers hidden seq)
+tokens / s, recomputation not counted), GPU memory as torch's peak (allocated) plus the device
+bytes our session holds outside torch's allocator (metrics()["device_bytes"]; 0 for the others,
+whose GPU memory is all torch's; the largest of the ranks), the worker's peak host RSS (and per
+parameter), rank 0's loss after the last step, and the error of a failed run (a worker the
+kernel kills for host memory is a row too). With --mem-cap-gib each worker first calls
+torch.cuda.set_per_process_memory_fraction, and ours, once its session has provisioned, lowers
+that fraction by the session's device bytes, so that torch's allocations and the session's
+share the cap; an out-of-memory error is a result (status oom), not a crash. With several
+models, peers.md ends with the capacity table: per system and cap, the largest model that ran. A system that errs or times out is not run again for the later models and caps
 (--retry-failed runs it anyway).
 
 The clipped run follows the unclipped one in the same process (DeepSpeed: its ZeRO optimizer's
@@ -82,6 +92,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import socket
@@ -100,6 +111,14 @@ E2E_DIR = os.path.join(HERE, "..", "examples", "torch_optimizer")
 MODELS = {
     "1.1b": dict(layers=22, hidden=2048, inter=5632, heads=32, kv_heads=4, vocab=32000, seq=2048, batch=16),
     "2.8b": dict(layers=26, hidden=3072, inter=8192, heads=24, kv_heads=8, vocab=32000, seq=2048, batch=8),
+    # Llama-2-7B's shape.
+    "7b": dict(layers=32, hidden=4096, inter=11008, heads=32, kv_heads=32, vocab=32000, seq=2048, batch=8),
+    # Llama-3-8B's shape: its 128K vocabulary and 8 KV heads.
+    "8b": dict(layers=32, hidden=4096, inter=14336, heads=32, kv_heads=8, vocab=128256, seq=2048, batch=8),
+    # Llama-2-7B's layers, 48 of them.
+    "10b": dict(layers=48, hidden=4096, inter=11008, heads=32, kv_heads=32, vocab=32000, seq=2048, batch=8),
+    # Llama-2-13B's shape.
+    "13b": dict(layers=40, hidden=5120, inter=13824, heads=40, kv_heads=40, vocab=32000, seq=2048, batch=8),
     "tiny": dict(layers=2, hidden=64, inter=172, heads=4, kv_heads=2, vocab=256, seq=64, batch=4),
 }
 HPARAMS = dict(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -110,6 +129,16 @@ CAP_HEADROOM_BYTES = GIB
 
 def log(*a):
     print(*a, flush=True)
+
+
+class Unsupported(Exception):
+    """A setting the system cannot run (its row says why; the worker goes on)."""
+
+
+def model_flops_per_token(spec, params):
+    """Model FLOPs per token of a training step: 6 N plus the attention's 12 layers hidden seq
+    (recomputation not counted)."""
+    return 6 * params + 12 * spec["layers"] * spec["hidden"] * spec["seq"]
 
 
 def is_oom(exc):
@@ -129,7 +158,7 @@ class Context:
     def __init__(self, args):
         import bench_e2e
         self.e2e = bench_e2e
-        self.spec = MODELS[args.model]
+        self.spec = dict(MODELS[args.model], **({"batch": args.batch} if args.batch else {}))
         self.cuda = args.device == "cuda"
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
@@ -266,6 +295,16 @@ class Ours(Trainer):
         elif not first and self.speculation_auto:
             for _ in range(self.ctx.e2e.AUTO_POLICY_TURN):
                 self.step()
+        if first and self.ctx.cap_bytes:
+            # The session provisioned at its first step: torch's allocator gets what its device
+            # memory leaves of the cap.
+            if not self.steps_taken:
+                self.step()
+            total = torch.cuda.get_device_properties(self.ctx.device).total_memory
+            left = max(0, self.ctx.cap_bytes - self.device_bytes())
+            torch.cuda.set_per_process_memory_fraction(left / total, self.ctx.device)
+        if first:
+            self.config["memory"] = {k: v for k, v in self.opt.memory().items() if k != "params"}
 
     def device_bytes(self):
         return self.opt.metrics()["device_bytes"]
@@ -281,20 +320,28 @@ class Ours(Trainer):
 
 
 class TorchaoOffload(Trainer):
-    def __init__(self, ctx):
+    def __init__(self, ctx, offload_gradients=False):
         import torchao
         from torchao.optim import CPUOffloadOptimizer
         super().__init__(ctx)
         self.model = ctx.build_model()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = CPUOffloadOptimizer(self.params, torch.optim.AdamW, **HPARAMS)
+        self.offload_gradients = offload_gradients
+        self.opt = CPUOffloadOptimizer(self.params, torch.optim.AdamW, offload_gradients=offload_gradients,
+                                       **HPARAMS)
         self.host_grad_scale = 1.0
         for host_opt in self.opt.optim_dict.values():
             host_opt.register_step_pre_hook(self._scale_host_grads)
         # Parameters below its minimal size stay on the GPU, stepped there by its d_opt.
         self.gpu_params = [p for group in self.opt.d_param_groups for p in group["params"]]
         self.config = {"torchao": torchao.__version__, "offloaded_tensors": len(self.opt.optim_dict),
-                       "gpu_tensors": len(self.gpu_params)}
+                       "gpu_tensors": len(self.gpu_params), "offload_gradients": offload_gradients}
+
+    def set_clip(self, max_norm):
+        if max_norm and self.offload_gradients:
+            raise Unsupported("offload_gradients=True leaves no gradient on the GPU to take the norm of, and "
+                              "CPUOffloadOptimizer does not clip")
+        self.max_norm = max_norm
 
     def _scale_host_grads(self, host_opt, args, kwargs):
         if self.host_grad_scale < 1.0:
@@ -396,6 +443,8 @@ SYSTEMS = {
                           lambda ctx: Ours(ctx, {"moment_dtype": "bf16", **OFFLOAD_ALL})),
     "ours-budget-auto": ('ours, gpu_budget "auto"', lambda ctx: Ours(ctx, {"gpu_budget": "auto"})),
     "torchao-offload": ("torchao CPUOffloadOptimizer (AdamW)", TorchaoOffload),
+    "torchao-offload-grads": ("torchao CPUOffloadOptimizer (AdamW), offload_gradients", 
+                              lambda ctx: TorchaoOffload(ctx, offload_gradients=True)),
     "ds-zero3-offload": ("DeepSpeed ZeRO-3, offload_optimizer cpu", lambda ctx: DeepSpeedZero3(ctx, False)),
     "torch-fsdp2-offload": ("torch FSDP2 CPUOffloadPolicy", Fsdp2CpuOffload),
     "ds-superoffload": ("DeepSpeed ZeRO-3 + SuperOffload", lambda ctx: DeepSpeedZero3(ctx, True)),
@@ -414,7 +463,7 @@ def baseline_of(ranks):
 # The order of the runs: the rows that the targets need first, so that what --budget-s leaves out
 # matters least ("ours" repeats one of the two before it, whichever the package's default is).
 RUN_ORDER = ["torch-gpu-adamw", "torch-fsdp2-gpu-adamw", "ours-offload-all", "ours-fsdp2", "ours-budget-auto",
-             "torchao-offload", "ours-spec-off", "ours", "ours-defaults-spec-off", "ours-bf16-moments",
+             "torchao-offload", "torchao-offload-grads", "ours-spec-off", "ours", "ours-defaults-spec-off", "ours-bf16-moments",
              "ds-zero3-offload", "torch-fsdp2-offload", "ds-superoffload"]
 
 
@@ -468,10 +517,16 @@ def worker_main(args):
     log(f"[{args.worker}] set up in {setup_s:.1f} s: {n_params / 1e9:.3f} B parameters, {trainer.config}")
     steps = argparse.Namespace(steps=args.steps, warmup=args.warmup)
     failed = False
+    first = True
     for i, clip in enumerate(ctx.clips):
         try:
             trainer.set_clip(clip)
-            trainer.before_phase(first=i == 0)
+        except Unsupported as exc:
+            rows[i].update(status="unsupported", error=str(exc))
+            continue
+        try:
+            trainer.before_phase(first=first)
+            first = False
             if ctx.cuda:
                 torch.cuda.synchronize(ctx.device)
                 torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -482,16 +537,23 @@ def worker_main(args):
             fail(i, exc)
             failed = True
             break
+        median = statistics.median(times)
+        tokens = spec["batch"] * spec["seq"] * ctx.world
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         rows[i].update(
-            status="ok", s_per_step=statistics.median(times), s_per_step_all=times, loss=losses[-1],
+            status="ok", s_per_step=median, s_per_step_all=times, loss=losses[-1],
+            tflops=model_flops_per_token(spec, n_params) * tokens / median / 1e12,
             torch_peak_gib=torch_peak / GIB, session_device_gib=session_bytes / GIB,
-            gpu_gib=(torch_peak + session_bytes) / GIB, steps_taken=trainer.steps_taken, setup_s=setup_s,
+            gpu_gib=(torch_peak + session_bytes) / GIB, host_rss_peak_gib=rss / GIB,
+            host_bytes_per_param=rss / n_params, steps_taken=trainer.steps_taken, setup_s=setup_s,
             config=dict(trainer.config))
         log(f"[{args.worker}] clip {clip:g}: {rows[i]['s_per_step']:.4f} s/step (steps "
-            f"{', '.join(f'{t:.3f}' for t in times)}), loss {losses[-1]:.4f}, GPU {rows[i]['gpu_gib']:.2f} GiB")
+            f"{', '.join(f'{t:.3f}' for t in times)}), loss {losses[-1]:.4f}, GPU {rows[i]['gpu_gib']:.2f} GiB, "
+            f"{rows[i]['tflops']:.0f} TFLOPS, host RSS peak {rows[i]['host_rss_peak_gib']:.1f} GiB")
         save()
     for row in rows:
         row.update(params=n_params, tokens_per_step=spec["batch"] * spec["seq"] * ctx.world, ranks=ctx.world,
+                   batch=spec["batch"],
                    versions=package_versions(),
                    device_name=torch.cuda.get_device_name(ctx.device) if ctx.cuda else "cpu")
     save()
@@ -528,7 +590,8 @@ def run_worker(job, args, workdir, log_file, seconds):
             os.remove(path)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--model", model,
            "--cap-gib", str(cap or 0), "--clips", ",".join(repr(c) for c in clips), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--device", args.device, "--result", result]
+           "--warmup", str(args.warmup), "--device", args.device, "--result", result,
+           *(["--batch", str(args.batch)] if args.batch else [])]
     # The ranks of one process group on this host (a group of one for DeepSpeed and FSDP2).
     env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
@@ -584,6 +647,10 @@ def run_worker(job, args, workdir, log_file, seconds):
             if timed_out:
                 why = "at the end of --budget-s" if seconds < args.timeout_s else f"after {seconds:.0f} s"
                 row.update(status="timeout", error=f"worker stopped {why}; {rank}output ended:\n{tail}")
+            elif codes[failed_rank] == -signal.SIGKILL:
+                row.update(status="killed",
+                           error=f"{rank}process was killed (SIGKILL: the kernel's out-of-memory killer, if the host "
+                                 f"ran out of memory); its output ended:\n{tail}")
             else:
                 row.update(status="crash",
                            error=f"worker exited with {codes[failed_rank]}; {rank}output ended:\n{tail}")
@@ -668,31 +735,65 @@ def markdown(header, rows):
                        key=lambda r: (order.index(r["system"]), r["clip"]))
         spec = MODELS[model]
         params = next((r["params"] for r in group if r.get("params")), None)
+        tokens = next((r["tokens_per_step"] for r in group if r.get("tokens_per_step")), None)
         size = (f"{params / 1e9:.2f} B parameters, " if params >= 1e9 else f"{params / 1e6:.2f} M parameters, "
                 ) if params else ""
         on_ranks = f"{ranks} ranks of FSDP2, " if ranks > 1 else ""
         out += [f"## {model}: {spec['layers']} x {spec['hidden']}, {size}{on_ranks}"
-                f"{spec['batch'] * spec['seq'] * ranks} tokens a step; "
+                + (f"{tokens} tokens a step; " if tokens else "")
                 + (f"memory cap {cap:g} GiB" if cap else "no memory cap"), "",
-                "| system | clip | s/step | × GPU AdamW | GPU GiB (torch peak + session) | loss (steps) "
-                "| status, note |",
-                "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+                "| system | clip | s/step | × GPU AdamW | TFLOPS | GPU GiB (torch peak + session) "
+                "| host RSS GiB (B/param) | loss (steps) | status, note |",
+                "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
         for r in group:
-            note = r["status"] if r["status"] != "ok" else ""
-            if r.get("error"):
-                note += ": " + " ".join(r["error"].split())[:300].replace("|", "\\|")
-            if r.get("note"):
-                note = r["note"]
-            if r["status"] == "ok" and cap and r["gpu_gib"] > cap:
-                note = "above the cap (the session's device memory is outside torch's limit)"
-            gpu = (f"{r['gpu_gib']:.2f}" + (f" ({r['torch_peak_gib']:.2f} + {r['session_device_gib']:.2f})"
-                                              if r["session_device_gib"] else "")) if r["status"] == "ok" else "—"
-            loss = f"{r['loss']:.4f} ({r['steps_taken']})" if r["status"] == "ok" else "—"
-            out.append(f"| {SYSTEMS[r['system']][0]} | {'every step' if r['clip'] else 'none'} | "
-                       f"{fmt(r.get('s_per_step'), 3)} | {fmt(r.get('ratio_to_gpu_adamw'), 3)} | {gpu} | "
-                       f"{loss} | {note} |")
+            out.append(row_markdown(r, cap))
         out.append("")
+    out += capacity_markdown(rows)
     return "\n".join(out)
+
+
+def row_markdown(r, cap):
+    ok = r["status"] == "ok"
+    note = r["status"] if not ok else ""
+    if r.get("error"):
+        note += ": " + " ".join(r["error"].split())[:300].replace("|", "\\|")
+    if r.get("note"):
+        note = r["note"]
+    if ok and cap and r["gpu_gib"] > cap:
+        note = "above the cap"
+    gpu = (f"{r['gpu_gib']:.2f}" + (f" ({r['torch_peak_gib']:.2f} + {r['session_device_gib']:.2f})"
+                                      if r["session_device_gib"] else "")) if ok else "—"
+    host = f"{r['host_rss_peak_gib']:.1f} ({r['host_bytes_per_param']:.1f})" if ok and "host_rss_peak_gib" in r else "—"
+    loss = f"{r['loss']:.4f} ({r['steps_taken']})" if ok else "—"
+    return (f"| {SYSTEMS[r['system']][0]} | {'every step' if r['clip'] else 'none'} | "
+            f"{fmt(r.get('s_per_step'), 3)} | {fmt(r.get('ratio_to_gpu_adamw'), 3)} | {fmt(r.get('tflops'), 0)} | "
+            f"{gpu} | {host} | {loss} | {note} |")
+
+
+def capacity_markdown(rows):
+    """Per system, cap and clip setting: the largest model that ran (within the cap), with its
+    figures; nothing with fewer than two models."""
+    models = sorted({r["model"] for r in rows}, key=list(MODELS).index)
+    if len(models) < 2:
+        return []
+    out = ["## Capacity: the largest model each system trained", "",
+           "| system | cap | clip | largest model | s/step | TFLOPS | GPU GiB | host RSS GiB (B/param) | larger: why not |",
+           "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    keys = sorted({(r["system"], r["cap_gib"] or 0, r["clip"]) for r in rows},
+                  key=lambda k: (list(SYSTEMS).index(k[0]), k[1], k[2]))
+    for system, cap, clip in keys:
+        mine = {r["model"]: r for r in rows if (r["system"], r["cap_gib"] or 0, r["clip"]) == (system, cap, clip)}
+        fits = [m for m in models if m in mine and mine[m]["status"] == "ok"
+                and not (cap and mine[m]["gpu_gib"] > cap)]
+        best = mine[fits[-1]] if fits else None
+        larger = [m for m in models if m in mine and (not fits or models.index(m) > models.index(fits[-1]))]
+        why = "; ".join(f"{m}: {mine[m]['status']}" for m in larger) or "—"
+        figures = (f"{fmt(best['s_per_step'], 3)} | {fmt(best['tflops'], 0)} | {best['gpu_gib']:.2f} | "
+                   f"{best['host_rss_peak_gib']:.1f} ({best['host_bytes_per_param']:.1f})") if best else "— | — | — | —"
+        out.append(f"| {SYSTEMS[system][0]} | {f'{cap:g} GiB' if cap else 'none'} | "
+                   f"{'every step' if clip else 'none'} | {fits[-1] if fits else 'none'} | {figures} | {why} |")
+    out.append("")
+    return out
 
 
 def host_header(args):
@@ -750,7 +851,7 @@ def runner_main(args):
             else:
                 log(f"[{n}/{len(jobs)}] {system} ({where}) ...")
                 new = run_worker(job, args, workdir, log_file, min(args.timeout_s, left))
-                if any(r["status"] in ("error", "timeout", "crash") for r in new):
+                if any(r["status"] in ("error", "timeout", "crash", "killed") for r in new):
                     failed.setdefault(system, where)
             for r in new:
                 note_machine(header, r)
@@ -777,7 +878,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
     ap.add_argument("--systems", default="all", help="comma list of the systems above, or all (default)")
-    ap.add_argument("--models", default="1.1b,2.8b", help="comma list of 1.1b, 2.8b, tiny (default 1.1b,2.8b)")
+    ap.add_argument("--models", default="1.1b,2.8b",
+                    help="comma list of 1.1b, 2.8b, 7b, 8b, 10b, 13b, tiny (default 1.1b,2.8b)")
+    ap.add_argument("--batch", type=int, default=0, help="sequences a step, for every model (default: the model's)")
     ap.add_argument("--clip", choices=("none", "every", "both"), default="both",
                     help="runs without clipping, clipping every step, or both (default)")
     ap.add_argument("--clip-max-norm", type=float, default=1e-3,

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one go, against an install prefix built
-# elsewhere (that machine has CMake, g++, CUDA, PyTorch and JAX but no Rust toolchain):
-#   1. the ctest suite built against the prefix (gpu_ tests run there, not skipped; the fault
-#      tests only if the prefix was built with -DSO_FAULT_INJECTION=ON, a test build's
-#      library, else they are skipped);
+# elsewhere (that machine has CMake, g++, CUDA, PyTorch and JAX but no Rust toolchain;
+# scripts/gpu_prepare.sh builds what it needs):
+#   1. the ctest suite built against the prefix (gpu_ tests run there, not skipped), or against
+#      $SO_GPU_FAULT_PREFIX, a prefix built with -DSO_FAULT_INJECTION=ON, where given: the CUDA
+#      fault tests then run too (without fault switches they are skipped);
 #   2. the kernel benchmark (N = 1e8, 16 threads) and ours vs torch.optim.AdamW(fused=True);
 #   3. the CUDA transport benchmarks (copies in pieces, overlap with a GPU backward).
 # Usage: scripts/gpu_run.sh <prefix> [output dir] [parts]   (default: gpu-out; parts: all, or a
@@ -18,9 +19,12 @@ so_step "machine"
 
 if so_want ctest; then
 so_step "ctest against the installed prefix"
-cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DSO_PREBUILT_DIR="$prefix" > "$out/ctest.log" 2>&1 &&
+test_prefix="$(cd "${SO_GPU_FAULT_PREFIX:-$prefix}" && pwd)"
+echo "ctest against $test_prefix" > "$out/ctest.log"
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DSO_PREBUILT_DIR="$test_prefix" >> "$out/ctest.log" 2>&1 &&
   cmake --build build-gpu -j "$threads" >> "$out/ctest.log" 2>&1
-ctest --test-dir build-gpu --output-on-failure -j 4 2>&1 | tee -a "$out/ctest.log" | tail -40
+LD_LIBRARY_PATH="$test_prefix/lib:$LD_LIBRARY_PATH" ctest --test-dir build-gpu --output-on-failure -j 4 2>&1 |
+  tee -a "$out/ctest.log" | tail -40
 fi
 
 if so_want bench; then

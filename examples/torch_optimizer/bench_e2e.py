@@ -64,9 +64,14 @@ def build_model(args, device):
                       num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seq, 2048),
                       attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
-    model = model.to(dtype=args.dtype)
+    # Built in its dtype where it runs: a 13 B model's f32 weights alone would not fit on the GPU.
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(args.dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default_dtype)
     model.config.use_cache = False
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -19,6 +19,9 @@ CUDA mode, SuperOffloadAdamW on a tiny GPT (python/tests/_models.py), determinis
   cuda_state_dict_read model.state_dict() read right after each step (no other host wait)
   cuda_budget_fraction gpu_budget_bytes="auto" under torch's per-process memory fraction: the budget
                        is what the cap leaves, not the device's free memory
+  cuda_lean_memory     gradient_home="device" and host_copy="bounded" (the gradient kept on the GPU, the
+                       copy written piece by piece as it is published): the bits of the full host buffers
+                       with clipping on some steps, resume bit for bit, and no host bytes beyond the state
 Hugging Face Trainer on a LlamaConfig-built model (f32 parameters, bf16 autocast, full_determinism):
   trainer_parity       SuperOffloadTrainer vs Trainer's AdamW, max_grad_norm active, >= 30 steps:
                        mean relative loss difference <= 1e-3
@@ -197,6 +200,26 @@ def torch_checks(dev):
         check("cuda_rerun", same and clipped > 0 and spec > 0, losses_and_weights_equal=same, clipped_steps=clipped,
               speculative_steps=spec)
 
+    def lean_memory():
+        lean = dict(gradient_home="device", host_copy="bounded")
+        runs = []
+        for kw in (dict(gradient_home="host", host_copy="full"), lean):
+            m = make_model(0, dev, dt)
+            opt = ours(m, **kw)
+            la, res = train(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), data[:24])
+            params = sum(p.numel() for p in m.parameters())
+            runs.append((la, snap(m), sum(r["clip_coef"] < 1 for r in res), opt.metrics()["host_bytes"] / params,
+                         opt.session.device_bytes() / params))
+            opt.close()
+        (la, wa, clipped, full_host, _), (lb, wb, _, lean_host, lean_device) = runs
+        same = la == lb and all(torch.equal(p, q) for p, q in zip(wa, wb))
+        resumed = resume(**lean)
+        # f32 master weights (4 bytes a parameter, with padding) and nothing else of the session's;
+        # the full buffers add a bf16 gradient and a bf16 copy.
+        check("cuda_lean_memory", same and resumed and clipped > 0 and lean_host < 4.5 and full_host > 7.5,
+              losses_and_weights_equal=same, resumed=resumed, clipped_steps=clipped,
+              host_bytes_per_param=f"{full_host:.2f} -> {lean_host:.2f}", device_bytes_per_param=f"{lean_device:.2f}")
+
     def accumulation():
         m = make_model(0, dev, dt)
         opt = ours(m, accumulation_steps=2)
@@ -295,7 +318,8 @@ def torch_checks(dev):
     for name, fn in (("cuda_state_dict_read", state_dict_read), ("cuda_budget_fraction", budget_under_fraction), ("cuda_parity", parity), ("cuda_speculation", speculation), ("cuda_resume", resume_check),
                      ("cuda_rerun", rerun),
                      ("cuda_accumulation", accumulation), ("cuda_gpu_fraction", gpu_fraction),
-                     ("cuda_bf16_moments", bf16_moments), ("cuda_direct_read", direct_read)):
+                     ("cuda_bf16_moments", bf16_moments), ("cuda_direct_read", direct_read),
+                     ("cuda_lean_memory", lean_memory)):
         if name in ONLY or "torch" in ONLY:
             guarded(name, fn)
 
