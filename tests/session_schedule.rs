@@ -242,3 +242,50 @@ fn automatic_speculation_stops_when_clipping_keeps_changing_the_factor() {
     assert!(speculated[0] > 0, "a new session speculates: {speculated:?}");
     assert!(speculated[8..].iter().all(|&s| s == 0), "clipped every step: {speculated:?}");
 }
+
+/// With an inf or NaN in a gradient, every ticket reports the same status whether the
+/// speculative pass ran before `step()` or was cancelled by the decision: the step's tickets,
+/// like its bits, depend on the inputs alone.
+#[test]
+fn a_non_finite_gradient_fails_the_same_tickets_whether_its_speculation_ran_or_was_cancelled() {
+    let mut statuses = Vec::new();
+    for cancelled in [false, true] {
+        let gate = Arc::new(Gate::default());
+        let m = model(&SIZES, Speculation::On, Some(gate.clone()));
+        let s = &m.session;
+        s.begin_step(Some(1.0), 1).unwrap();
+        let mut tickets = vec![None; SIZES.len()];
+        for k in (0..SIZES.len()).rev() {
+            let mut g = gradient(SIZES[k], k, 1);
+            if k == 0 {
+                g[7] = f32::NAN;
+            }
+            if !cancelled && k == 0 {
+                // The others' passes first, then sub-group 0's, before step().
+                gate.open();
+            }
+            tickets[k] = s.grad_copy(k as u32, Floats::F32(&g)).unwrap();
+        }
+        let spec0 = tickets[0].expect("sub-group 0 speculates");
+        if !cancelled {
+            for t in tickets.iter().flatten() {
+                let _ = s.wait(*t, None);
+            }
+        } else {
+            // The thread is held at the gate by the first sub-group to complete: the decision
+            // comes before sub-group 0's queued pass, which it cancels.
+            gate.wait_for_arrival();
+        }
+        let (t, _) = m.step(0.0);
+        gate.open();
+        let result = m.result(t);
+        assert_eq!(result.cancelled > 0, cancelled, "{result:?}");
+        assert!(result.skipped);
+        let status = |outcome: Result<()>| outcome.err().map(|e| (e.status, e.message));
+        statuses.push((status(s.wait(spec0, None)), status(s.wait_all(t, None))));
+    }
+    assert_eq!(statuses[0], statuses[1], "ran, then cancelled");
+    let (spec, all) = &statuses[0];
+    assert_eq!(spec.as_ref().map(|s| s.0), Some(superoffload::error::Status::NonFinite), "{spec:?}");
+    assert_eq!(all, spec, "wait_all reports the first failure");
+}

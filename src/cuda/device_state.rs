@@ -1,10 +1,9 @@
 //! Device-resident state: the master weights, moments and gradient of a device-placed
 //! sub-group, their copies to and from the host, and the GPU Adam step over them.
 
-use super::driver::{CUdeviceptr, CUstream, Kernels};
+use super::driver::{self, CUdeviceptr, CUstream, Kernels, dtype_code};
 use super::faults;
-use super::memory::DeviceBuffer;
-use super::{driver, transport::floats_mut_ptr};
+use super::memory::{DeviceBuffer, floats_mut_ptr};
 use crate::error::{Error, Result};
 use crate::kernels::DType;
 use crate::session::{DevicePass, HostState};
@@ -138,14 +137,5 @@ impl DeviceState {
                 &mut new_scale,
             ],
         )
-    }
-}
-
-/// A dtype as the device kernels take it.
-pub(crate) fn dtype_code(d: DType) -> u32 {
-    match d {
-        DType::F32 => 1,
-        DType::Bf16 => 2,
-        DType::F16 => 3,
     }
 }

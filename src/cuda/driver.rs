@@ -10,6 +10,7 @@ use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
 use crate::error::{Error, Result, Status};
+use crate::kernels::DType;
 
 #[cfg(feature = "fault-injection")]
 pub(crate) use sys::CUresult;
@@ -320,5 +321,14 @@ impl Drop for Kernels {
     fn drop(&mut self) {
         // SAFETY: the module `load` loaded.
         let _ = unsafe { result::module::unload(self.module) };
+    }
+}
+
+/// A dtype as the device kernels take it.
+pub(crate) fn dtype_code(d: DType) -> u32 {
+    match d {
+        DType::F32 => 1,
+        DType::Bf16 => 2,
+        DType::F16 => 3,
     }
 }

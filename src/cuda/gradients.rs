@@ -6,17 +6,14 @@
 
 use std::ops::Range;
 
-use super::device_state::dtype_code;
-use super::driver::{self, CUdeviceptr, CUstream};
+use super::driver::{self, CUdeviceptr, CUstream, dtype_code};
 use super::events::Event;
-use super::memory::{DeviceBuffer, PinnedBox};
-use super::transport::{CudaTransport, floats_mut_ptr, not_attached};
+use super::memory::floats_mut_ptr;
+use super::partials::SumsqPartials;
+use super::transport::CudaTransport;
 use crate::error::{Error, Result, Status};
 use crate::kernels::{DType, Floats};
 use crate::session::{HandOff, HandedSumsq};
-
-/// Elements per partial of a sum of squares (the CPU kernels' block).
-const SUMSQ_BLOCK: usize = 8192;
 
 /// Threads per thread block of `so_sumsq_partials` (eight per partial). Small, so that a
 /// slice's partials spread over every SM: each lane's loads wait on memory latency.
@@ -30,47 +27,6 @@ struct SumsqSource {
     dtype: DType,
     scale: f32,
     copy: CUdeviceptr,
-}
-
-/// The block partials of a sub-group's slices' sums of squares, on the device and in pinned
-/// host memory.
-pub(crate) struct SumsqPartials {
-    /// Per slice: its partials' indices.
-    spans: Vec<Range<usize>>,
-    dev: DeviceBuffer,
-    host: PinnedBox<f64>,
-    /// Per slice: recorded after its partials' copy to the host, until consumed.
-    ready: Vec<Option<Event>>,
-}
-
-impl SumsqPartials {
-    /// Room for the partials of `slices` (element ranges).
-    pub(crate) fn new(slices: &[Range<usize>]) -> Result<SumsqPartials> {
-        let mut spans = Vec::with_capacity(slices.len());
-        let mut total = 0;
-        for r in slices {
-            let count = r.len().div_ceil(SUMSQ_BLOCK);
-            spans.push(total..total + count);
-            total += count;
-        }
-        let dev = DeviceBuffer::alloc(total * 8)?;
-        let host = PinnedBox::zeros(total)?;
-        Ok(SumsqPartials { spans, dev, host, ready: slices.iter().map(|_| None).collect() })
-    }
-
-    pub(crate) fn host_bytes(&self) -> usize {
-        self.host.as_slice().len() * 8
-    }
-
-    /// The events of copies still unconsumed.
-    pub(crate) fn pending(&self) -> impl Iterator<Item = &Event> {
-        self.ready.iter().flatten()
-    }
-
-    /// Takes every event still unconsumed.
-    pub(crate) fn take_pending(&mut self) -> impl Iterator<Item = Event> + '_ {
-        self.ready.iter_mut().filter_map(Option::take)
-    }
 }
 
 impl CudaTransport {
@@ -96,7 +52,7 @@ impl CudaTransport {
         self.enter()?;
         driver::refuse_capturing(stream)?;
         let mut state = self.state.lock().unwrap();
-        let dev = state.subgroups.get_mut(&h.sg).ok_or_else(|| not_attached(h.sg))?;
+        let dev = state.attached_mut(h.sg)?;
         let size = dtype.size();
         // A gradient that stays on the device is copied there by the pass that sums it (once
         // the device step before, if any, has read the gradient there).
@@ -179,7 +135,7 @@ impl CudaTransport {
         let size = self.accum_dtype.size();
         let src = {
             let state = self.state.lock().unwrap();
-            let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
+            let d = state.attached(sg)?;
             d.device_gradient_at(0).ok_or_else(|| {
                 Error::new(Status::InvalidState, format!("sub-group {sg} keeps no gradient on the device"))
             })?
@@ -262,13 +218,13 @@ impl CudaTransport {
         self.enter()?;
         let ready = {
             let mut state = self.state.lock().unwrap();
-            let dev = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
+            let dev = state.attached_mut(sg)?;
             dev.partials.ready[slice].take()
         }
         .ok_or_else(|| Error::new(Status::Panic, format!("sub-group {sg} slice {slice}: no sum of squares queued")))?;
         self.wait_and_free(vec![ready])?;
         let state = self.state.lock().unwrap();
-        let partials = &state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?.partials;
+        let partials = &state.attached(sg)?.partials;
         Ok(partials.host.as_slice()[partials.spans[slice].clone()].iter().sum())
     }
 }

@@ -4,6 +4,7 @@
 
 use super::driver::{self, CUdeviceptr};
 use crate::error::Result;
+use crate::kernels::{Floats, FloatsMut};
 
 /// Device memory (`cuMemAlloc`), freed on drop.
 pub(crate) struct DeviceBuffer {
@@ -92,5 +93,23 @@ impl<T: Copy + Default> PinnedBox<T> {
     /// The address of elements `[offset, ..)`.
     pub(crate) fn dst_at(&mut self, offset: usize) -> *mut u8 {
         self.data[offset..].as_mut_ptr().cast()
+    }
+}
+
+/// The address of host memory a copy reads.
+pub(super) fn floats_ptr(f: &Floats<'_>) -> *const u8 {
+    match f {
+        Floats::F32(s) => s.as_ptr().cast(),
+        Floats::Bf16(s) => s.as_ptr().cast(),
+        Floats::F16(s) => s.as_ptr().cast(),
+    }
+}
+
+/// The address and bytes of host memory a copy writes.
+pub(super) fn floats_mut_ptr(f: &mut FloatsMut<'_>) -> (*mut u8, usize) {
+    match f {
+        FloatsMut::F32(s) => (s.as_mut_ptr().cast(), s.len() * 4),
+        FloatsMut::Bf16(s) => (s.as_mut_ptr().cast(), s.len() * 2),
+        FloatsMut::F16(s) => (s.as_mut_ptr().cast(), s.len() * 2),
     }
 }

@@ -12,6 +12,7 @@ mod events;
 mod faults;
 mod gradients;
 mod memory;
+mod partials;
 mod ptx;
 mod slots;
 mod transport;

@@ -17,8 +17,8 @@ use super::device_state::{DeviceState, Param};
 use super::driver::{self, CUdeviceptr, CUstream, Context, Kernels, Raw};
 use super::events::{self, Event, EventPool, WaitTimes};
 use super::faults::CopyFaults;
-use super::gradients::SumsqPartials;
-use super::memory::{DeviceBuffer, HostRegistration};
+use super::memory::{DeviceBuffer, HostRegistration, floats_ptr};
+use super::partials::SumsqPartials;
 use super::slots::Slots;
 use crate::error::{Error, Result, Status};
 use crate::kernels::{DType, Floats, FloatsMut};
@@ -125,6 +125,15 @@ pub(super) struct State {
 }
 
 impl State {
+    /// The device side of sub-group `sg`, or the error of one not attached.
+    pub(super) fn attached(&self, sg: u32) -> Result<&SgDevice> {
+        self.subgroups.get(&sg).ok_or_else(|| not_attached(sg))
+    }
+
+    pub(super) fn attached_mut(&mut self, sg: u32) -> Result<&mut SgDevice> {
+        self.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))
+    }
+
     /// Makes the publication stream wait, once a step, for the work the caller queued before
     /// `step()`; device steps that publish nothing run before it, beside the backward.
     fn publication_follows_backward(&mut self, h2d: CUstream) -> Result<()> {
@@ -162,22 +171,6 @@ pub struct CudaTransport {
     /// The GPU's idle time at ticket waits, not yet accounted.
     waits: Mutex<WaitTimes>,
     pub(super) state: Mutex<State>,
-}
-
-pub(super) fn floats_ptr(f: &Floats<'_>) -> *const u8 {
-    match f {
-        Floats::F32(s) => s.as_ptr().cast(),
-        Floats::Bf16(s) => s.as_ptr().cast(),
-        Floats::F16(s) => s.as_ptr().cast(),
-    }
-}
-
-pub(super) fn floats_mut_ptr(f: &mut FloatsMut<'_>) -> (*mut u8, usize) {
-    match f {
-        FloatsMut::F32(s) => (s.as_mut_ptr().cast(), s.len() * 4),
-        FloatsMut::Bf16(s) => (s.as_mut_ptr().cast(), s.len() * 2),
-        FloatsMut::F16(s) => (s.as_mut_ptr().cast(), s.len() * 2),
-    }
 }
 
 impl CudaTransport {
@@ -292,7 +285,7 @@ impl CudaTransport {
     fn publish_copy(&self, sg: u32, offset: usize, src: *const u8, bytes: usize) -> Result<Event> {
         let mut state = self.state.lock().unwrap();
         state.publication_follows_backward(self.h2d.0)?;
-        let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
+        let d = state.attached(sg)?;
         let dst = d.param + (offset * d.param_dtype.size()) as CUdeviceptr;
         driver::memcpy_htod_async(dst, src, bytes, self.h2d.0)?;
         self.events.record(self.h2d.0)
@@ -357,7 +350,7 @@ fn give_back_streams(device: i32, streams: [Raw<CUstream>; 4]) {
     SPARE_STREAMS.lock().unwrap().push((device, streams));
 }
 
-pub(super) fn not_attached(sg: u32) -> Error {
+fn not_attached(sg: u32) -> Error {
     Error::new(Status::InvalidState, format!("sub-group {sg} has no device parameter attached"))
 }
 
@@ -474,7 +467,7 @@ impl Transport for CudaTransport {
         self.enter()?;
         {
             let state = self.state.lock().unwrap();
-            let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
+            let d = state.attached(sg)?;
             d.check_piece(sg, offset, src.len(), src.dtype())?;
         }
         // The session leaves `src` (its pinned copy or master weights) unchanged until
@@ -497,7 +490,7 @@ impl Transport for CudaTransport {
         self.enter()?;
         {
             let state = self.state.lock().unwrap();
-            let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
+            let d = state.attached(sg)?;
             d.check_piece(sg, offset, len, dtype)?;
         }
         // Without the state lock while the slot frees up and `fill` runs: hand-offs go on.
@@ -513,7 +506,7 @@ impl Transport for CudaTransport {
         self.enter()?;
         let mut state = self.state.lock().unwrap();
         state.publication_follows_backward(self.h2d.0)?;
-        let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
+        let d = state.attached_mut(sg)?;
         d.published = Some(self.events.record(self.h2d.0)?);
         Ok(())
     }
@@ -541,7 +534,7 @@ impl Transport for CudaTransport {
         self.enter()?;
         let copies = {
             let mut state = self.state.lock().unwrap();
-            let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
+            let d = state.attached_mut(sg)?;
             std::mem::take(&mut d.copies)
         };
         let mut state = self.state.lock().unwrap();
@@ -551,7 +544,7 @@ impl Transport for CudaTransport {
         if publish {
             state.publication_follows_backward(self.h2d.0)?;
         }
-        let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
+        let d = state.attached_mut(sg)?;
         let dev = d.device.as_ref().ok_or_else(not_device_placed)?;
         for (i, pass) in passes.iter().enumerate() {
             // Only the last pass writes the model's parameter, and only when it is published.
@@ -573,7 +566,7 @@ impl Transport for CudaTransport {
     fn keep_gradient_on_device(&self, sg: u32) -> Result<()> {
         self.enter()?;
         let mut state = self.state.lock().unwrap();
-        let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
+        let d = state.attached_mut(sg)?;
         if d.device.is_none() && d.kept.is_none() {
             d.kept = Some(DeviceBuffer::alloc(d.numel * self.accum_dtype.size())?);
         }
@@ -594,7 +587,7 @@ impl Transport for CudaTransport {
     fn device_zero_gradient(&self, sg: u32, range: Range<usize>) -> Result<()> {
         self.enter()?;
         let mut state = self.state.lock().unwrap();
-        let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
+        let d = state.attached_mut(sg)?;
         let size = self.accum_dtype.size();
         let dst = d.device_gradient_at(range.start * size).ok_or_else(not_device_placed)?;
         if let Some(stepped) = &d.stepped {
@@ -608,7 +601,7 @@ impl Transport for CudaTransport {
     fn set_placement(&self, sg: u32, placement: Placement, mut host: HostState<'_>) -> Result<()> {
         self.enter()?;
         let mut state = self.state.lock().unwrap();
-        let d = state.subgroups.get_mut(&sg).ok_or_else(|| not_attached(sg))?;
+        let d = state.attached_mut(sg)?;
         match (placement, &d.device) {
             (Placement::Device, None) => {
                 d.device = Some(self.uploaded(d.numel, &mut host)?);
@@ -632,7 +625,7 @@ impl Transport for CudaTransport {
     fn download_state(&self, sg: u32, mut host: HostState<'_>) -> Result<()> {
         self.enter()?;
         let state = self.state.lock().unwrap();
-        let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
+        let d = state.attached(sg)?;
         match &d.device {
             Some(dev) => self.download(dev, &mut host),
             None => Ok(()),
@@ -643,7 +636,7 @@ impl Transport for CudaTransport {
         self.enter()?;
         let mut state = self.state.lock().unwrap();
         state.publication_follows_backward(self.h2d.0)?;
-        let d = state.subgroups.get(&sg).ok_or_else(|| not_attached(sg))?;
+        let d = state.attached(sg)?;
         let dev = d.device.as_ref().ok_or_else(not_device_placed)?;
         self.upload(dev, &mut host)?;
         self.publish_from(d, dev.master(), DType::F32)

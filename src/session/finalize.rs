@@ -184,6 +184,11 @@ impl Worker {
             unreachable!("a final pass runs for a sub-group in FinalQueued")
         };
         let group = step.groups[sg.group as usize];
+        // A speculative step this final pass absorbs reports what its own pass would have.
+        let pending_spec = pending_spec.map(|t| {
+            let verdict = guarded(|| self.unrun_speculation_outcome(sg, &mut sg.data.lock().unwrap()));
+            (t, verdict)
+        });
         let span = self.shared.tracer.span(Lane::CpuAdam, || format!("finalize sub-group {}", sg.id));
         let start = Instant::now();
         let mut done = FinalPass { outcome: Outcome::Unchanged, elements: 0, state_after: None };
@@ -215,8 +220,8 @@ impl Worker {
         }
         let final_ticket = step.finals[&sg.id];
         drop(span.arg("outcome", what.label()).arg("ticket", final_ticket));
-        if let Some(t) = pending_spec {
-            self.shared.complete(t, Ok(()));
+        if let Some((t, verdict)) = pending_spec {
+            self.shared.complete(t, verdict);
         }
         self.shared.complete(final_ticket, outcome);
         step.remaining -= 1;

@@ -122,6 +122,20 @@ impl Worker {
         kernels::copy_into(copy.range_mut(0..done), data.master.range(0..done), false, None).map(drop)
     }
 
+    /// What a speculative step's ticket reports whether or not its pass ran (cancelled,
+    /// undone): [`speculative_verdict`] of the gradient it was planned with, so that tickets,
+    /// like the bits, depend on the inputs alone. A sum that cannot be read is left to the
+    /// step's own passes to report.
+    pub(crate) fn unrun_speculation_outcome(&self, sg: &SubGroup, data: &mut SgData) -> Result<()> {
+        match data.work.applied {
+            Applied::Speculative(spec) => match self.subgroup_sumsq(sg, data, spec.scale) {
+                Ok(sumsq) => speculative_verdict(sg, sumsq),
+                Err(_) => Ok(()),
+            },
+            _ => Ok(()),
+        }
+    }
+
     /// The sum of squares of one slice as the hand-off (or the preparation) left it.
     fn slice_sumsq(&self, sg: &SubGroup, data: &mut SgData, index: usize, scale: f32) -> Result<f64> {
         match data.sumsq[index] {
@@ -189,15 +203,7 @@ impl Worker {
                 unreachable!("sub-group {} speculates without a plan", sg.id)
             };
             let sumsq = self.subgroup_sumsq(sg, &mut data, spec.scale)?;
-            if !sumsq.is_finite() {
-                return Err(Error::new(
-                    Status::NonFinite,
-                    format!(
-                        "speculative step of sub-group {}: the gradient has an inf or NaN element; nothing was modified",
-                        sg.id
-                    ),
-                ));
-            }
+            speculative_verdict(sg, sumsq)?;
             if !speculation_stands(sumsq) {
                 return Ok(None);
             }
@@ -275,7 +281,8 @@ impl Worker {
                 let cancelled = self.shared.sched.cancel_speculation(sg.id);
                 let ready = self.gradient_ready(sg);
                 if let Some(ticket) = cancelled {
-                    self.shared.complete(ticket, ready.clone());
+                    let verdict = self.unrun_speculation_outcome(sg, &mut sg.data.lock().unwrap());
+                    self.shared.complete(ticket, ready.clone().and(verdict));
                 }
                 ready?;
             }
@@ -452,6 +459,21 @@ impl Worker {
         *self.shared.last_result.lock().unwrap() = Some((step.step_ticket, step.result));
         self.shared.complete(step.step_ticket, step.prepared);
     }
+}
+
+/// A speculative step's outcome for a gradient whose unscaled sum of squares is `sumsq`: an
+/// inf or NaN element fails it (nothing is written), whether its pass runs or not.
+pub(crate) fn speculative_verdict(sg: &SubGroup, sumsq: f64) -> Result<()> {
+    if sumsq.is_finite() {
+        return Ok(());
+    }
+    Err(Error::new(
+        Status::NonFinite,
+        format!(
+            "speculative step of sub-group {}: the gradient has an inf or NaN element; nothing was modified",
+            sg.id
+        ),
+    ))
 }
 
 /// The CPU-Adam thread's loop.

@@ -39,7 +39,10 @@
 //! off the front of that queue: the split grows by the fewest whose passes add up to `W`,
 //! within the device budget. It only grows: it follows the regime to where the optimizer
 //! hides (a run that starts clipping, speculation turning off), and a split that hides
-//! the optimizer already measures no exposed time (below 1 % of the step period).
+//! the optimizer already measures no exposed time (below 1 % of the step period). Where every
+//! step measured was clipped (or skipped), no final pass hides behind a backward, and the
+//! split takes all the budget holds at once: the defaults settle within the warm-up steps
+//! instead of a few rounds later.
 //!
 //! Automatic budget (`SessionOptions::GPU_BUDGET_AUTO`). After [`AUTO_BUDGET_AFTER`] steps
 //! the caller's allocator holds its peak (PyTorch's caching allocator keeps what a step
@@ -276,6 +279,11 @@ impl Policy {
         if exposed <= EXPOSED_NEGLIGIBLE * period {
             return None;
         }
+        // A step clipped every recent time hides no final pass behind the backward: whatever the
+        // split leaves on the host is stepped after the decision, so it takes all that fits at
+        // once rather than growing by what the first measurement saw (the defaults settle in
+        // the warm-up steps instead of a few rounds later).
+        let exposed = if self.clipped_throughout() { f64::INFINITY } else { exposed };
         let bytes_of = |n: usize| n.saturating_mul(device_bytes_per_element);
         let mut bytes =
             numels[..self.placed.min(numels.len())].iter().fold(0usize, |b, &n| b.saturating_add(bytes_of(n)));
@@ -293,6 +301,12 @@ impl Policy {
             self.state_after.reset();
             count
         })
+    }
+
+    /// Whether every step the split measured changed the factor (clipped or skipped): no
+    /// speculative step stood in them.
+    fn clipped_throughout(&self) -> bool {
+        self.unchanged.len() >= SPLIT_AFTER && self.unchanged.iter().rev().take(SPLIT_AFTER).all(|&u| !u)
     }
 
     pub(crate) fn auto_budget(&self) -> Option<AutoBudget> {
@@ -416,6 +430,22 @@ mod tests {
     }
 
     const GIB: usize = 1 << 30;
+
+    /// Clipped in every step measured: the first split takes everything the budget holds, however
+    /// little time the first steps left exposed.
+    #[test]
+    fn clipping_every_step_places_all_that_fits_at_once() {
+        let mut p = measured(&[9.0, 0.0025, 0.0035]);
+        for _ in 0..SPLIT_AFTER {
+            p.decided(false);
+        }
+        assert_eq!(p.split(&[2000; 5], 16, 4 * 2000 * 16), Some(4));
+        let mut q = measured(&[9.0, 0.0025, 0.0035]);
+        for unchanged in [false, true, false] {
+            q.decided(unchanged);
+        }
+        assert_eq!(q.split(&[2000; 5], 16, 4 * 2000 * 16), Some(2), "one step kept its factor");
+    }
 
     #[test]
     fn the_automatic_budget_is_the_free_memory_less_the_headroom() {

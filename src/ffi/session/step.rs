@@ -201,13 +201,15 @@ pub unsafe extern "C" fn so_session_next_micro_step(session: *mut so_session) ->
 /// `so_session_step`. The copy is done before this returns: `grad` may be reused at once.
 /// No allocation on the normal path.
 ///
-/// The speculative step's ticket fails with `SO_STATUS_NON_FINITE` if the gradient has an
-/// inf or NaN element. A speculative step that does not run completes its ticket with
-/// `SO_STATUS_OK`, and the sub-group is stepped once at `so_session_step`: one cancelled
-/// at `so_session_step` (ticket complete with the sub-group's final pass), one cancelled or
-/// undone after a late gradient by `so_session_local_grad_sumsq` (complete there, before
-/// `so_session_step`), or one declined because the sum of squares of its unscaled gradient
-/// exceeds `FLT_MAX` (`exp_avg_sq` would overflow, which no rollback can undo).
+/// The speculative step's ticket fails with `SO_STATUS_NON_FINITE` if the gradient it was
+/// planned with has an inf or NaN element, whether its pass ran or not: every ticket's status,
+/// like the bits, depends on the inputs alone, never on the timing. A speculative step that
+/// does not run otherwise completes its ticket with `SO_STATUS_OK`, and the sub-group is
+/// stepped once at `so_session_step`: one cancelled at `so_session_step` (ticket complete
+/// with the sub-group's final pass), one cancelled or undone after a late gradient by
+/// `so_session_local_grad_sumsq` (complete there, before `so_session_step`), or one declined
+/// because the sum of squares of its unscaled gradient exceeds `FLT_MAX` (`exp_avg_sq` would
+/// overflow, which no rollback can undo).
 ///
 /// @param slice From `so_session_slice_id`.
 /// @param grad `numel` elements of the session's `grad_dtype`.
