@@ -341,6 +341,16 @@ static void registration(so_st_model *A) {
     EXPECT_REFUSED(so_session_loss_scale(s, NULL), SO_STATUS_NULL_ARGUMENT, "so_session_loss_scale", "out_scale");
     EXPECT_REFUSED(so_session_host_bytes(NULL, &bytes), SO_STATUS_NULL_ARGUMENT, "so_session_host_bytes", "session");
     EXPECT_REFUSED(so_session_host_bytes(s, NULL), SO_STATUS_NULL_ARGUMENT, "so_session_host_bytes", "out_bytes");
+    {
+        /* What a session measures before it allocates: both outputs or neither. */
+        size_t available = 0, total = 0;
+        CHECK_OK(so_host_memory(&available, &total));
+        CHECK(total > 0 && available <= total);
+        size_t untouched = 7;
+        EXPECT_REFUSED(so_host_memory(NULL, &untouched), SO_STATUS_NULL_ARGUMENT, "so_host_memory", "out_available");
+        EXPECT_REFUSED(so_host_memory(&untouched, NULL), SO_STATUS_NULL_ARGUMENT, "so_host_memory", "out_total");
+        CHECK(untouched == 7);
+    }
     EXPECT_REFUSED(so_session_remove_subgroup(NULL, 0), SO_STATUS_NULL_ARGUMENT, "so_session_remove_subgroup",
                    "session");
     EXPECT_REFUSED(so_session_get_group(NULL, 0, &got), SO_STATUS_NULL_ARGUMENT, "so_session_get_group", "session");

@@ -24,17 +24,8 @@ namespace superoffload {
  * there), initialised by `so_cuda_options_default()` (device 0, 16 MiB pieces).
  * Ownership: a plain value.
  */
-struct CudaOptions : so_cuda_options {
-    /** The library's defaults. @note Never throws. */
-    CudaOptions() noexcept : so_cuda_options(so_cuda_options_default()) {}
-
-    /** The values of a C struct (`struct_size` is set to this header's). @note Never throws. */
-    explicit CudaOptions(const so_cuda_options& raw) noexcept : so_cuda_options(raw) {
-        struct_size = sizeof(so_cuda_options);
-    }
-
-    /** The C struct (these options themselves). @note Never throws. */
-    [[nodiscard]] const so_cuda_options& to_c() const noexcept { return *this; }
+struct CudaOptions : detail::CStruct<so_cuda_options, so_cuda_options_default> {
+    using CStruct::CStruct;
 };
 
 /** Whether CUDA can be used here (`so_cuda_available`: the driver loads, a device exists). @note Never throws. */

@@ -28,17 +28,8 @@ namespace superoffload {
  * Mode (`hp.mode = Mode::L2`).
  * Ownership: a plain value. Thread-safety: a plain value.
  */
-struct Hparams : so_adam_hparams {
-    /** The library's defaults. @note Never throws. */
-    Hparams() noexcept : so_adam_hparams(so_adam_hparams_default()) {}
-
-    /** The values of a C struct (`struct_size` is set to this header's). @note Never throws. */
-    explicit Hparams(const so_adam_hparams& raw) noexcept : so_adam_hparams(raw) {
-        struct_size = sizeof(so_adam_hparams);
-    }
-
-    /** The C struct (these hyperparameters themselves). @note Never throws. */
-    [[nodiscard]] const so_adam_hparams& to_c() const noexcept { return *this; }
+struct Hparams : detail::CStruct<so_adam_hparams, so_adam_hparams_default> {
+    using CStruct::CStruct;
 };
 
 /**
@@ -47,20 +38,11 @@ struct Hparams : so_adam_hparams {
  * return the gradient's sum of squares, which C asks for with a pointer argument.
  * Ownership: a plain value. Thread-safety: a plain value.
  */
-struct UpdateOptions : so_update_options {
+struct UpdateOptions : detail::CStruct<so_update_options, so_update_options_default> {
+    using CStruct::CStruct;
+
     /** Return the f64 sum of squares of the scaled gradient (off by default). */
     bool compute_grad_sumsq = false;
-
-    /** The library's defaults, no sum of squares. @note Never throws. */
-    UpdateOptions() noexcept : so_update_options(so_update_options_default()) {}
-
-    /** The values of a C struct (`struct_size` is set to this header's), no sum of squares. @note Never throws. */
-    explicit UpdateOptions(const so_update_options& raw) noexcept : so_update_options(raw) {
-        struct_size = sizeof(so_update_options);
-    }
-
-    /** The C struct (without compute_grad_sumsq). @note Never throws. */
-    [[nodiscard]] const so_update_options& to_c() const noexcept { return *this; }
 };
 
 /**

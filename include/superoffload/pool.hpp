@@ -26,9 +26,11 @@ namespace superoffload {
  *
  * Ownership: a value; see set_cores(). Thread-safety: a plain value.
  */
-struct PoolOptions : so_pool_options {
+struct PoolOptions : detail::CStruct<so_pool_options, so_pool_options_default> {
+    using CStruct::CStruct;
+
     /** The library's defaults (`so_pool_options_default()`). @note Never throws. */
-    PoolOptions() noexcept : so_pool_options(so_pool_options_default()) {}
+    PoolOptions() noexcept = default;
 
     /**
      * The library's defaults with `threads` threads, so that `Pool::create({16})` asks for 16
@@ -36,14 +38,6 @@ struct PoolOptions : so_pool_options {
      */
     PoolOptions(std::size_t threads) noexcept : PoolOptions() { // NOLINT(google-explicit-constructor)
         num_threads = threads;
-    }
-
-    /**
-     * The values of a C struct, pointers borrowed as they are (`struct_size` is set to this
-     * header's). @note Never throws.
-     */
-    explicit PoolOptions(const so_pool_options& raw) noexcept : so_pool_options(raw) {
-        struct_size = sizeof(so_pool_options);
     }
 
     /**
@@ -57,9 +51,6 @@ struct PoolOptions : so_pool_options {
         num_cores = owned_cores_.get()->size();
         return *this;
     }
-
-    /** The C struct (these options themselves). @note Never throws. */
-    [[nodiscard]] const so_pool_options& to_c() const noexcept { return *this; }
 
 private:
     detail::Shared<std::vector<std::uint32_t>> owned_cores_;

@@ -40,17 +40,8 @@ struct SubgroupState; // superoffload/checkpoint.hpp
  * 2, backoff 0.5, interval 2000, hysteresis 1, minimum 1). Give it to
  * SessionOptions::set_loss_scaler. Ownership: a plain value.
  */
-struct LossScalerOptions : so_loss_scaler_options {
-    /** The library's defaults. @note Never throws. */
-    LossScalerOptions() noexcept : so_loss_scaler_options(so_loss_scaler_options_default()) {}
-
-    /** The values of a C struct (`struct_size` is set to this header's). @note Never throws. */
-    explicit LossScalerOptions(const so_loss_scaler_options& raw) noexcept : so_loss_scaler_options(raw) {
-        struct_size = sizeof(so_loss_scaler_options);
-    }
-
-    /** The C struct (these options themselves). @note Never throws. */
-    [[nodiscard]] const so_loss_scaler_options& to_c() const noexcept { return *this; }
+struct LossScalerOptions : detail::CStruct<so_loss_scaler_options, so_loss_scaler_options_default> {
+    using CStruct::CStruct;
 };
 
 /**
@@ -67,17 +58,8 @@ struct LossScalerOptions : so_loss_scaler_options {
  * destroyed once Session::create has returned; the core list and the loss scaler's settings
  * given to the setters are owned by these options (shared by their copies).
  */
-struct SessionOptions : so_session_options {
-    /** The library's defaults. @note Never throws. */
-    SessionOptions() noexcept : so_session_options(so_session_options_default()) {}
-
-    /**
-     * The values of a C struct, its pointers borrowed as they are (`struct_size` is set to
-     * this header's). @note Never throws.
-     */
-    explicit SessionOptions(const so_session_options& raw) noexcept : so_session_options(raw) {
-        struct_size = sizeof(so_session_options);
-    }
+struct SessionOptions : detail::CStruct<so_session_options, so_session_options_default> {
+    using CStruct::CStruct;
 
     /**
      * The pool for the optimizer passes (`pool`); nullptr (the default) for the default
@@ -117,9 +99,6 @@ struct SessionOptions : so_session_options {
         return *this;
     }
 
-    /** The C struct (these options themselves). @note Never throws. */
-    [[nodiscard]] const so_session_options& to_c() const noexcept { return *this; }
-
 private:
     detail::Shared<std::vector<std::uint32_t>> owned_cores_;
     detail::Shared<LossScalerOptions> owned_scaler_;
@@ -130,17 +109,8 @@ private:
  * `so_group_hparams_default()` (torch.optim.AdamW's: lr 1e-3, betas 0.9 and 0.999, eps 1e-8,
  * weight decay 0.01). Ownership: a plain value.
  */
-struct GroupHparams : so_group_hparams {
-    /** The library's defaults. @note Never throws. */
-    GroupHparams() noexcept : so_group_hparams(so_group_hparams_default()) {}
-
-    /** The values of a C struct (`struct_size` is set to this header's). @note Never throws. */
-    explicit GroupHparams(const so_group_hparams& raw) noexcept : so_group_hparams(raw) {
-        struct_size = sizeof(so_group_hparams);
-    }
-
-    /** The C struct (these hyperparameters themselves). @note Never throws. */
-    [[nodiscard]] const so_group_hparams& to_c() const noexcept { return *this; }
+struct GroupHparams : detail::CStruct<so_group_hparams, so_group_hparams_default> {
+    using CStruct::CStruct;
 
     /** Field-wise equality (exact, as the session compares hyperparameters). */
     friend bool operator==(const GroupHparams& a, const GroupHparams& b) noexcept {
@@ -179,12 +149,8 @@ private:
  * `max_norm` and `overflow` are set directly; a caller-computed norm (`norm_source` and
  * `global_norm` together) through set_global_norm. Ownership: a plain value.
  */
-struct StepArgs : so_step_args {
-    /** The library's defaults. @note Never throws. */
-    StepArgs() noexcept : so_step_args(so_step_args_default()) {}
-
-    /** The values of a C struct (`struct_size` is set to this header's). @note Never throws. */
-    explicit StepArgs(const so_step_args& raw) noexcept : so_step_args(raw) { struct_size = sizeof(so_step_args); }
+struct StepArgs : detail::CStruct<so_step_args, so_step_args_default> {
+    using CStruct::CStruct;
 
     /**
      * The global norm of the unscaled gradient computed by the caller (e.g. all-reduced
@@ -205,9 +171,6 @@ struct StepArgs : so_step_args {
         }
         return std::nullopt;
     }
-
-    /** The C struct (these arguments themselves). @note Never throws. */
-    [[nodiscard]] const so_step_args& to_c() const noexcept { return *this; }
 };
 
 /**
@@ -810,6 +773,23 @@ private:
     DType grad_dtype_ = DType::F32;
     DType accum_dtype_ = DType::F32;
 };
+
+/** What this host can give a session now, in bytes (`so_host_memory`). Ownership: a plain value. */
+struct HostMemory {
+    std::size_t available = 0; ///< `MemAvailable`, within the process's memory-cgroup limit.
+    std::size_t total = 0;     ///< The host's memory.
+};
+
+/**
+ * What this host can give a session now (`so_host_memory`): what a session checks its
+ * allocations against, and what a caller lending it master weights and moments can check
+ * them against. @throws Error (`SO_STATUS_UNSUPPORTED` where the system does not say).
+ */
+[[nodiscard]] inline HostMemory host_memory() {
+    HostMemory m;
+    check(so_host_memory(&m.available, &m.total));
+    return m;
+}
 
 } // namespace superoffload
 

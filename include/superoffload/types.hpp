@@ -129,6 +129,24 @@ using NormSource = enums::norm_source::NormSource;
 [[nodiscard]] inline const char* isa_name(std::uint32_t isa) noexcept { return so_isa_name(isa); }
 
 namespace detail {
+/**
+ * What the C++ mirror of every options struct shares: the library's defaults (`Default`, the
+ * struct's `*_default()` function), a C struct's values with `struct_size` set to this
+ * header's (its pointers borrowed as they are), and the C struct back. A mirror derives from
+ * it and inherits its constructors.
+ */
+template <class C, C (*Default)()>
+struct CStruct : C {
+    /** The library's defaults. @note Never throws. */
+    CStruct() noexcept : C(Default()) {}
+
+    /** The values of a C struct (`struct_size` is set to this header's). @note Never throws. */
+    explicit CStruct(const C& raw) noexcept : C(raw) { this->struct_size = sizeof(C); }
+
+    /** The C struct (these values themselves). @note Never throws. */
+    [[nodiscard]] const C& to_c() const noexcept { return *this; }
+};
+
 inline std::uint32_t float_bits(float x) noexcept {
     std::uint32_t u;
     std::memcpy(&u, &x, sizeof u);
