@@ -6,6 +6,7 @@
 //! cudarc with dynamic loading: the crate builds and its host-mode tests pass without CUDA;
 //! at run time a missing driver gives `Status::CudaUnavailable`.
 
+mod attached;
 mod device_state;
 mod driver;
 mod events;

@@ -1,20 +1,23 @@
-//! Each sub-group's final pass: what it must do, decided from what the step applied and the
-//! step's verdict alone (the table in ARCHITECTURE.md), and the pass that does it.
+//! A step from its decision on: the decision (norm, skip, clip factor), each sub-group's final
+//! pass — what it must do, decided from what the step applied and the step's verdict alone
+//! (the table in ARCHITECTURE.md), and the pass that does it — the state passes left for
+//! later, and the step's completion.
 
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::passes::{StepInFlight, Worker, guarded};
+use super::passes::{Worker, guarded};
+use super::plans::StepPlan;
 use super::publish::{CopyTo, Pass, writes_copy};
 use super::scheduler::Lifecycle;
 use super::state_after::take_from_prefix;
 use super::trace::Lane;
 use super::{
-    Applied, DevicePass, GroupHparams, Placement, SgData, SpecKind, SpecRecord, StepResult, SubGroup,
-    speculation_stands, unscale_factor,
+    Applied, DevicePass, GroupHparams, NormSource, Placement, SgData, SkipReason, SpecKind, SpecRecord, StepResult,
+    SubGroup, Ticket, clip_coefficient, grad_factor, speculation_stands, unscale_factor, usable_factor,
 };
-use crate::error::Result;
+use crate::error::{Error, Result, Status};
 use crate::kernels::{self, AdamBuffers, AdamHyper, Resolution, UpdateOptions};
 
 /// The step's verdict, as one sub-group sees it.
@@ -176,7 +179,124 @@ struct FinalPass {
     state_after: Option<(AdamHyper, f32)>,
 }
 
+/// The step being finalized.
+pub(crate) struct StepInFlight {
+    pub result: StepResult,
+    pub groups: Vec<GroupHparams>,
+    /// Final tickets by sub-group id.
+    pub finals: std::collections::HashMap<u32, Ticket>,
+    /// Final passes still to run.
+    pub remaining: usize,
+    /// State passes still to run (the step ticket completes after them too).
+    pub settling: usize,
+    /// Elements of the final passes still to run, a prefix in forward order, that may write
+    /// the master weights and moments after publishing the weights' copy; `None`: all
+    /// (`policy.rs`).
+    pub state_after: Option<usize>,
+    step_ticket: Ticket,
+    pub prepared: Result<()>,
+}
+
+impl StepInFlight {
+    pub(crate) fn done(&self) -> bool {
+        self.remaining == 0 && self.settling == 0
+    }
+}
+
 impl Worker {
+    pub(crate) fn decide(&mut self, plan: StepPlan) {
+        let decide = self.shared.tracer.span(Lane::CpuAdam, || format!("decide step {}", plan.serial));
+        let (prepared, prepare_elements) = match &plan.prepare {
+            Some(p) => {
+                let mut elements = 0;
+                (guarded(|| self.prepare(p, &mut elements)), elements)
+            }
+            None => match self.prepared.take() {
+                Some((serial, outcome, elements)) if serial == plan.serial => (outcome, elements),
+                _ => (Err(Error::new(Status::Panic, "the step's preparation is missing")), 0),
+            },
+        };
+        let local = if prepared.is_ok() {
+            guarded(|| self.local_sumsq(plan.subgroups.iter().map(|(sg, _)| sg), unscale_factor(plan.loss_scale)))
+        } else {
+            Ok(f64::NAN)
+        };
+        // A sum that could not be read (a failed gradient copy) fails the step, which is then
+        // skipped: no sub-group is stepped from a gradient that never arrived.
+        let (local, prepared) = match local {
+            Ok(local) => (local, prepared),
+            Err(e) => (f64::NAN, prepared.and(Err(e))),
+        };
+        let args = plan.args;
+        let mut result = StepResult {
+            serial: plan.serial,
+            loss_scale: plan.loss_scale,
+            speculative: plan.speculative,
+            late_gradients: plan.late_gradients,
+            forward_wait_s: plan.forward_wait_s,
+            final_pass_elements: prepare_elements,
+            ..StepResult::default()
+        };
+        result.global_norm = match args.norm {
+            NormSource::Local => local.sqrt(),
+            NormSource::Given(norm) => norm,
+        };
+        let clip = clip_coefficient(args.max_norm, result.global_norm);
+        result.skip_reason = if args.overflow {
+            SkipReason::Overflow
+        } else if !local.is_finite() {
+            SkipReason::NonFiniteGradient
+        } else if !result.global_norm.is_finite() {
+            SkipReason::NonFiniteNorm
+        } else if !usable_factor(grad_factor(clip, plan.loss_scale)) {
+            SkipReason::UnusableFactor
+        } else {
+            SkipReason::None
+        };
+        result.skipped = result.skip_reason != SkipReason::None;
+        result.clip_coef = if result.skipped { 1.0 } else { clip };
+        result.grad_factor = grad_factor(result.clip_coef, plan.loss_scale);
+        if let Some(scaler) = self.shared.scaler.lock().unwrap().as_mut() {
+            scaler.update(result.skipped);
+            result.next_loss_scale = scaler.scale;
+        } else {
+            result.next_loss_scale = plan.loss_scale;
+        }
+        let unchanged = !result.skipped && result.grad_factor == unscale_factor(plan.loss_scale);
+        let state_after = {
+            let mut policy = self.shared.policy.lock().unwrap();
+            policy.decided(unchanged);
+            policy.state_after_limit(plan.speculative > 0)
+        };
+        let subgroups: Vec<Arc<SubGroup>> = plan.subgroups.iter().map(|(sg, _)| sg.clone()).collect();
+        result.cancelled = self.shared.sched.finalize_all(plan.serial, &subgroups);
+        drop(
+            decide
+                .arg("norm", result.global_norm)
+                .arg("clip", result.clip_coef)
+                .arg("skipped", result.skipped)
+                .arg("cancelled", result.cancelled)
+                .arg("state after (elements)", state_after.map_or_else(|| "all".to_string(), |l| l.to_string())),
+        );
+        self.shared.complete(plan.decide_ticket, prepared.clone());
+        let step = StepInFlight {
+            result,
+            groups: plan.groups,
+            finals: plan.subgroups.iter().map(|(sg, t)| (sg.id, *t)).collect(),
+            remaining: plan.subgroups.len(),
+            settling: 0,
+            state_after,
+            step_ticket: plan.step_ticket,
+            prepared,
+        };
+        self.continue_step(step);
+    }
+
+    pub(crate) fn finish(&mut self, step: StepInFlight) {
+        *self.shared.last_result.lock().unwrap() = Some((step.step_ticket, step.result));
+        self.shared.complete(step.step_ticket, step.prepared);
+    }
+
     pub(crate) fn finalize(&mut self, serial: u64, sg: &Arc<SubGroup>) {
         let mut step = self.step.take().expect("a decided step is being finalized");
         debug_assert_eq!(step.result.serial, serial);

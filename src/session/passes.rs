@@ -1,56 +1,30 @@
-//! What the CPU-Adam thread's jobs do: speculative passes (in chunks, preemptible), the
-//! preparation (missing and late gradients), the decision (norm, skip, clip factor) and each
-//! sub-group's final pass.
+//! The CPU-Adam thread and what happens before a step is decided: its loop, the speculative
+//! passes (in chunks, preemptible) and the preparation (missing and late gradients, every sum
+//! of squares). The decision and what follows it are in `finalize.rs`.
 
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::plans::{PreparePlan, StepPlan};
+use super::finalize::StepInFlight;
+use super::plans::PreparePlan;
 use super::publish::CopyTo;
 use super::scheduler::{Job, JobKey, Lifecycle};
 use super::trace::Lane;
-use super::{
-    Applied, DevicePass, GroupHparams, HandedSumsq, NormSource, Placement, SgData, Shared, SkipReason, SpecKind,
-    StepResult, SubGroup, Ticket, clip_coefficient, grad_factor, speculation_stands, unscale_factor, usable_factor,
-};
+use super::{Applied, DevicePass, HandedSumsq, Placement, SgData, Shared, SpecKind, SubGroup, speculation_stands};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, AdamBuffers, Resolution, UpdateOptions};
 
 /// Elements of one chunk of a speculative pass: between two chunks the pass checks whether
 /// more urgent work is waiting (about a millisecond of work on a many-core pool).
 pub(crate) const SPECULATION_CHUNK: usize = 1 << 22;
-/// The step being finalized.
-pub(crate) struct StepInFlight {
-    pub result: StepResult,
-    pub groups: Vec<GroupHparams>,
-    /// Final tickets by sub-group id.
-    pub finals: std::collections::HashMap<u32, Ticket>,
-    /// Final passes still to run.
-    pub remaining: usize,
-    /// State passes still to run (the step ticket completes after them too).
-    pub settling: usize,
-    /// Elements of the final passes still to run, a prefix in forward order, that may write
-    /// the master weights and moments after publishing the weights' copy; `None`: all
-    /// (`policy.rs`).
-    pub state_after: Option<usize>,
-    step_ticket: Ticket,
-    pub prepared: Result<()>,
-}
-
-impl StepInFlight {
-    pub(crate) fn done(&self) -> bool {
-        self.remaining == 0 && self.settling == 0
-    }
-}
-
 /// The CPU-Adam thread's state.
 pub(crate) struct Worker {
     pub shared: Arc<Shared>,
     pub step: Option<StepInFlight>,
     /// Outcome of the latest preparation and elements its rollbacks touched.
-    prepared: Option<(u64, Result<()>, u64)>,
+    pub prepared: Option<(u64, Result<()>, u64)>,
 }
 
 /// Runs a job body; a panic becomes the job's error instead of ending the thread.
@@ -162,7 +136,11 @@ impl Worker {
 
     /// The local sum of squares over `subgroups` (forward order, slices in order): what the
     /// norm is made of. Every sum must be known (after the preparation).
-    fn local_sumsq<'a>(&self, subgroups: impl Iterator<Item = &'a Arc<SubGroup>>, scale: f32) -> Result<f64> {
+    pub(crate) fn local_sumsq<'a>(
+        &self,
+        subgroups: impl Iterator<Item = &'a Arc<SubGroup>>,
+        scale: f32,
+    ) -> Result<f64> {
         let mut total = 0.0;
         for sg in subgroups {
             let mut data = sg.data.lock().unwrap();
@@ -268,7 +246,7 @@ impl Worker {
 
     /// Zero-fills slices without a gradient, merges late gradients (undoing a speculative
     /// step taken without them) and completes every sum of squares.
-    fn prepare(&self, plan: &PreparePlan, elements: &mut u64) -> Result<()> {
+    pub(crate) fn prepare(&self, plan: &PreparePlan, elements: &mut u64) -> Result<()> {
         let pool = &self.shared.pool;
         for entry in &plan.entries {
             let sg = &entry.sg;
@@ -365,99 +343,6 @@ impl Worker {
             }
         }
         Ok(())
-    }
-
-    fn decide(&mut self, plan: StepPlan) {
-        let decide = self.shared.tracer.span(Lane::CpuAdam, || format!("decide step {}", plan.serial));
-        let (prepared, prepare_elements) = match &plan.prepare {
-            Some(p) => {
-                let mut elements = 0;
-                (guarded(|| self.prepare(p, &mut elements)), elements)
-            }
-            None => match self.prepared.take() {
-                Some((serial, outcome, elements)) if serial == plan.serial => (outcome, elements),
-                _ => (Err(Error::new(Status::Panic, "the step's preparation is missing")), 0),
-            },
-        };
-        let local = if prepared.is_ok() {
-            guarded(|| self.local_sumsq(plan.subgroups.iter().map(|(sg, _)| sg), unscale_factor(plan.loss_scale)))
-        } else {
-            Ok(f64::NAN)
-        };
-        // A sum that could not be read (a failed gradient copy) fails the step, which is then
-        // skipped: no sub-group is stepped from a gradient that never arrived.
-        let (local, prepared) = match local {
-            Ok(local) => (local, prepared),
-            Err(e) => (f64::NAN, prepared.and(Err(e))),
-        };
-        let args = plan.args;
-        let mut result = StepResult {
-            serial: plan.serial,
-            loss_scale: plan.loss_scale,
-            speculative: plan.speculative,
-            late_gradients: plan.late_gradients,
-            forward_wait_s: plan.forward_wait_s,
-            final_pass_elements: prepare_elements,
-            ..StepResult::default()
-        };
-        result.global_norm = match args.norm {
-            NormSource::Local => local.sqrt(),
-            NormSource::Given(norm) => norm,
-        };
-        let clip = clip_coefficient(args.max_norm, result.global_norm);
-        result.skip_reason = if args.overflow {
-            SkipReason::Overflow
-        } else if !local.is_finite() {
-            SkipReason::NonFiniteGradient
-        } else if !result.global_norm.is_finite() {
-            SkipReason::NonFiniteNorm
-        } else if !usable_factor(grad_factor(clip, plan.loss_scale)) {
-            SkipReason::UnusableFactor
-        } else {
-            SkipReason::None
-        };
-        result.skipped = result.skip_reason != SkipReason::None;
-        result.clip_coef = if result.skipped { 1.0 } else { clip };
-        result.grad_factor = grad_factor(result.clip_coef, plan.loss_scale);
-        if let Some(scaler) = self.shared.scaler.lock().unwrap().as_mut() {
-            scaler.update(result.skipped);
-            result.next_loss_scale = scaler.scale;
-        } else {
-            result.next_loss_scale = plan.loss_scale;
-        }
-        let unchanged = !result.skipped && result.grad_factor == unscale_factor(plan.loss_scale);
-        let state_after = {
-            let mut policy = self.shared.policy.lock().unwrap();
-            policy.decided(unchanged);
-            policy.state_after_limit(plan.speculative > 0)
-        };
-        let subgroups: Vec<Arc<SubGroup>> = plan.subgroups.iter().map(|(sg, _)| sg.clone()).collect();
-        result.cancelled = self.shared.sched.finalize_all(plan.serial, &subgroups);
-        drop(
-            decide
-                .arg("norm", result.global_norm)
-                .arg("clip", result.clip_coef)
-                .arg("skipped", result.skipped)
-                .arg("cancelled", result.cancelled)
-                .arg("state after (elements)", state_after.map_or_else(|| "all".to_string(), |l| l.to_string())),
-        );
-        self.shared.complete(plan.decide_ticket, prepared.clone());
-        let step = StepInFlight {
-            result,
-            groups: plan.groups,
-            finals: plan.subgroups.iter().map(|(sg, t)| (sg.id, *t)).collect(),
-            remaining: plan.subgroups.len(),
-            settling: 0,
-            state_after,
-            step_ticket: plan.step_ticket,
-            prepared,
-        };
-        self.continue_step(step);
-    }
-
-    pub(crate) fn finish(&mut self, step: StepInFlight) {
-        *self.shared.last_result.lock().unwrap() = Some((step.step_ticket, step.result));
-        self.shared.complete(step.step_ticket, step.prepared);
     }
 }
 
