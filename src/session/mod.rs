@@ -49,7 +49,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 pub use buffers::Borrowed;
-pub use provision::HostMemory;
+pub use provision::{HostMemory, MemoryBound};
 pub use registry::SubGroupState;
 pub use scaler::{LossScaler, LossScalerOptions};
 pub use tickets::{STEP_LANE, Ticket, TicketState, subgroup_lane};

@@ -42,45 +42,83 @@ pub(crate) fn size(bytes: usize) -> String {
     format!("{value:.2} {}", UNITS[unit])
 }
 
-/// What the host can give this process now, from `/proc/meminfo` and the cgroup (v2 or v1)
-/// the process runs in: the smaller of the memory available system-wide and what the
-/// cgroup's limit leaves.
+/// What the host can give this process now: the least of the memory available system-wide
+/// (`/proc/meminfo`), what the limit of the memory cgroup (v2 or v1) the process runs in leaves,
+/// and what its address-space limit (`RLIMIT_AS`) leaves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HostMemory {
     pub available: usize,
     pub total: usize,
-    /// Whether a cgroup limit is what bounds `available`.
-    pub cgroup_bound: bool,
+    /// Which limit `available` is.
+    pub bound: MemoryBound,
+}
+
+/// The limit a process's available host memory comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryBound {
+    /// The host's (`MemAvailable`).
+    Host,
+    /// The process's memory cgroup.
+    Cgroup,
+    /// The process's address-space limit.
+    AddressSpace,
+}
+
+impl MemoryBound {
+    /// How a message names the limit, after the amount ("12 GiB is available ...").
+    fn words(self) -> &'static str {
+        match self {
+            MemoryBound::Host => "",
+            MemoryBound::Cgroup => " within this process's cgroup limit",
+            MemoryBound::AddressSpace => " within this process's address-space limit (RLIMIT_AS)",
+        }
+    }
 }
 
 impl HostMemory {
     /// Measures this process's host memory; `None` where the system does not say (not Linux).
     pub fn measure() -> Option<HostMemory> {
         let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-        let field = |name: &str| {
-            meminfo
-                .lines()
-                .find_map(|l| l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse::<usize>().ok())
-                .map(|kb| kb * 1024)
-        };
-        let (total, available) = (field("MemTotal:")?, field("MemAvailable:")?);
-        let cgroup_left = cgroup_limit().map(|(limit, used)| limit.saturating_sub(used));
-        Some(HostMemory {
-            available: cgroup_left.map_or(available, |left| left.min(available)),
-            total: cgroup_left.map_or(total, |_| total.min(cgroup_limit().map_or(total, |(l, _)| l))),
-            cgroup_bound: cgroup_left.is_some_and(|left| left < available),
-        })
+        let (total, available) = (kib_field(&meminfo, "MemTotal:")?, kib_field(&meminfo, "MemAvailable:")?);
+        let mut m = HostMemory { available, total, bound: MemoryBound::Host };
+        if let Some((limit, used)) = cgroup_limit() {
+            m.total = m.total.min(limit);
+            m.tighten(limit.saturating_sub(used), MemoryBound::Cgroup);
+        }
+        if let Some(left) = address_space_left() {
+            m.tighten(left, MemoryBound::AddressSpace);
+        }
+        Some(m)
     }
 
-    /// What the automatic choices may take: `available` less the reserve.
-    pub(crate) fn spendable(&self) -> usize {
-        self.available.saturating_sub(host_reserve(self.total))
+    fn tighten(&mut self, left: usize, bound: MemoryBound) {
+        if left < self.available {
+            (self.available, self.bound) = (left, bound);
+        }
     }
 }
 
 /// The reserve the automatic choices leave on a host of `total` bytes.
 pub(crate) fn host_reserve(total: usize) -> usize {
     HOST_RESERVE_MIN_BYTES.max((total as f64 * HOST_RESERVE_FRACTION) as usize)
+}
+
+/// A `/proc` field given in kB, in bytes.
+fn kib_field(text: &str, name: &str) -> Option<usize> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse::<usize>().ok())
+        .map(|kb| kb * 1024)
+}
+
+/// What this process's address-space limit leaves of it, where one is set.
+fn address_space_left() -> Option<usize> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the struct it is given, which lives on this stack.
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut limit) } != 0 || limit.rlim_cur == libc::RLIM_INFINITY {
+        return None;
+    }
+    let used = kib_field(&std::fs::read_to_string("/proc/self/status").ok()?, "VmSize:")?;
+    Some((limit.rlim_cur as usize).saturating_sub(used))
 }
 
 /// The (limit, usage) of this process's memory cgroup, where it sets a limit.
@@ -124,10 +162,12 @@ pub(crate) struct SgNeed {
 /// What the session can measure and spend when it provisions.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Room {
-    /// Host bytes the automatic choices may take (`None`: unmeasured, no limit), and what
-    /// bounds them, for a refusal's message.
+    /// Host bytes the session may allocate (`None`: unmeasured, no limit), and what bounds
+    /// them, for a refusal's message.
     pub host: Option<usize>,
     pub host_bound: String,
+    /// Of `host`, what the automatic choices leave free.
+    pub reserve: usize,
     /// Device bytes the session may take for gradients kept there (`None`: the transport
     /// does not say).
     pub device: Option<usize>,
@@ -178,7 +218,7 @@ pub(crate) fn plan(options: &SessionOptions, transport: bool, needs: &[SgNeed], 
             host += n.numel * copy_size;
         }
     }
-    let mut left = room.host.map(|h| h.saturating_sub(host));
+    let mut left = room.host.map(|h| h.saturating_sub(room.reserve).saturating_sub(host));
     let mut take = |bytes: usize| match &mut left {
         Some(l) if *l < bytes => false,
         Some(l) => {
@@ -242,17 +282,13 @@ pub(crate) fn refusal(needs: String, has: String, lower: &str) -> Error {
     Error::new(Status::OutOfResources, format!("the session needs {needs}; {has}; lower it with {lower}"))
 }
 
-/// Checks `bytes` more host memory against what the system can give now (less the reserve)
-/// before the session allocates it.
+/// Checks `bytes` more host memory against what the system can give now before the session
+/// allocates it, leaving a sixteenth of it (what is available is an estimate).
 pub(crate) fn check_host_allocation(bytes: usize, what: &str) -> Result<()> {
     match HostMemory::measure() {
-        Some(m) if bytes > m.available.saturating_sub(HOST_RESERVE_MIN_BYTES) => Err(refusal(
+        Some(m) if bytes > m.available - m.available / 16 => Err(refusal(
             format!("{} of host memory for {what}", size(bytes)),
-            format!(
-                "{} is available{}",
-                size(m.available),
-                if m.cgroup_bound { " within this process's cgroup limit" } else { "" }
-            ),
+            format!("{} is available{}", size(m.available), m.bound.words()),
             "bf16 moments, lending the session buffers allocated elsewhere, or more host memory",
         )),
         _ => Ok(()),
@@ -288,8 +324,8 @@ impl Session {
             .iter()
             .map(|sg| SgNeed { numel: sg.numel, caller_gradient: sg.data.lock().unwrap().grad.is_some() })
             .collect();
-        let (host, host_bound) = self.host_room(in_use);
-        let room = Room { host, host_bound, device: self.device_room() };
+        let (host, reserve, host_bound) = self.host_room(in_use);
+        let room = Room { host, host_bound, reserve, device: self.device_room() };
         let decided = plan(&self.options, self.shared.transport().is_some(), &needs, room)?;
         let mut done = Vec::with_capacity(sgs.len());
         for (i, sg) in sgs.iter().enumerate() {
@@ -306,24 +342,20 @@ impl Session {
         Ok(done)
     }
 
-    /// Host bytes provisioning may spend: what the system gives less the reserve, within the
-    /// session's `host_memory_limit` (of which `in_use` is taken); and which of the two bounds
-    /// it, in words.
-    fn host_room(&self, in_use: usize) -> (Option<usize>, String) {
+    /// Host bytes provisioning may spend: what the system gives (less a sixteenth, as it is an
+    /// estimate), within the session's `host_memory_limit` (of which `in_use` is taken); the
+    /// reserve the automatic choices leave of it; and which limit bounds it, in words.
+    fn host_room(&self, in_use: usize) -> (Option<usize>, usize, String) {
         let measured = HostMemory::measure();
         let limited = self.options.host_memory_limit.map(|l| l.saturating_sub(in_use));
         match (measured, limited) {
-            (Some(m), limited) if limited.is_none_or(|l| m.spendable() < l) => (
-                Some(m.spendable()),
-                format!(
-                    "{} is available{}, less a reserve of {}",
-                    size(m.available),
-                    if m.cgroup_bound { " within this process's cgroup limit" } else { "" },
-                    size(host_reserve(m.total))
-                ),
+            (Some(m), limited) if limited.is_none_or(|l| m.available - m.available / 16 < l) => (
+                Some(m.available - m.available / 16),
+                host_reserve(m.total).min(m.available / 2),
+                format!("{} is available{}", size(m.available), m.bound.words()),
             ),
-            (_, Some(l)) => (Some(l), format!("the session's host-memory limit leaves {}", size(l))),
-            (_, None) => (None, String::new()),
+            (_, Some(l)) => (Some(l), 0, format!("the session's host-memory limit leaves {}", size(l))),
+            (_, None) => (None, 0, String::new()),
         }
     }
 
@@ -428,7 +460,7 @@ mod tests {
     fn automatic_choices_fill_the_host_in_forward_order() {
         let o = cuda_options(DType::F32);
         let n = 10 * GIB / 2; // 10 GiB of bf16 gradient per sub-group
-        let plenty = Room { host: Some(100 * GIB), host_bound: String::new(), device: Some(100 * GIB) };
+        let plenty = Room { host: Some(100 * GIB), host_bound: String::new(), reserve: 0, device: Some(100 * GIB) };
         let all = plan(&o, true, &needs(4, n), plenty.clone()).unwrap();
         assert_eq!(all.device_gradient, vec![false; 4]);
         assert_eq!(all.full_copy, vec![true; 4]);
@@ -449,11 +481,39 @@ mod tests {
         assert_eq!((none.host_bytes, none.device_bytes), (0, 40 * GIB), "nothing beyond the state on the host");
     }
 
+    /// Host bytes per parameter beside the state, for each gradient dtype and copy, where all
+    /// fits; the automatic choices leave the reserve, which explicit ones may use.
+    #[test]
+    fn bytes_per_parameter_follow_the_dtypes_and_the_reserve() {
+        let n = 1000;
+        let room = |host, reserve| Room { host, host_bound: String::new(), reserve, device: Some(usize::MAX) };
+        for (accum, copy, per_param) in [
+            (DType::Bf16, Some(DType::Bf16), 4),
+            (DType::Bf16, None, 2),
+            (DType::F32, Some(DType::Bf16), 6),
+            (DType::F32, Some(DType::F16), 6),
+            (DType::F32, None, 4),
+        ] {
+            let o = SessionOptions { accum_dtype: accum, copy_dtype: copy, ..SessionOptions::default() };
+            let p = plan(&o, true, &needs(3, n), room(None, 0)).unwrap();
+            assert_eq!((p.host_bytes, p.device_bytes), (3 * n * per_param, 0), "{accum:?} {copy:?}");
+            let lean = SessionOptions { gradient_home: GradientHome::Device, host_copy: HostCopy::Bounded, ..o };
+            let p = plan(&lean, true, &needs(3, n), room(None, 0)).unwrap();
+            assert_eq!((p.host_bytes, p.device_bytes), (0, 3 * n * accum.size()), "{accum:?} {copy:?}, lean");
+        }
+        let o = cuda_options(DType::F32);
+        let p = plan(&o, true, &needs(4, 10 * GIB / 2), room(Some(30 * GIB), 10 * GIB)).unwrap();
+        assert_eq!(p.device_gradient, vec![false, false, true, true], "two gradients fit beside the reserve");
+        let explicit = SessionOptions { gradient_home: GradientHome::Host, host_copy: HostCopy::Bounded, ..o };
+        let p = plan(&explicit, true, &needs(3, 10 * GIB / 2), room(Some(30 * GIB), 10 * GIB)).unwrap();
+        assert_eq!(p.host_bytes, 30 * GIB, "explicit choices may use the reserve");
+    }
+
     #[test]
     fn a_plan_that_does_not_fit_is_refused_with_its_figures() {
         let o = cuda_options(DType::Bf16);
         let n = 10 * GIB / 2;
-        let room = |host, device| Room { host, host_bound: "1.00 GiB is available".into(), device };
+        let room = |host, device| Room { host, host_bound: "1.00 GiB is available".into(), reserve: 0, device };
         let e = plan(&o, true, &needs(4, n), room(Some(GIB), Some(30 * GIB))).unwrap_err();
         assert_eq!(e.status, Status::OutOfResources);
         for words in
@@ -471,7 +531,7 @@ mod tests {
     fn explicit_choices_and_host_sessions_decide_nothing() {
         let n = 1000;
         let host = SessionOptions { copy_dtype: Some(DType::Bf16), ..SessionOptions::default() };
-        let room = |host, device| Room { host, host_bound: String::new(), device };
+        let room = |host, device| Room { host, host_bound: String::new(), reserve: 0, device };
         let p = plan(&host, false, &needs(2, n), room(Some(0), None));
         assert!(p.is_err(), "a host session's buffers are needed: the limit refuses them");
         let p = plan(&host, false, &needs(2, n), room(None, None)).unwrap();
