@@ -273,7 +273,7 @@ fn misuse_gets_a_status_and_changes_nothing() {
     limited.add_group(GroupHparams::default()).unwrap();
     let e = limited.add_subgroup(desc(vec![sl("x", 0, 100)])).unwrap_err();
     assert_eq!(e.status, Status::OutOfResources);
-    assert!(e.message.contains("host-memory limit leaves 200 B"), "{}", e.message);
+    assert!(e.message.contains("host-memory limit of 1000 bytes leaves 200 B"), "{}", e.message);
     assert_eq!(limited.host_bytes(), 0, "nothing stays allocated");
 }
 

@@ -354,7 +354,10 @@ impl Session {
                 host_reserve(m.total).min(m.available / 2),
                 format!("{} is available{}", size(m.available), m.bound.words()),
             ),
-            (_, Some(l)) => (Some(l), 0, format!("the session's host-memory limit leaves {}", size(l))),
+            (_, Some(l)) => {
+                let limit = self.options.host_memory_limit.unwrap_or_default();
+                (Some(l), 0, format!("the session's host-memory limit of {limit} bytes leaves {}", size(l)))
+            }
             (_, None) => (None, 0, String::new()),
         }
     }
