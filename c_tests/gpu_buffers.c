@@ -1,7 +1,8 @@
 /* Buffers and streams in a CUDA session: master weights the caller already pinned are used
  * in place and not counted (nor unregistered) by the session; unpinned ones are pinned in
- * place and counted; a stream in graph capture is refused; a session destroyed with copies
- * in flight finishes them cleanly. */
+ * place and counted; the session's own gradient buffer is pinned when it is provisioned, at
+ * the first step; a stream in graph capture is refused; a session destroyed with copies in
+ * flight finishes them cleanly. */
 #include "cuda_driver.h"
 
 #define N ((size_t)1 << 22)
@@ -41,11 +42,15 @@ int main(void) {
     CU_CHECK(cu.htod(grad, g, N * 2));
     CU_CHECK(cu.ctx_sync()); /* a pageable upload may return before its DMA lands */
 
-    /* Unpinned master: the session pins it in place (plus its own gradient buffer). */
+    /* Unpinned master: the session pins it in place, and its own gradient buffer once the
+     * first step provisions it (the host has room for it). */
     so_session *s = session();
     float *plain = (float *)calloc(N, 4);
     add(s, plain, param, "plain");
     size_t pinned = 0;
+    CHECK_OK(so_session_pinned_bytes(s, &pinned));
+    CHECKF(pinned == N * 4, "pinned %zu, expected the master's %zu", pinned, N * 4);
+    CHECK_OK(so_session_begin_step(s, 1.0f, 1));
     CHECK_OK(so_session_pinned_bytes(s, &pinned));
     CHECKF(pinned == N * 4 + N * 2, "pinned %zu, expected master %zu + gradient %zu", pinned, N * 4, N * 2);
     so_session_destroy(s);
@@ -56,6 +61,7 @@ int main(void) {
     CU_CHECK(cu.host_alloc((void **)&host_pinned, N * 4));
     memset(host_pinned, 0, N * 4);
     add(s, host_pinned, param, "pinned");
+    CHECK_OK(so_session_begin_step(s, 1.0f, 1));
     CHECK_OK(so_session_pinned_bytes(s, &pinned));
     CHECKF(pinned == N * 2, "pinned %zu: only the session's gradient buffer (%zu) is ours", pinned, N * 2);
 
@@ -63,7 +69,6 @@ int main(void) {
     so_cuda_stream_t stream, capturing;
     CU_CHECK(cu.stream_create(&stream, 1));
     CU_CHECK(cu.stream_create(&capturing, 1));
-    CHECK_OK(so_session_begin_step(s, 1.0f, 1));
     CU_CHECK(cu.begin_capture(capturing, 0 /* global */));
     CHECK_STATUS(so_session_grad_device(s, 0, grad, N, SO_DTYPE_BF16, capturing, NULL), SO_STATUS_STREAM_CAPTURING);
     cu_graph graph = NULL;
