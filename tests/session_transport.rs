@@ -272,16 +272,7 @@ impl Transport for CopyChecker {
         *self.published.lock().unwrap() += 1;
         Ok(())
     }
-    fn publish_filled(
-        &self,
-        _: u32,
-        _: usize,
-        _: usize,
-        _: DType,
-        _: &mut dyn FnMut(FloatsMut<'_>) -> Result<()>,
-    ) -> Result<()> {
-        panic!("the session keeps a full copy here")
-    }
+    no_bounded_publication!("the session keeps a full copy here");
     fn publish(&self, _: u32) -> Result<()> {
         Ok(())
     }
@@ -346,16 +337,7 @@ impl Transport for PieceRecorder {
         self.pieces.lock().unwrap().push((offset, m.len(), checksum(m)));
         Ok(())
     }
-    fn publish_filled(
-        &self,
-        _: u32,
-        _: usize,
-        _: usize,
-        _: DType,
-        _: &mut dyn FnMut(FloatsMut<'_>) -> Result<()>,
-    ) -> Result<()> {
-        panic!("f32 parameters are published from the master weights")
-    }
+    no_bounded_publication!("f32 parameters are published from the master weights");
     fn publish(&self, _: u32) -> Result<()> {
         let pieces = std::mem::take(&mut *self.pieces.lock().unwrap());
         self.published.lock().unwrap().push(pieces);

@@ -460,6 +460,24 @@ macro_rules! transport_without_publishing {
     };
 }
 
+/// `publish_filled` for a test transport the session must never ask for it (it keeps a full
+/// copy, or publishes f32 master weights): a call fails the test.
+#[macro_export]
+macro_rules! no_bounded_publication {
+    ($why:literal) => {
+        fn publish_filled(
+            &self,
+            _: u32,
+            _: usize,
+            _: usize,
+            _: superoffload::kernels::DType,
+            _: &mut dyn FnMut(superoffload::kernels::FloatsMut<'_>) -> superoffload::error::Result<()>,
+        ) -> superoffload::error::Result<()> {
+            panic!($why)
+        }
+    };
+}
+
 /// Runs `f` on a zeroed buffer of `len` elements of `dtype` (a publication slot of a test
 /// transport).
 pub fn with_scratch<T>(dtype: DType, len: usize, f: &mut dyn FnMut(FloatsMut<'_>) -> T) -> T {
