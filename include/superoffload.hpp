@@ -13,7 +13,8 @@
  * | superoffload/pool.hpp       | PoolOptions, PoolInfo, Pool, PoolRef                             |
  * | superoffload/kernels.hpp    | Hparams, UpdateOptions, AdamBuffers, adam_update, grad_sumsq ... |
  * | superoffload/ticket.hpp     | Ticket, Timeout, forever, TicketStatus                           |
- * | superoffload/session.hpp    | SessionOptions, GroupHparams, Slice, StepArgs, StepResult, Session |
+ * | superoffload/session_types.hpp | SessionOptions, GroupHparams, Slice, StepArgs, StepResult, host_memory() |
+ * | superoffload/session.hpp    | Session                                                          |
  * | superoffload/checkpoint.hpp | Session::save / load, SubgroupState, Session::subgroup_state     |
  * | superoffload/cuda.hpp       | CudaOptions, cuda_available(), Session's CUDA calls              |
  *
@@ -78,6 +79,7 @@
 #include "superoffload/pool.hpp"
 #include "superoffload/kernels.hpp"
 #include "superoffload/ticket.hpp"
+#include "superoffload/session_types.hpp"
 #include "superoffload/session.hpp"
 #include "superoffload/checkpoint.hpp"
 #include "superoffload/cuda.hpp"

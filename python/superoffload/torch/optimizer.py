@@ -53,7 +53,7 @@ import torch
 from torch.optim import Optimizer
 
 from .. import _abi, _core, _cores
-from . import _buffers, _params
+from . import _buffers, _options, _params
 from ._metrics import Nvtx, StepTimes, metrics
 from ._params import DTYPE_NAMES, TORCH_DTYPES, is_dtensor, local
 from ._state_dict import StateDictMixin
@@ -141,8 +141,8 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
                  loss_scaler=None, piece_bytes=16 << 20, host_memory_limit=0, bias_correction=True, align_bytes=256,
                  gpu_fraction=0.0, gpu_budget_bytes="auto", nvtx=None, first_touch=True, host_copy="auto",
                  gradient_home="auto"):
-        _check_arguments(lr, betas, max_grad_norm, accumulation_steps, gpu_fraction, moment_dtype, wait)
-        host_copy, gradient_home = _choice("host_copy", host_copy, _abi.HostCopy), _choice(
+        _options.check_arguments(lr, betas, max_grad_norm, accumulation_steps, gpu_fraction, moment_dtype, wait)
+        host_copy, gradient_home = _options.choice("host_copy", host_copy, _abi.HostCopy), _options.choice(
             "gradient_home", gradient_home, _abi.GradientHome)
         params, names = _params.split_names(params)
         self._constructing = True
@@ -178,7 +178,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             if not self.cuda or self.fsdp:
                 raise ValueError("SuperOffloadAdamW: gpu_fraction needs CUDA parameters without FSDP2")
             self._device_infos = _params.gpu_prefix(infos, float(gpu_fraction))
-        gpu_budget_bytes = _gpu_budget(gpu_budget_bytes, self.cuda and not self._device_infos)
+        gpu_budget_bytes = _options.gpu_budget(gpu_budget_bytes, self.cuda and not self._device_infos)
         # Until the library measures it (after the warm-up steps), the automatic budget is kept
         # within torch's per-process memory fraction, which the device's free memory does not show.
         self._budget_unmeasured = gpu_budget_bytes == _abi.GPU_BUDGET_AUTO
@@ -202,7 +202,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         self._accum_torch = TORCH_DTYPES[dt]
         self._group_hp = [None] * len(self.param_groups)
         for gi, g in enumerate(self.param_groups):
-            hp = _group_hparams(g)
+            hp = _options.group_hparams(g)
             self.session.add_group(*hp)
             self._group_hp[gi] = hp
         if self.cuda:
@@ -385,7 +385,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
 
     def _sync_groups(self):
         for gi, g in enumerate(self.param_groups):
-            hp = _group_hparams(g)
+            hp = _options.group_hparams(g)
             if hp != self._group_hp[gi]:
                 self.session.set_group(gi, *hp)
                 self._group_hp[gi] = hp
@@ -630,49 +630,3 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             self.close()
         except Exception:
             pass
-
-
-def _check_arguments(lr, betas, max_grad_norm, accumulation_steps, gpu_fraction, moment_dtype, wait):
-    if not 0.0 <= lr:
-        raise ValueError(f"invalid learning rate {lr}")
-    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-        raise ValueError(f"invalid betas {betas}")
-    if max_grad_norm < 0 or not math.isfinite(max_grad_norm):
-        raise ValueError(f"max_grad_norm must be finite and >= 0, not {max_grad_norm}")
-    if accumulation_steps < 1:
-        raise ValueError("accumulation_steps must be >= 1")
-    if not 0.0 <= gpu_fraction < 1.0:
-        raise ValueError(f"gpu_fraction must be in [0, 1), not {gpu_fraction}")
-    if moment_dtype not in ("f32", "bf16"):
-        raise ValueError(f'moment_dtype must be "f32" or "bf16", not {moment_dtype!r}')
-    if wait not in ("auto", "module", "step"):
-        raise ValueError(f'wait must be "auto", "module" or "step", not {wait!r}')
-
-
-def _choice(name, value, enum):
-    """The so_session_options value of a string option ("auto", ...) of `enum`."""
-    names = [m.name.lower() for m in enum]
-    if value not in names:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, names))}, not {value!r}")
-    return int(enum[value.upper()])
-
-
-def _gpu_budget(value, automatic):
-    """so_session_options.gpu_budget_bytes of the argument: "auto" is the library's automatic budget
-    where it applies (`automatic`), else 0; a number of bytes is passed on."""
-    if isinstance(value, str):
-        if value != "auto":
-            raise ValueError(f'gpu_budget_bytes must be "auto" or a number of bytes, not {value!r}')
-        return _abi.GPU_BUDGET_AUTO if automatic else 0
-    try:
-        ok = not isinstance(value, bool) and int(value) == value and 0 <= value < _abi.GPU_BUDGET_AUTO
-    except (TypeError, ValueError, OverflowError):
-        ok = False
-    if not ok:
-        raise ValueError(f'gpu_budget_bytes must be "auto" or a number of bytes >= 0, not {value!r}')
-    return int(value)
-
-
-def _group_hparams(g):
-    b1, b2 = g["betas"]
-    return (float(g["lr"]), float(b1), float(b2), float(g["eps"]), float(g["weight_decay"]))

@@ -1,0 +1,50 @@
+"""SuperOffloadAdamW's arguments: their checks and their so_session_options values."""
+import math
+
+from .. import _abi
+
+
+def check_arguments(lr, betas, max_grad_norm, accumulation_steps, gpu_fraction, moment_dtype, wait):
+    if not 0.0 <= lr:
+        raise ValueError(f"invalid learning rate {lr}")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"invalid betas {betas}")
+    if max_grad_norm < 0 or not math.isfinite(max_grad_norm):
+        raise ValueError(f"max_grad_norm must be finite and >= 0, not {max_grad_norm}")
+    if accumulation_steps < 1:
+        raise ValueError("accumulation_steps must be >= 1")
+    if not 0.0 <= gpu_fraction < 1.0:
+        raise ValueError(f"gpu_fraction must be in [0, 1), not {gpu_fraction}")
+    if moment_dtype not in ("f32", "bf16"):
+        raise ValueError(f'moment_dtype must be "f32" or "bf16", not {moment_dtype!r}')
+    if wait not in ("auto", "module", "step"):
+        raise ValueError(f'wait must be "auto", "module" or "step", not {wait!r}')
+
+
+def choice(name, value, enum):
+    """The so_session_options value of a string option ("auto", ...) of `enum`."""
+    names = [m.name.lower() for m in enum]
+    if value not in names:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, names))}, not {value!r}")
+    return int(enum[value.upper()])
+
+
+def gpu_budget(value, automatic):
+    """so_session_options.gpu_budget_bytes of the argument: "auto" is the library's automatic budget
+    where it applies (`automatic`), else 0; a number of bytes is passed on."""
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f'gpu_budget_bytes must be "auto" or a number of bytes, not {value!r}')
+        return _abi.GPU_BUDGET_AUTO if automatic else 0
+    try:
+        ok = not isinstance(value, bool) and int(value) == value and 0 <= value < _abi.GPU_BUDGET_AUTO
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise ValueError(f'gpu_budget_bytes must be "auto" or a number of bytes >= 0, not {value!r}')
+    return int(value)
+
+
+def group_hparams(g):
+    b1, b2 = g["betas"]
+    return (float(g["lr"]), float(b1), float(b2), float(g["eps"]), float(g["weight_decay"]))
