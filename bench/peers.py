@@ -59,7 +59,8 @@ kernel kills for host memory is a row too). With --mem-cap-gib each worker first
 torch.cuda.set_per_process_memory_fraction, and ours, once its session has provisioned, lowers
 that fraction by the session's device bytes, so that torch's allocations and the session's
 share the cap; an out-of-memory error is a result (status oom), not a crash. With several
-models, peers.md ends with the capacity table: per system and cap, the largest model that ran. A system that errs or times out is not run again for the later models and caps
+models, peers.md ends with the capacity table: per system and cap, the largest model that ran.
+A system that errs or times out is not run again for the later models and caps
 (--retry-failed runs it anyway).
 
 The clipped run follows the unclipped one in the same process (DeepSpeed: its ZeRO optimizer's
@@ -443,7 +444,7 @@ SYSTEMS = {
                           lambda ctx: Ours(ctx, {"moment_dtype": "bf16", **OFFLOAD_ALL})),
     "ours-budget-auto": ('ours, gpu_budget "auto"', lambda ctx: Ours(ctx, {"gpu_budget": "auto"})),
     "torchao-offload": ("torchao CPUOffloadOptimizer (AdamW)", TorchaoOffload),
-    "torchao-offload-grads": ("torchao CPUOffloadOptimizer (AdamW), offload_gradients", 
+    "torchao-offload-grads": ("torchao CPUOffloadOptimizer (AdamW), offload_gradients",
                               lambda ctx: TorchaoOffload(ctx, offload_gradients=True)),
     "ds-zero3-offload": ("DeepSpeed ZeRO-3, offload_optimizer cpu", lambda ctx: DeepSpeedZero3(ctx, False)),
     "torch-fsdp2-offload": ("torch FSDP2 CPUOffloadPolicy", Fsdp2CpuOffload),
