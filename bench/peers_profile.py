@@ -137,6 +137,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--system", default="ours", help="a system of bench/peers.py (default ours)")
     ap.add_argument("--model", default="2.8b", help="a model of bench/peers.py (default 2.8b)")
+    ap.add_argument("--batch", type=int, default=0, help="sequences a step (default: the model's)")
     ap.add_argument("--clip", type=float, default=0.0, help="max_grad_norm (default 0: no clipping)")
     ap.add_argument("--warmup", type=int, default=3, help="steps after settling, before the window (default 3)")
     ap.add_argument("--steps", type=int, default=2, help="steps recorded (default 2)")
@@ -152,7 +153,8 @@ def main():
     sys.path.insert(0, peers.E2E_DIR)
     if args.system not in peers.SYSTEMS or args.model not in peers.MODELS:
         ap.error(f"--system is one of {', '.join(peers.SYSTEMS)}; --model one of {', '.join(peers.MODELS)}")
-    ctx = peers.Context(argparse.Namespace(model=args.model, device=args.device, cap_gib=0, clips=[args.clip]))
+    ctx = peers.Context(argparse.Namespace(model=args.model, batch=args.batch, device=args.device, cap_gib=0,
+                                           clips=[args.clip]))
     trainer = peers.SYSTEMS[args.system][1](ctx)
     trainer.set_clip(args.clip)
     trainer.before_phase(first=True)
