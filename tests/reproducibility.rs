@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use common::Rng;
 use superoffload::error::Result;
-use superoffload::kernels::{DType, Floats, FloatsMut, Isa, Pool, PoolOptions, bf16, pool::set_chunk_pause};
+use superoffload::kernels::{DType, Floats, Isa, Pool, PoolOptions, bf16, pool::set_chunk_pause};
 use superoffload::session::{
     Borrowed, GradientHome, GroupHparams, HostCopy, NormSource, Session, SessionOptions, SliceDesc, Speculation,
     StepArgs, StepResult, SubGroupDesc, Transport,
@@ -92,25 +92,7 @@ impl Transport for JitteryTransport {
         self.jitter.pause(200);
         Ok(())
     }
-    fn publish_piece(&self, sg: u32, offset: usize, src: Floats<'_>) -> Result<()> {
-        let Floats::Bf16(copy) = src else { panic!("the runs publish a bf16 copy") };
-        self.record(sg, offset, copy);
-        Ok(())
-    }
-    fn publish_filled(
-        &self,
-        sg: u32,
-        offset: usize,
-        len: usize,
-        dtype: DType,
-        fill: &mut dyn FnMut(FloatsMut<'_>) -> Result<()>,
-    ) -> Result<()> {
-        assert_eq!(dtype, DType::Bf16, "the runs publish a bf16 copy");
-        let mut copy = vec![bf16::ZERO; len];
-        fill(FloatsMut::Bf16(&mut copy))?;
-        self.record(sg, offset, &copy);
-        Ok(())
-    }
+    bf16_publication!(record);
     fn publish(&self, sg: u32) -> Result<()> {
         self.published.lock().unwrap()[sg as usize] = self.pieces.lock().unwrap()[sg as usize].clone();
         self.jitter.pause(100);

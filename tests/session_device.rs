@@ -141,10 +141,11 @@ impl EmulatedDevice {
         self.params.lock().unwrap()[&sg].clone()
     }
 
-    fn write_param(&self, sg: u32, offset: usize, bits: impl Iterator<Item = u16>) {
+    /// A piece of published weights lands in the parameter.
+    fn receive(&self, sg: u32, offset: usize, piece: &[bf16]) {
         let mut params = self.params.lock().unwrap();
-        for (d, b) in params.get_mut(&sg).expect("attached")[offset..].iter_mut().zip(bits) {
-            *d = b;
+        for (d, b) in params.get_mut(&sg).expect("attached")[offset..].iter_mut().zip(piece) {
+            *d = b.to_bits();
         }
     }
 }
@@ -166,25 +167,7 @@ impl Transport for EmulatedDevice {
     fn master_write(&self, _: u32) -> Result<()> {
         Ok(())
     }
-    fn publish_piece(&self, sg: u32, offset: usize, src: Floats<'_>) -> Result<()> {
-        let Floats::Bf16(copy) = src else { panic!("the session publishes its bf16 copy") };
-        self.write_param(sg, offset, copy.iter().map(|c| c.to_bits()));
-        Ok(())
-    }
-    fn publish_filled(
-        &self,
-        sg: u32,
-        offset: usize,
-        len: usize,
-        dtype: DType,
-        fill: &mut dyn FnMut(FloatsMut<'_>) -> Result<()>,
-    ) -> Result<()> {
-        assert_eq!(dtype, DType::Bf16, "bf16 parameters");
-        let mut piece = vec![bf16::ZERO; len];
-        fill(FloatsMut::Bf16(&mut piece))?;
-        self.write_param(sg, offset, piece.iter().map(|c| c.to_bits()));
-        Ok(())
-    }
+    bf16_publication!(receive);
     fn publish(&self, _: u32) -> Result<()> {
         Ok(())
     }

@@ -460,6 +460,39 @@ macro_rules! transport_without_publishing {
     };
 }
 
+/// `publish_piece` and `publish_filled` of a test transport that receives bf16 pieces: each
+/// piece, given from the session's memory or filled by its pass, goes to
+/// `self.$receive(sg, offset, piece)`.
+#[macro_export]
+macro_rules! bf16_publication {
+    ($receive:ident) => {
+        fn publish_piece(
+            &self,
+            sg: u32,
+            offset: usize,
+            src: superoffload::kernels::Floats<'_>,
+        ) -> superoffload::error::Result<()> {
+            let superoffload::kernels::Floats::Bf16(piece) = src else { panic!("a bf16 copy is published") };
+            self.$receive(sg, offset, piece);
+            Ok(())
+        }
+        fn publish_filled(
+            &self,
+            sg: u32,
+            offset: usize,
+            len: usize,
+            dtype: superoffload::kernels::DType,
+            fill: &mut dyn FnMut(superoffload::kernels::FloatsMut<'_>) -> superoffload::error::Result<()>,
+        ) -> superoffload::error::Result<()> {
+            assert_eq!(dtype, superoffload::kernels::DType::Bf16, "a bf16 copy is published");
+            let mut piece = vec![superoffload::kernels::bf16::ZERO; len];
+            fill(superoffload::kernels::FloatsMut::Bf16(&mut piece))?;
+            self.$receive(sg, offset, &piece);
+            Ok(())
+        }
+    };
+}
+
 /// `publish_filled` for a test transport the session must never ask for it (it keeps a full
 /// copy, or publishes f32 master weights): a call fails the test.
 #[macro_export]
