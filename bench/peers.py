@@ -66,7 +66,8 @@ A system that errs or times out is not run again for the later models and caps
 The clipped run follows the unclipped one in the same process (DeepSpeed: its ZeRO optimizer's
 clip_grad, which gradient_clipping sets, is switched between the runs). Before the timed steps:
 ours with an automatic split steps until the split has settled, and ours with speculation auto
-takes the steps after which it stops speculating on clipped steps (bench_e2e.py's constants).
+takes the steps after which it stops speculating on clipped steps (bench_e2e.py's constants);
+--no-settle times the steps right after --warmup instead (how soon the defaults settle).
 
 Workers run in the order the targets need them: the baselines, ours everything offloaded, ours
 with the automatic budget, torchao, ours with speculation off, ours' defaults, bf16 moments,
@@ -169,6 +170,7 @@ class Context:
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self.cap_bytes = int(args.cap_gib * GIB) if args.cap_gib else 0
         self.clips = args.clips
+        self.settle = not args.no_settle
         # Data parallel: each rank its own tokens.
         generator = torch.Generator().manual_seed(self.rank)
         shape = (self.spec["batch"], self.spec["seq"])
@@ -291,9 +293,10 @@ class Ours(Trainer):
         self.opt.max_grad_norm = max_norm
 
     def before_phase(self, first):
-        if first and self.splits:
+        settle = self.ctx.settle
+        if settle and first and self.splits:
             self.config["split_settled_after_steps"] = self.ctx.e2e.settle_split(self.opt, self.step)
-        elif not first and self.speculation_auto:
+        elif settle and not first and self.speculation_auto:
             for _ in range(self.ctx.e2e.AUTO_POLICY_TURN):
                 self.step()
         if first and self.ctx.cap_bytes:
@@ -592,7 +595,7 @@ def run_worker(job, args, workdir, log_file, seconds):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--model", model,
            "--cap-gib", str(cap or 0), "--clips", ",".join(repr(c) for c in clips), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--device", args.device, "--result", result,
-           *(["--batch", str(args.batch)] if args.batch else [])]
+           *(["--batch", str(args.batch)] if args.batch else []), *(["--no-settle"] if args.no_settle else [])]
     # The ranks of one process group on this host (a group of one for DeepSpeed and FSDP2).
     env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
@@ -722,7 +725,8 @@ def fmt(x, digits):
 def markdown(header, rows):
     machine = [header["device_name"], f"{header['cpus']} CPUs", f"/dev/shm {header['dev_shm_gib']} GiB",
                ", ".join(f"{k} {v}" for k, v in header["versions"].items()),
-               f"{header['warmup']} warm-up + {header['steps']} timed steps, median",
+               f"{header['warmup']} warm-up + {header['steps']} timed steps, median"
+               + ("" if header.get("settle", True) else ", no settling"),
                f"clip every step: max_grad_norm {header['clip_max_norm']:g}"]
     out = [f"# Peers: {header['started']}", "", "; ".join(m for m in machine if m) + ".", ""]
     order = list(SYSTEMS)
@@ -806,7 +810,7 @@ def host_header(args):
     return {"started": datetime.datetime.now().isoformat(timespec="seconds"), "cpus": os.cpu_count(),
             "dev_shm_gib": gib("/dev/shm"), "models": args.models, "systems": args.systems,
             "caps_gib": args.mem_cap_gib, "ranks": args.ranks, "clip": args.clip, "clip_max_norm": args.clip_max_norm,
-            "steps": args.steps, "warmup": args.warmup, "device": args.device, "timeout_s": args.timeout_s,
+            "steps": args.steps, "warmup": args.warmup, "settle": not args.no_settle, "device": args.device, "timeout_s": args.timeout_s,
             "device_name": "?", "versions": {}}
 
 
@@ -890,6 +894,9 @@ def main():
                     help="comma list of GPU memory caps in GiB, none for uncapped (default none), e.g. none,24,48")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default 3)")
+    ap.add_argument("--no-settle", action="store_true",
+                    help="time the steps right after --warmup: no settling of ours' automatic split or speculation "
+                         "first (how fast the defaults settle: compare --warmup 3 with --warmup 10)")
     ap.add_argument("--timeout-s", type=float, default=240, help="one worker's limit (default 240)")
     ap.add_argument("--budget-s", type=float, default=480,
                     help="stop starting workers when this many seconds have passed (default 480, so that "

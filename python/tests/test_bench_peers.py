@@ -45,6 +45,17 @@ def test_more_than_one_rank_runs_the_fsdp2_systems_only(tmp_path):
     assert "unknown system with --ranks 2 ours" in proc.stderr
 
 
+def test_without_settling_the_timed_steps_follow_the_warm_up(tmp_path):
+    proc, out = peers(tmp_path, "--systems", "ours", "--clip", "both", "--no-settle")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out / "peers.json") as f:
+        rows = sorted((r for r in json.load(f)["rows"] if r["system"] == "ours"), key=lambda r: r["clip"])
+    # One phase per clip setting, each its 1 warm-up and 2 timed steps and nothing between.
+    assert [r["steps_taken"] for r in rows] == [3, 6], rows
+    assert all("split_settled_after_steps" not in r["config"] for r in rows)
+    assert "no settling" in (out / "peers.md").read_text()
+
+
 def test_the_profile_of_a_system_is_written_and_summarised(tmp_path):
     out = tmp_path / "profile"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "peers_profile.py"), "--device", "cpu", "--model", "tiny",
