@@ -6,7 +6,7 @@
 //! norms and loss scales, results, ticket waits and queries, saves, loads of good,
 //! truncated, bit-flipped and foreign checkpoints, removal, repartitioning, destruction)
 //! go through the exported `extern "C"` functions (`tests/fuzz/api.rs`); after every call
-//! `tests/fuzz/model.rs` checks the status, the out-parameters, that refusals change
+//! `tests/fuzz/model/` checks the status, the out-parameters, that refusals change
 //! nothing, step counts and results, and the weights and moments against a plain reference.
 //!
 //! CI: a fixed set of seeds (`cargo test --test session_fuzz`). Long runs:
