@@ -1,6 +1,6 @@
 //! What the benchmark programs of superoffload share: one command-line parser ([`Cli`],
-//! [`main_with`]), the number and core-list formats of their flags, JSON numbers, and the
-//! CPU affinity helpers.
+//! [`main_with`]), the number and core-list formats of their flags, percentiles of samples,
+//! JSON numbers, and the CPU affinity helpers.
 //!
 //! Every program parses its flags the same way:
 //!
@@ -226,6 +226,28 @@ pub fn parse_millis(flag: &str, s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(x / 1e3))
 }
 
+/// `samples` in ascending order (NaN last).
+pub fn sorted(mut samples: Vec<f64>) -> Vec<f64> {
+    samples.sort_by(f64::total_cmp);
+    samples
+}
+
+/// The `q` quantile (0 to 1) of samples in ascending order ([`sorted`]), interpolated linearly
+/// between the two nearest samples; NaN when there are none.
+pub fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let pos = q * (sorted.len() - 1) as f64;
+    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo as f64)
+}
+
+/// The median of `samples`, in any order ([`percentile`] 0.5).
+pub fn median(samples: &[f64]) -> f64 {
+    percentile(&sorted(samples.to_vec()), 0.5)
+}
+
 /// A JSON number, or null for inf/NaN.
 pub fn json_num(x: f64) -> String {
     if x.is_finite() { format!("{x}") } else { "null".to_string() }
@@ -397,6 +419,18 @@ mod tests {
         for bad in ["", ",", "a", "3-1", "1-", "-2"] {
             assert!(parse_cores("c", bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn percentiles() {
+        let s = sorted(vec![4.0, 1.0, 3.0, 2.0]);
+        assert_eq!(s, [1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(percentile(&s, 0.0), 1.0);
+        assert_eq!(percentile(&s, 0.5), 2.5);
+        assert_eq!(percentile(&s, 0.9), 3.7);
+        assert_eq!(percentile(&s, 1.0), 4.0);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert!(percentile(&[], 0.5).is_nan() && median(&[]).is_nan());
     }
 
     #[test]
