@@ -1,6 +1,7 @@
 // The harness of the C++ tests (api_cpp_*): non-fatal expectations that count failures and
 // let the test go on, expectations that a wrapper call throws superoffload::Error with a
-// given status, a reproducible RNG, bit-for-bit comparison of vectors, and the exit status.
+// given status, a reproducible RNG, bit-for-bit comparison of vectors, temporary file paths,
+// and the exit status.
 //
 //   EXPECT(cond);                                   // counts a failure, prints file:line
 //   std::string msg = EXPECT_ERROR(SO_STATUS_NOT_FOUND, session.slice_id("nope"));
@@ -12,6 +13,8 @@
 #define SO_TEST_HPP
 
 #include "superoffload.hpp"
+
+#include "session_test.h"
 
 #include <cstdint>
 #include <cstdio>
@@ -80,6 +83,13 @@ struct Rng {
 template <class T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
     return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// A path in $TMPDIR (or /tmp) unique to this process and `tag` (so_st_temp_path).
+inline std::string temp_path(const char* tag) {
+    char buf[512];
+    so_st_temp_path(buf, sizeof buf, tag);
+    return buf;
 }
 
 // The test's exit status: 1 with a count of the failures, else 0 with "<name>: ok".
