@@ -149,13 +149,13 @@ def main():
         os.environ.setdefault(var, value)
 
     import torch
-    import peers
-    sys.path.insert(0, peers.E2E_DIR)
-    if args.system not in peers.SYSTEMS or args.model not in peers.MODELS:
-        ap.error(f"--system is one of {', '.join(peers.SYSTEMS)}; --model one of {', '.join(peers.MODELS)}")
-    ctx = peers.Context(argparse.Namespace(model=args.model, batch=args.batch, device=args.device, cap_gib=0,
-                                           clips=[args.clip]))
-    trainer = peers.SYSTEMS[args.system][1](ctx)
+    from peers_systems import E2E_DIR, MODELS, SYSTEMS, Context
+    sys.path.insert(0, E2E_DIR)
+    if args.system not in SYSTEMS or args.model not in MODELS:
+        ap.error(f"--system is one of {', '.join(SYSTEMS)}; --model one of {', '.join(MODELS)}")
+    ctx = Context(argparse.Namespace(model=args.model, batch=args.batch, device=args.device, cap_gib=0,
+                                     clips=[args.clip], no_settle=False))
+    trainer = SYSTEMS[args.system][1](ctx)
     trainer.set_clip(args.clip)
     trainer.before_phase(first=True)
     for _ in range(args.warmup):

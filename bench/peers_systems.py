@@ -1,0 +1,354 @@
+"""bench/peers.py's models and systems: the model shapes, the hyperparameters, what every system
+shares (Context: the model, the batch, the device, the cap, the ranks) and one Trainer per system,
+with the systems' labels, the ones that run on more than one rank, and the order of the runs."""
+import argparse
+import os
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+E2E_DIR = os.path.join(HERE, "..", "examples", "torch_optimizer")
+
+MODELS = {
+    "1.1b": dict(layers=22, hidden=2048, inter=5632, heads=32, kv_heads=4, vocab=32000, seq=2048, batch=16),
+    "2.8b": dict(layers=26, hidden=3072, inter=8192, heads=24, kv_heads=8, vocab=32000, seq=2048, batch=8),
+    # Llama-2-7B's shape.
+    "7b": dict(layers=32, hidden=4096, inter=11008, heads=32, kv_heads=32, vocab=32000, seq=2048, batch=8),
+    # Llama-3-8B's shape: its 128K vocabulary and 8 KV heads.
+    "8b": dict(layers=32, hidden=4096, inter=14336, heads=32, kv_heads=8, vocab=128256, seq=2048, batch=8),
+    # Llama-2-7B's layers, 48 of them.
+    "10b": dict(layers=48, hidden=4096, inter=11008, heads=32, kv_heads=32, vocab=32000, seq=2048, batch=8),
+    # Llama-2-13B's shape.
+    "13b": dict(layers=40, hidden=5120, inter=13824, heads=40, kv_heads=40, vocab=32000, seq=2048, batch=8),
+    "tiny": dict(layers=2, hidden=64, inter=172, heads=4, kv_heads=2, vocab=256, seq=64, batch=4),
+}
+HPARAMS = dict(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+GIB = 1 << 30
+# Left free within a memory cap when our budget is derived from it.
+CAP_HEADROOM_BYTES = GIB
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+class Unsupported(Exception):
+    """A setting the system cannot run (its row says why; the worker goes on)."""
+
+
+class Context:
+    """What every system shares: the model's shape, the device, the batch, the cap, the ranks."""
+
+    def __init__(self, args):
+        import bench_e2e
+        self.e2e = bench_e2e
+        self.spec = dict(MODELS[args.model], **({"batch": args.batch} if args.batch else {}))
+        self.cuda = args.device == "cuda"
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        if self.cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.cap_bytes = int(args.cap_gib * GIB) if args.cap_gib else 0
+        self.clips = args.clips
+        self.settle = not args.no_settle
+        # Data parallel: each rank its own tokens.
+        generator = torch.Generator().manual_seed(self.rank)
+        shape = (self.spec["batch"], self.spec["seq"])
+        self.batch = torch.randint(0, self.spec["vocab"], shape, generator=generator).to(self.device)
+
+    def build_model(self, dtype=None):
+        shape = argparse.Namespace(**self.spec, dtype=dtype or self.dtype, activation_checkpointing=True)
+        return self.e2e.build_model(shape, self.device)
+
+    def init_distributed(self):
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.cuda else "gloo")
+
+    def fully_shard(self, model, **policies):
+        """FSDP2 over every rank: each decoder layer, then the root."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        self.init_distributed()
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, **policies)
+        fully_shard(model, mesh=mesh, **policies)
+        return model
+
+    def largest_of_ranks(self, value):
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
+        t = torch.tensor([float(value)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def budget_within_cap(self, model):
+        """The cap less the peak of one forward and backward without an optimizer, less a headroom."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.e2e.forward_backward(model, self.batch)
+        for p in model.parameters():
+            p.grad = None
+        peak = torch.cuda.max_memory_allocated(self.device)
+        return max(0, self.cap_bytes - peak - CAP_HEADROOM_BYTES)
+
+
+class Trainer:
+    """One system's training loop on the shared model and batch."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.max_norm = 0.0
+        self.config = {}
+        self.steps_taken = 0
+
+    def set_clip(self, max_norm):
+        self.max_norm = max_norm
+
+    def before_phase(self, first):
+        """Steps that the measurement must not include (a policy or placement settling)."""
+
+    def device_bytes(self):
+        """GPU memory held outside torch's allocator."""
+        return 0
+
+    def parameter_count(self):
+        return sum(p.numel() for p in self.model.parameters())
+
+    def step(self):
+        """Forward, backward and the optimizer step; returns the loss."""
+        self.steps_taken += 1
+        return self.train_step()
+
+    def train_step(self):
+        raise NotImplementedError
+
+    def close(self):
+        pass
+
+
+class TorchGpuAdamW(Trainer):
+    def __init__(self, ctx, sharded=False):
+        super().__init__(ctx)
+        self.model = ctx.build_model()
+        if sharded:
+            ctx.fully_shard(self.model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, fused=True, **HPARAMS)
+        self.config = {"optimizer": "torch.optim.AdamW(fused=True)", "state": str(ctx.dtype),
+                       "fsdp2_ranks": ctx.world if sharded else None}
+
+    def train_step(self):
+        loss = self.ctx.e2e.forward_backward(self.model, self.ctx.batch)
+        if self.max_norm:
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+
+class Ours(Trainer):
+    def __init__(self, ctx, options, sharded=False):
+        from superoffload.torch import SuperOffloadAdamW
+        super().__init__(ctx)
+        self.model = ctx.build_model()
+        if sharded:
+            ctx.fully_shard(self.model)
+        options = dict(options)
+        if ctx.cap_bytes and options.get("gpu_budget") == "auto":
+            del options["gpu_budget"]
+            options["gpu_budget_bytes"] = ctx.budget_within_cap(self.model)
+        self.max_norm = ctx.clips[0]
+        self.opt = SuperOffloadAdamW(self.model.parameters(), model=self.model, max_grad_norm=self.max_norm,
+                                     **HPARAMS, **options)
+        # An explicit zero budget offloads everything; any other may place sub-groups on the GPU
+        # after a few measured steps.
+        self.splits = options.get("gpu_budget_bytes") != 0
+        self.speculation_auto = options.get("speculation", "auto") == "auto"
+        self.config = {**options, "subgroups": len(self.opt.subgroups()), "cores": self.opt.cores}
+
+    def set_clip(self, max_norm):
+        self.max_norm = max_norm
+        self.opt.max_grad_norm = max_norm
+
+    def before_phase(self, first):
+        settle = self.ctx.settle
+        if settle and first and self.splits:
+            self.config["split_settled_after_steps"] = self.ctx.e2e.settle_split(self.opt, self.step)
+        elif settle and not first and self.speculation_auto:
+            for _ in range(self.ctx.e2e.AUTO_POLICY_TURN):
+                self.step()
+        if first and self.ctx.cap_bytes:
+            # The session provisioned at its first step: torch's allocator gets what its device
+            # memory leaves of the cap.
+            if not self.steps_taken:
+                self.step()
+            total = torch.cuda.get_device_properties(self.ctx.device).total_memory
+            left = max(0, self.ctx.cap_bytes - self.device_bytes())
+            torch.cuda.set_per_process_memory_fraction(left / total, self.ctx.device)
+        if first:
+            self.config["memory"] = {k: v for k, v in self.opt.memory().items() if k != "params"}
+
+    def device_bytes(self):
+        return self.opt.metrics()["device_bytes"]
+
+    def train_step(self):
+        loss = self.ctx.e2e.forward_backward(self.model, self.ctx.batch)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def close(self):
+        self.opt.close()
+
+
+class TorchaoOffload(Trainer):
+    def __init__(self, ctx, offload_gradients=False):
+        import torchao
+        from torchao.optim import CPUOffloadOptimizer
+        super().__init__(ctx)
+        self.model = ctx.build_model()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.offload_gradients = offload_gradients
+        self.opt = CPUOffloadOptimizer(self.params, torch.optim.AdamW, offload_gradients=offload_gradients,
+                                       **HPARAMS)
+        self.host_grad_scale = 1.0
+        for host_opt in self.opt.optim_dict.values():
+            host_opt.register_step_pre_hook(self._scale_host_grads)
+        # Parameters below its minimal size stay on the GPU, stepped there by its d_opt.
+        self.gpu_params = [p for group in self.opt.d_param_groups for p in group["params"]]
+        self.config = {"torchao": torchao.__version__, "offloaded_tensors": len(self.opt.optim_dict),
+                       "gpu_tensors": len(self.gpu_params), "offload_gradients": offload_gradients}
+
+    def set_clip(self, max_norm):
+        if max_norm and self.offload_gradients:
+            raise Unsupported("offload_gradients=True leaves no gradient on the GPU to take the norm of, and "
+                              "CPUOffloadOptimizer does not clip")
+        self.max_norm = max_norm
+
+    def _scale_host_grads(self, host_opt, args, kwargs):
+        if self.host_grad_scale < 1.0:
+            for group in host_opt.param_groups:
+                for p in group["params"]:
+                    p.grad.mul_(self.host_grad_scale)
+
+    def train_step(self):
+        loss = self.ctx.e2e.forward_backward(self.model, self.ctx.batch)
+        if self.max_norm:
+            # The host gradients were copied during backward: the GPU ones give the norm, the
+            # pre-hook scales the host copies as each per-parameter optimizer steps.
+            grads = [p.grad for p in self.params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(self.gpu_params, self.max_norm, norm, foreach=True)
+            self.host_grad_scale = min(1.0, self.max_norm / (float(norm) + 1e-6))
+        else:
+            self.host_grad_scale = 1.0
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+
+class DeepSpeedZero3(Trainer):
+    def __init__(self, ctx, super_offload):
+        import deepspeed
+        super().__init__(ctx)
+        model = ctx.build_model()
+        offload = {"device": "cpu", "pin_memory": True}
+        zero = {"stage": 3, "offload_optimizer": offload}
+        if super_offload:
+            offload.update(super_offload=True, ratio=0.9, cpuadam_cores_perc=0.9)
+            zero.update(overlap_comm=False, sub_group_size=400_000_000, reduce_bucket_size=400_000_000)
+        self.max_norm = ctx.clips[0]
+        ds_config = {
+            "train_micro_batch_size_per_gpu": ctx.spec["batch"],
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": self.max_norm,
+            "bf16": {"enabled": ctx.dtype == torch.bfloat16},
+            "optimizer": {"type": "AdamW", "params": {**HPARAMS, "betas": list(HPARAMS["betas"])}},
+            "zero_optimization": zero,
+            "steps_per_print": 1 << 30,
+        }
+        deepspeed.init_distributed(dist_backend="nccl" if ctx.cuda else "gloo")
+        self.engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+        self.model = self.engine.module
+        self.config = {"deepspeed": deepspeed.__version__, "zero_optimization": zero,
+                       "zero_optimizer": type(self.engine.optimizer).__name__}
+
+    def parameter_count(self):
+        # ZeRO-3 partitions the parameters: their full sizes are ds_numel.
+        return sum(p.ds_numel for p in self.model.parameters())
+
+    def set_clip(self, max_norm):
+        # DeepSpeed reads gradient_clipping once, into its ZeRO-3 optimizer's clip_grad, which
+        # step() (and SuperOffload's choice to step during backward) reads each step.
+        self.max_norm = max_norm
+        self.engine.optimizer.clip_grad = max_norm
+
+    def train_step(self):
+        loss = self.engine(input_ids=self.ctx.batch, labels=self.ctx.batch).loss
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+    def close(self):
+        self.engine.destroy()
+
+
+class Fsdp2CpuOffload(Trainer):
+    def __init__(self, ctx):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+        super().__init__(ctx)
+        self.model = ctx.fully_shard(ctx.build_model(dtype=torch.float32),
+                                     mp_policy=MixedPrecisionPolicy(param_dtype=ctx.dtype, reduce_dtype=torch.float32),
+                                     offload_policy=CPUOffloadPolicy(pin_memory=ctx.cuda))
+        self.opt = torch.optim.AdamW(self.model.parameters(), fused=True, **HPARAMS)
+        self.config = {"masters": "f32 on the CPU", "compute": str(ctx.dtype),
+                       "optimizer": "torch.optim.AdamW(fused=True) on the CPU"}
+
+    def train_step(self):
+        loss = self.ctx.e2e.forward_backward(self.model, self.ctx.batch)
+        if self.max_norm:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm, foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+OFFLOAD_ALL = {"gpu_budget_bytes": 0}
+# name: (label, constructor(ctx)), in the order of the tables.
+SYSTEMS = {
+    "torch-gpu-adamw": ("torch AdamW(fused) on the GPU, bf16 state", TorchGpuAdamW),
+    "ours": ("ours, defaults", lambda ctx: Ours(ctx, {})),
+    "ours-offload-all": ("ours, everything offloaded", lambda ctx: Ours(ctx, OFFLOAD_ALL)),
+    "ours-spec-off": ('ours, speculation "off", everything offloaded',
+                      lambda ctx: Ours(ctx, {"speculation": "off", **OFFLOAD_ALL})),
+    "ours-defaults-spec-off": ('ours, defaults, speculation "off"', lambda ctx: Ours(ctx, {"speculation": "off"})),
+    "ours-bf16-moments": ('ours, moment_dtype "bf16", everything offloaded',
+                          lambda ctx: Ours(ctx, {"moment_dtype": "bf16", **OFFLOAD_ALL})),
+    "ours-budget-auto": ('ours, gpu_budget "auto"', lambda ctx: Ours(ctx, {"gpu_budget": "auto"})),
+    "torchao-offload": ("torchao CPUOffloadOptimizer (AdamW)", TorchaoOffload),
+    "torchao-offload-grads": ("torchao CPUOffloadOptimizer (AdamW), offload_gradients",
+                              lambda ctx: TorchaoOffload(ctx, offload_gradients=True)),
+    "ds-zero3-offload": ("DeepSpeed ZeRO-3, offload_optimizer cpu", lambda ctx: DeepSpeedZero3(ctx, False)),
+    "torch-fsdp2-offload": ("torch FSDP2 CPUOffloadPolicy", Fsdp2CpuOffload),
+    "ds-superoffload": ("DeepSpeed ZeRO-3 + SuperOffload", lambda ctx: DeepSpeedZero3(ctx, True)),
+    "torch-fsdp2-gpu-adamw": ("torch FSDP2, AdamW(fused) on the GPU", lambda ctx: TorchGpuAdamW(ctx, sharded=True)),
+    "ours-fsdp2": ("ours under FSDP2, defaults", lambda ctx: Ours(ctx, {}, sharded=True)),
+}
+# The systems that run on more than one rank.
+FSDP2_SYSTEMS = ["torch-fsdp2-gpu-adamw", "ours-fsdp2", "torch-fsdp2-offload"]
+
+
+def baseline_of(ranks):
+    """The system every ratio of a table with this many ranks is to."""
+    return "torch-gpu-adamw" if ranks == 1 else "torch-fsdp2-gpu-adamw"
+
+
+# The order of the runs: the rows that the targets need first, so that what --budget-s leaves out
+# matters least ("ours" repeats one of the two before it, whichever the package's default is).
+RUN_ORDER = ["torch-gpu-adamw", "torch-fsdp2-gpu-adamw", "ours-offload-all", "ours-fsdp2", "ours-budget-auto",
+             "torchao-offload", "torchao-offload-grads", "ours-spec-off", "ours", "ours-defaults-spec-off",
+             "ours-bf16-moments",
+             "ds-zero3-offload", "torch-fsdp2-offload", "ds-superoffload"]
