@@ -15,6 +15,10 @@ script with --worker), without clipping and with clipping on every step (max_gra
   ours-defaults-spec-off  ours, the defaults but speculation="off" (GPU-resident sub-groups
                        stepped after the decision rather than during backward)
   ours-bf16-moments    ours, moment_dtype="bf16", everything offloaded
+  ours-lean            ours, gradient_home="device", host_copy="bounded": the host holds the Adam
+                       state alone (gradients read back from the GPU in pieces, weights
+                       published through bounded buffers)
+  ours-bf16-moments-lean  ours-bf16-moments with gradient_home="device", host_copy="bounded"
   ours-budget-auto     ours, gpu_budget="auto" (under --mem-cap-gib: gpu_budget_bytes = the cap
                        less one step's peak and 1 GiB, as the automatic budget reads the GPU's
                        free memory, which torch's per-process cap does not lower)
@@ -71,7 +75,7 @@ takes the steps after which it stops speculating on clipped steps (bench_e2e.py'
 
 Workers run in the order the targets need them: the baselines, ours everything offloaded, ours
 with the automatic budget, torchao, ours with speculation off, ours' defaults, bf16 moments,
-DeepSpeed ZeRO-3, FSDP2, SuperOffload; each system for every model and cap in turn. --budget-s
+the lean placements, DeepSpeed ZeRO-3, FSDP2, SuperOffload; each system for every model and cap in turn. --budget-s
 (default 480 s) starts no worker after that and leaves 'skipped' rows: a second command with
 --systems for the rest and --baseline (the first run's peers.json, for its torch-gpu-adamw rows)
 completes the tables.

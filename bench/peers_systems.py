@@ -317,6 +317,8 @@ class Fsdp2CpuOffload(Trainer):
         return loss
 
 OFFLOAD_ALL = {"gpu_budget_bytes": 0}
+# The host holds the Adam state alone.
+LEAN = {"gradient_home": "device", "host_copy": "bounded"}
 # name: (label, constructor(ctx)), in the order of the tables.
 SYSTEMS = {
     "torch-gpu-adamw": ("torch AdamW(fused) on the GPU, bf16 state", TorchGpuAdamW),
@@ -327,6 +329,10 @@ SYSTEMS = {
     "ours-defaults-spec-off": ('ours, defaults, speculation "off"', lambda ctx: Ours(ctx, {"speculation": "off"})),
     "ours-bf16-moments": ('ours, moment_dtype "bf16", everything offloaded',
                           lambda ctx: Ours(ctx, {"moment_dtype": "bf16", **OFFLOAD_ALL})),
+    "ours-lean": ('ours, gradient_home "device", host_copy "bounded"', lambda ctx: Ours(ctx, LEAN)),
+    "ours-bf16-moments-lean": ('ours, moment_dtype "bf16", everything offloaded, gradient_home "device", '
+                               'host_copy "bounded"',
+                               lambda ctx: Ours(ctx, {"moment_dtype": "bf16", **OFFLOAD_ALL, **LEAN})),
     "ours-budget-auto": ('ours, gpu_budget "auto"', lambda ctx: Ours(ctx, {"gpu_budget": "auto"})),
     "torchao-offload": ("torchao CPUOffloadOptimizer (AdamW)", TorchaoOffload),
     "torchao-offload-grads": ("torchao CPUOffloadOptimizer (AdamW), offload_gradients",
@@ -350,5 +356,5 @@ def baseline_of(ranks):
 # matters least ("ours" repeats one of the two before it, whichever the package's default is).
 RUN_ORDER = ["torch-gpu-adamw", "torch-fsdp2-gpu-adamw", "ours-offload-all", "ours-fsdp2", "ours-budget-auto",
              "torchao-offload", "torchao-offload-grads", "ours-spec-off", "ours", "ours-defaults-spec-off",
-             "ours-bf16-moments",
+             "ours-bf16-moments", "ours-lean", "ours-bf16-moments-lean",
              "ds-zero3-offload", "torch-fsdp2-offload", "ds-superoffload"]
