@@ -1,4 +1,4 @@
-//! Crash during save (issue 12): a child process (this test binary again, in a child role
+//! Crash during save: a child process (this test binary again, in a child role
 //! selected by `SO_CRASH_ROLE`) trains a session of 25.6 M f32 parameters (a checkpoint of
 //! 307 MB) and saves it to one path after every step; the parent SIGKILLs it at many points,
 //! some at random times and some aimed inside a save (at a random fraction of its measured

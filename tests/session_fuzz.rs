@@ -1,4 +1,4 @@
-//! Stateful property-based fuzzer of the session's C API (issue 12).
+//! Stateful property-based fuzzer of the session's C API.
 //!
 //! Random sequences of calls (create with good and bad options, groups, sub-groups with
 //! good and bad descriptions, steps with micro-steps, gradients right and wrong, late,

@@ -1,4 +1,4 @@
-//! Soak (issue 12): one host-mode session of five sub-groups (two param groups, bf16
+//! Soak: one host-mode session of five sub-groups (two param groups, bf16
 //! gradients accumulated in f32, the built-in loss scaler, a bf16 copy of the weights, one
 //! sub-group with a caller gradient buffer) runs many steps through the C API with random
 //! clipping (triggering on about half the steps), caller overflows, inf gradients, late,
