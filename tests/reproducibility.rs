@@ -143,6 +143,14 @@ struct Outcome {
     copy_first: Option<Vec<bool>>,
 }
 
+impl Outcome {
+    /// Asserts that `again` ended with these master weights and moments, bit for bit.
+    fn assert_same_state(&self, again: &Outcome, what: &str) {
+        assert!(self.masters == again.masters, "{what}: the master weights differ");
+        assert!(self.moments == again.moments, "{what}: the moments differ");
+    }
+}
+
 struct Run {
     session: Session,
     masters: Vec<Vec<f32>>,
@@ -304,8 +312,7 @@ fn speculation_is_invisible_in_the_bits() {
         // Eight runs of each setup in all, each with its own delays.
         for seed in 2 + i as u64 * RUNS..(2 + i as u64 * RUNS) + RUNS - u64::from(i == 0) {
             let again = run(setup, seed);
-            assert!(reference.masters == again.masters, "{setup:?}, seed {seed}: the master weights differ");
-            assert!(reference.moments == again.moments, "{setup:?}, seed {seed}: the moments differ");
+            reference.assert_same_state(&again, &format!("{setup:?}, seed {seed}"));
             assert_eq!(reference.results, again.results, "{setup:?}, seed {seed}");
         }
     }
@@ -336,8 +343,7 @@ fn bf16_moments_speculate_with_the_bits_of_stepping_after_backward() {
             let counted = |f: fn(&StepResult) -> u32| again.results.iter().map(f).sum::<u32>();
             assert!(counted(|r| r.kept) > 0 && counted(|r| r.rescaled) > 0 && counted(|r| r.redone) > 0);
             assert!(counted(|r| r.rolled_back) > 0, "{setup:?}: the skipped step had a copy ahead");
-            assert!(reference.masters == again.masters, "{setup:?}, seed {seed}: the master weights differ");
-            assert!(reference.moments == again.moments, "{setup:?}, seed {seed}: the moments differ");
+            reference.assert_same_state(&again, &format!("{setup:?}, seed {seed}"));
             let decided: Vec<StepResult> = again.results.iter().map(decisions).collect();
             assert_eq!(reference.results.iter().map(decisions).collect::<Vec<_>>(), decided, "{setup:?}, seed {seed}");
             if transport {
@@ -367,8 +373,7 @@ fn the_layout_of_the_final_passes_is_invisible_in_the_bits() {
             let again = run(Setup { host_copy, ..layout(limit) }, seed);
             let what = format!("limit {limit:?}, {host_copy:?}");
             assert_eq!(again.copy_first.as_deref(), Some(&copy_first[..]), "{what}");
-            assert!(reference.masters == again.masters, "{what}: the master weights differ");
-            assert!(reference.moments == again.moments, "{what}: the moments differ");
+            reference.assert_same_state(&again, &what);
             assert_eq!(reference.results, again.results, "{what}");
         }
     }
@@ -384,8 +389,7 @@ fn a_copy_written_piece_by_piece_publishes_the_same_bits() {
     let reference = run(Setup::new(2, true, Speculation::On), 1);
     for seed in 2..5 {
         let again = run(Setup { host_copy: HostCopy::Bounded, ..Setup::new(2, true, Speculation::On) }, seed);
-        assert!(reference.masters == again.masters, "seed {seed}: the master weights differ");
-        assert!(reference.moments == again.moments, "seed {seed}: the moments differ");
+        reference.assert_same_state(&again, &format!("seed {seed}"));
         assert!(reference.published == again.published, "seed {seed}: the published copies differ");
         assert_eq!(reference.results, again.results, "seed {seed}");
     }
@@ -417,7 +421,6 @@ fn a_checkpoint_resumes_the_run_bit_for_bit() {
     let mut uninterrupted = uninterrupted;
     serials(&mut uninterrupted);
     serials(&mut outcome);
-    assert!(uninterrupted.masters == outcome.masters, "the master weights differ");
-    assert!(uninterrupted.moments == outcome.moments, "the moments differ");
+    uninterrupted.assert_same_state(&outcome, "resumed");
     assert_eq!(uninterrupted.results, outcome.results);
 }

@@ -152,20 +152,18 @@ pub fn report(a: &Args, train_core: usize, pool_cores: &[usize], modes: &[Mode],
         cpu[0],
         nominal_fwd
     );
-    println!(
-        "speculation off / on: {:.3} unclipped, {:.3} clipped ({:.3} and {:.3} without preempted time)",
-        medians[2] / medians[0],
-        medians[3] / medians[1],
-        adjusted[2] / adjusted[0],
-        adjusted[3] / adjusted[1]
-    );
-    println!(
-        "automatic speculation / off: {:.3} unclipped, {:.3} clipped ({:.3} and {:.3} without preempted time)",
-        medians[4] / medians[2],
-        medians[5] / medians[3],
-        adjusted[4] / adjusted[2],
-        adjusted[5] / adjusted[3]
-    );
+    // Modes come in pairs, unclipped then clipped: modes `num` and `num + 1` over `den` and `den + 1`.
+    let ratios = |what: &str, num: usize, den: usize| {
+        println!(
+            "{what}: {:.3} unclipped, {:.3} clipped ({:.3} and {:.3} without preempted time)",
+            medians[num] / medians[den],
+            medians[num + 1] / medians[den + 1],
+            adjusted[num] / adjusted[den],
+            adjusted[num + 1] / adjusted[den + 1]
+        )
+    };
+    ratios("speculation off / on", 2, 0);
+    ratios("automatic speculation / off", 4, 2);
     write!(
         json,
         "],\"clipped_over_unclipped\":{},\"clipped_over_unclipped_adjusted\":{},\"target\":1.15,\"target_applies\":{},\"target_met\":{},\"target_met_adjusted\":{},\"modes_behaved\":{}}}",
