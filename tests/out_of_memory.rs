@@ -19,6 +19,8 @@ use superoffload::session::{
 const CHILD: &str = "SO_OOM_CHILD";
 /// Elements of the sub-group refused: its moments (8 bytes an element) are 512 MiB.
 const LARGE: usize = 64 << 20;
+/// The large sub-group's moments (f32, two of them).
+const MOMENTS_BYTES: u64 = LARGE as u64 * 8;
 /// Address space the child leaves itself beyond what it maps when the limit is set.
 const HEADROOM: u64 = 256 << 20;
 
@@ -57,7 +59,9 @@ fn limited_child() {
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) }, 0);
     let measured = HostMemory::measure().unwrap();
     assert_eq!(measured.bound, MemoryBound::AddressSpace, "{measured:?}");
-    assert!(measured.available as u64 <= HEADROOM, "{measured:?}");
+    // What the limit leaves is about the headroom, more where the process has unmapped memory
+    // since (an idle malloc arena of 64 MiB): below the large sub-group's moments in any case.
+    assert!((measured.available as u64) < MOMENTS_BYTES, "{measured:?}");
 
     let slices = |n| vec![SliceDesc { name: format!("w{n}"), offset: 0, numel: n }];
     // SAFETY: `large` and `small` outlive the session (dropped after it, below).
