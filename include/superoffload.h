@@ -419,7 +419,7 @@ enum so_gradient_home
   /**
    * Decided when the sub-groups are provisioned, from the host and device memory measured
    * then: on the host for as many sub-groups in forward order as host memory holds (less a
-   * reserve of max(2 GiB, 5 % of the host)), on the device for the rest.
+   * reserve of max(2 GiB, 12.5 % of the host)), on the device for the rest.
    */
   SO_GRADIENT_HOME_AUTO = 0,
   /**

@@ -166,7 +166,7 @@ abi_enum!(so_host_copy <=> HostCopy { Auto = Auto, Full = Full, Bounded = Bounde
 pub enum so_gradient_home {
     /// Decided when the sub-groups are provisioned, from the host and device memory measured
     /// then: on the host for as many sub-groups in forward order as host memory holds (less a
-    /// reserve of max(2 GiB, 5 % of the host)), on the device for the rest.
+    /// reserve of max(2 GiB, 12.5 % of the host)), on the device for the rest.
     Auto = 0,
     /// A pinned host buffer (`accum_dtype`), copied into as backward produces the gradient.
     Host = 1,

@@ -10,7 +10,9 @@
 //! the CPU-Adam thread takes it only once its gradient has landed. So in `Auto` a sub-group
 //! speculates when the factor stayed unchanged (not clipped, not skipped) in at least half
 //! of the recent steps (the last [`HISTORY`], counted with one pseudo-step each way, so a
-//! new session speculates).
+//! new session speculates), or where the last [`REGIME`] steps all left it unchanged; where
+//! they all changed it, it does not. So a run that starts or stops clipping wastes or misses
+//! at most two speculative steps, not half the history's.
 //!
 //! A device-placed sub-group decides like a host-placed one (the decision fixes the bits,
 //! and placement may follow timings), but in `Auto` its speculative step waits for the
@@ -68,6 +70,8 @@ use crate::error::{Error, Result};
 
 /// Recent steps whose factor changes are remembered.
 pub(crate) const HISTORY: usize = 8;
+/// The last steps that, all alike, decide speculation on their own.
+const REGIME: usize = 2;
 /// Steps measured before the automatic split is chosen, and again before it grows.
 pub(crate) const SPLIT_AFTER: usize = 3;
 /// Exposed optimizer time below this fraction of the step period is not worth a split.
@@ -252,6 +256,13 @@ impl Policy {
             Speculation::Off => false,
             Speculation::On => true,
             Speculation::Auto => {
+                let last = self.unchanged.back().copied();
+                let regime = self.unchanged.len() >= REGIME
+                    && self.unchanged.iter().rev().take(REGIME).all(|&u| Some(u) == last);
+                if regime {
+                    // Clipping began or ended: follow it now, not once half the history turned.
+                    return last == Some(true);
+                }
                 let same = self.unchanged.iter().filter(|&&u| u).count();
                 2 * (same + 1) >= self.unchanged.len() + 2
             }
@@ -369,6 +380,22 @@ mod tests {
             p.decided(true);
         }
         assert!(p.should_speculate(), "unchanged in half of the recent steps");
+        p.decided(false);
+        assert!(p.should_speculate(), "mostly unchanged, one step clipped");
+        p.decided(false);
+        assert!(!p.should_speculate(), "clipping began: two steps clipped");
+        for _ in 0..HISTORY {
+            p.decided(false);
+        }
+        p.decided(true);
+        assert!(!p.should_speculate(), "one unchanged step after clipping throughout");
+        p.decided(true);
+        assert!(p.should_speculate(), "clipping ended: two steps unchanged");
+        let mut alternating = Policy::new(Speculation::Auto);
+        for i in 0..HISTORY {
+            alternating.decided(i % 2 == 0);
+        }
+        assert!(alternating.should_speculate(), "clipped every other step: half of them unchanged");
         assert!(!Policy::new(Speculation::Off).should_speculate());
         assert!(Policy::new(Speculation::On).should_speculate());
     }
