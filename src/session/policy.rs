@@ -256,12 +256,12 @@ impl Policy {
             Speculation::Off => false,
             Speculation::On => true,
             Speculation::Auto => {
-                let last = self.unchanged.back().copied();
-                let regime = self.unchanged.len() >= REGIME
-                    && self.unchanged.iter().rev().take(REGIME).all(|&u| Some(u) == last);
-                if regime {
+                if let Some(&last) = self.unchanged.back()
+                    && self.unchanged.len() >= REGIME
+                    && self.unchanged.iter().rev().take(REGIME).all(|&u| u == last)
+                {
                     // Clipping began or ended: follow it now, not once half the history turned.
-                    return last == Some(true);
+                    return last;
                 }
                 let same = self.unchanged.iter().filter(|&&u| u).count();
                 2 * (same + 1) >= self.unchanged.len() + 2

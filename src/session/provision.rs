@@ -25,7 +25,8 @@ use crate::kernels::DType;
 const HOST_RESERVE_MIN_BYTES: usize = 2 << 30;
 /// ...and at least this fraction of the host's memory: what the process allocates later
 /// (pinned staging of its own, data loaders, a checkpoint being written: a bf16 state dict
-/// alone is 2 bytes a parameter, an eighth of what f32 Adam state and a host gradient take).
+/// alone is 2 bytes a parameter, an eighth of the 16 that f32 Adam state, a host gradient and
+/// a host copy take).
 /// Host buffers only save PCIe time where the gradient would otherwise be read back from the
 /// GPU, so the session leaves them out before it fills the host.
 const HOST_RESERVE_FRACTION: f64 = 0.125;
