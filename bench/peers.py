@@ -136,6 +136,10 @@ def main():
                     help="run a system again for the later models and caps after it failed")
     ap.add_argument("--ranks", type=int, default=1,
                     help="processes (GPUs) per worker, FSDP2 systems only above 1 (default 1)")
+    ap.add_argument("--trace", action="store_true",
+                    help="ours' systems: save the session's timeline of the timed steps "
+                         "(trace_<system>_<model>_<cap>_<clip>.json beside peers.json; bench/trace_plot.py "
+                         "renders it) and add each timed step's metrics() to the row (step_metrics)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: a dry run of the harness (with --models tiny), no numbers")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT") or "bench-out", "peers"),
@@ -146,6 +150,7 @@ def main():
     worker.add_argument("--cap-gib", type=float, default=0)
     worker.add_argument("--clips", type=lambda s: [float(c) for c in s.split(",")])
     worker.add_argument("--result", help="where the worker writes its rows (JSON)")
+    worker.add_argument("--trace-dir", help="with --trace: where the worker writes its timelines")
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.ranks < 1:
         ap.error("--steps and --ranks must be >= 1 and --warmup >= 0")

@@ -115,6 +115,15 @@ class Trainer:
         """GPU memory held outside torch's allocator."""
         return 0
 
+    def start_trace(self):
+        """Records the optimizer's timeline and each step's metrics from here on, where it has
+        them; returns whether it does."""
+        return False
+
+    def save_trace(self, path):
+        """Writes the timeline to `path` and returns the metrics of the steps since start_trace."""
+        raise NotImplementedError
+
     def parameter_count(self):
         return sum(p.numel() for p in self.model.parameters())
 
@@ -169,6 +178,7 @@ class Ours(Trainer):
         self.splits = options.get("gpu_budget_bytes") != 0
         self.speculation_auto = options.get("speculation", "auto") == "auto"
         self.config = {**options, "subgroups": len(self.opt.subgroups()), "cores": self.opt.cores}
+        self.step_metrics = None
 
     def set_clip(self, max_norm):
         self.max_norm = max_norm
@@ -195,8 +205,24 @@ class Ours(Trainer):
     def device_bytes(self):
         return self.opt.metrics()["device_bytes"]
 
+    def start_trace(self):
+        self.opt.trace(True)
+        self.step_metrics = []
+        return True
+
+    def save_trace(self, path):
+        self.opt.trace(False)
+        self.opt.save_trace(path)
+        self.step_metrics.append(self.opt.metrics())
+        recorded, self.step_metrics = self.step_metrics[1:], None
+        return recorded
+
     def train_step(self):
         loss = self.ctx.e2e.forward_backward(self.model, self.ctx.batch)
+        if self.step_metrics is not None:
+            # The previous step's, read once this backward is over: every job of that step
+            # runs before this step's, so the wait adds little.
+            self.step_metrics.append(self.opt.metrics())
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss

@@ -90,7 +90,11 @@ def worker_main(args):
             if ctx.cuda:
                 torch.cuda.synchronize(ctx.device)
                 torch.cuda.reset_peak_memory_stats(ctx.device)
+            traced = args.trace_dir and trainer.start_trace()
             times, _, losses = ctx.e2e.run_steps(args.worker, trainer.step, steps, timer)
+            if traced:
+                path = os.path.join(args.trace_dir, f"trace_{args.worker}_{args.model}_{args.cap_gib:g}_{clip:g}.json")
+                rows[i]["step_metrics"] = trainer.save_trace(path)[-args.steps:]
             session_bytes = ctx.largest_of_ranks(trainer.device_bytes())
             torch_peak = ctx.largest_of_ranks(torch.cuda.max_memory_allocated(ctx.device) if ctx.cuda else 0)
         except Exception as exc:

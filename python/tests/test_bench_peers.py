@@ -46,7 +46,7 @@ def test_more_than_one_rank_runs_the_fsdp2_systems_only(tmp_path):
 
 
 def test_without_settling_the_timed_steps_follow_the_warm_up(tmp_path):
-    proc, out = peers(tmp_path, "--systems", "ours", "--clip", "both", "--no-settle")
+    proc, out = peers(tmp_path, "--systems", "ours", "--clip", "both", "--no-settle", "--trace")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(out / "peers.json") as f:
         rows = sorted((r for r in json.load(f)["rows"] if r["system"] == "ours"), key=lambda r: r["clip"])
@@ -54,6 +54,13 @@ def test_without_settling_the_timed_steps_follow_the_warm_up(tmp_path):
     assert [r["steps_taken"] for r in rows] == [3, 6], rows
     assert all("split_settled_after_steps" not in r["config"] for r in rows)
     assert "no settling" in (out / "peers.md").read_text()
+    # --trace: each phase's timeline, and the metrics of its timed steps.
+    for r in rows:
+        assert [m["step"] for m in r["step_metrics"]] == [r["steps_taken"] - 1, r["steps_taken"]], r
+        assert r["step_metrics"][-1]["clip_coef"] < 1.0 if r["clip"] else r["step_metrics"][-1]["clip_coef"] == 1.0
+        with open(out / f"trace_ours_tiny_0_{r['clip']:g}.json") as f:
+            names = {e["name"].split(",")[0] for e in json.load(f)["traceEvents"]}
+        assert "decide" in names or any(n.startswith("decide") for n in names), names
 
 
 def test_the_profile_of_a_system_is_written_and_summarised(tmp_path):
