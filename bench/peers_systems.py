@@ -211,9 +211,10 @@ class Ours(Trainer):
         return True
 
     def save_trace(self, path):
+        # The last step's result first: its decision and final passes then stand in the timeline.
+        self.step_metrics.append(self.opt.metrics())
         self.opt.trace(False)
         self.opt.save_trace(path)
-        self.step_metrics.append(self.opt.metrics())
         recorded, self.step_metrics = self.step_metrics[1:], None
         return recorded
 

@@ -2,12 +2,17 @@
 """Renders a session timeline (so_session_trace_save / Session::save_trace, Chrome trace JSON)
 as a PNG: one lane per thread, one bar per event, coloured by what it is, and prints a summary:
 per kind of CPU-Adam pass its count and mean duration, when the decision ran, when the last
-sub-group was final, and the caller's ticket waits (ms from the first event).
+sub-group was final, and the caller's ticket waits (ms from the first event). With --steps,
+also one line per step, from its decision to the next: the period, the CPU-Adam thread's busy
+time, when the last final pass ended after the decision, and each kind of pass's count and
+milliseconds (where the CPU-Adam thread is busy nearly all the period, it is the bottleneck).
 
   python3 bench/trace_plot.py trace.json timeline.png [--from-ms A --to-ms B]
+  python3 bench/trace_plot.py trace.json --steps             # the summaries alone
 """
 import argparse
 import json
+import re
 
 COLOURS = [("speculative step", "#2a9d8f"), ("rescaled", "#e9c46a"), ("rolled back", "#e76f51"),
            ("redone", "#f4a261"), ("stepped", "#457b9d"), ("state, sub-group", "#b5838d"), ("kept", "#8ab17d"), ("sum of squares", "#a8dadc"),
@@ -47,19 +52,52 @@ def summary(events):
     return "; ".join(parts)
 
 
+def steps(events):
+    """One line per step between two decisions: period, CPU-Adam busy time, the last final
+    pass's end after the decision, and per kind of pass (sub-group numbers dropped) the count
+    and the milliseconds in all."""
+    cpu = sorted((e for e in events if e["tid"] == 2 and not e["name"].startswith("wait")), key=lambda e: e["ts"])
+    decisions = [e["ts"] for e in cpu if e["name"].startswith("decide")]
+    lines = []
+    for i, (start, stop) in enumerate(zip(decisions, decisions[1:])):
+        window = [e for e in cpu if start <= e["ts"] < stop]
+        kinds = {}
+        for e in window:
+            kind = re.sub(r"\s*\d+", "", e["name"].split(",")[0])
+            outcome = e.get("args", {}).get("outcome")
+            kind = f"{kind} ({outcome})" if outcome else kind
+            count, ms = kinds.get(kind, (0, 0.0))
+            kinds[kind] = (count + 1, ms + e["dur"] / 1e3)
+        finals = [e["ts"] + e["dur"] for e in window if e["name"].startswith("finalize")]
+        last = (max(finals) - start) / 1e3 if finals else 0.0
+        busy = sum(e["dur"] for e in window) / 1e3
+        passes = ", ".join(f"{k} {c} / {ms:.0f}" for k, (c, ms) in sorted(kinds.items()))
+        lines.append(f"step {i}: period {(stop - start) / 1e3:.0f} ms, CPU-Adam busy {busy:.0f} ms, last final "
+                     f"+{last:.0f} ms; passes (count / ms): {passes}")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", help="the trace, Chrome trace JSON (so_session_trace_save)")
-    ap.add_argument("png", help="the image to write (needs matplotlib; without it only the summary is printed)")
+    ap.add_argument("png", nargs="?",
+                    help="the image to write (needs matplotlib; without it, or without matplotlib, only the summaries "
+                         "are printed)")
     ap.add_argument("--from-ms", type=float, help="draw from this time, ms after the first event")
     ap.add_argument("--to-ms", type=float, help="draw up to this time, ms after the first event")
     ap.add_argument("--title", default="superoffload session timeline", help="the image's title")
+    ap.add_argument("--steps", action="store_true", help="also print one line per step (between two decisions)")
     args = ap.parse_args()
     data = json.load(open(args.trace))
     events = [e for e in data["traceEvents"] if e.get("ph") == "X"]
     lanes = {e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e.get("ph") == "M"}
     if not events:
         raise SystemExit("the trace has no events (was tracing on?)")
+    if args.steps:
+        print("\n".join(steps(events)))
+    if args.png is None:
+        print(summary(events))
+        return
     try:
         import matplotlib
     except ImportError:

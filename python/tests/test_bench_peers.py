@@ -58,9 +58,14 @@ def test_without_settling_the_timed_steps_follow_the_warm_up(tmp_path):
     for r in rows:
         assert [m["step"] for m in r["step_metrics"]] == [r["steps_taken"] - 1, r["steps_taken"]], r
         assert r["step_metrics"][-1]["clip_coef"] < 1.0 if r["clip"] else r["step_metrics"][-1]["clip_coef"] == 1.0
-        with open(out / f"trace_ours_tiny_0_{r['clip']:g}.json") as f:
-            names = {e["name"].split(",")[0] for e in json.load(f)["traceEvents"]}
-        assert "decide" in names or any(n.startswith("decide") for n in names), names
+        trace = out / f"trace_ours_tiny_0_{r['clip']:g}.json"
+        plot = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "trace_plot.py"), str(trace), "--steps"],
+                              capture_output=True, text=True, timeout=60)
+        assert plot.returncode == 0, plot.stdout + plot.stderr
+        # The warm-up step and the two timed steps: three decisions, two whole steps between them.
+        lines = plot.stdout.splitlines()
+        assert [line.split(":")[0] for line in lines[:-1]] == ["step 0", "step 1"], plot.stdout
+        assert "finalize sub-group" in lines[0] and lines[-1].startswith("passes"), plot.stdout
 
 
 def test_the_profile_of_a_system_is_written_and_summarised(tmp_path):
