@@ -73,6 +73,8 @@ OPTIONS:
                     (and sends it nowhere), as a CUDA session does: final passes may
                     publish the copy before writing the master weights and moments
                     (the CPU Adam column stays that of one update per step)
+  --bf16-moments    keep the sessions' moments in bf16 (speculation then writes the weights'
+                    copy alone ahead; the CPU Adam column stays that of f32 moments)
   --json PATH       also write the results as JSON to PATH (- for stdout)
   -h, --help        this text
 
@@ -94,6 +96,7 @@ struct Args {
     cores: Cores,
     adam_thread: AdamThread,
     publish: bool,
+    bf16_moments: bool,
     json: Option<String>,
 }
 
@@ -117,6 +120,7 @@ fn parse_args(cli: &mut Cli) -> Result<Args, String> {
         cores: Cores::default(),
         adam_thread: AdamThread::Pool,
         publish: false,
+        bf16_moments: false,
         json: None,
     };
     while let Some(flag) = cli.next_flag() {
@@ -136,6 +140,7 @@ fn parse_args(cli: &mut Cli) -> Result<Args, String> {
                 ])?
             }
             "--publish" => a.publish = cli.switch()?,
+            "--bf16-moments" => a.bf16_moments = cli.switch()?,
             "--json" => a.json = Some(cli.value()?),
             f if a.cores.take_flag(cli, f)? => {}
             _ => return Err(cli.unknown()),
@@ -171,8 +176,7 @@ fn run(a: Args) -> Result<(), String> {
         AdamThread::Training => pin_current_thread(&[train_core])?,
         AdamThread::Unpinned => {}
     }
-    let mut modes: Vec<Mode> =
-        Kind::ALL.iter().map(|&k| Mode::new(k, &pool, a.layers, a.elems, a.publish)).collect::<Result<_, _>>()?;
+    let mut modes: Vec<Mode> = Kind::ALL.iter().map(|&k| Mode::new(k, &pool, &a)).collect::<Result<_, _>>()?;
     pin_current_thread(&saved_mask)?;
     pin_current_thread(&[train_core])?;
 
@@ -183,7 +187,12 @@ fn run(a: Args) -> Result<(), String> {
         (a.layers * a.elems * 4) as f64 / 1e6,
         a.fwd.as_secs_f64() * 1e3,
         a.bwd.as_secs_f64() * 1e3,
-        if a.publish { ", a bf16 copy published" } else { "" }
+        match (a.publish, a.bf16_moments) {
+            (false, false) => "",
+            (true, false) => ", a bf16 copy published",
+            (false, true) => ", bf16 moments",
+            (true, true) => ", a bf16 copy published, bf16 moments",
+        }
     );
     println!(
         "training thread on core {train_core}; session pool: {} thread(s) on cores {:?}, {}; {} measured steps per mode in blocks of {} (first {} not measured)",

@@ -123,14 +123,16 @@ impl Transport for Publisher {
 }
 
 impl Mode {
-    pub fn new(kind: Kind, pool: &Arc<Pool>, layers: usize, elems: usize, publish: bool) -> Result<Mode, String> {
+    pub fn new(kind: Kind, pool: &Arc<Pool>, a: &Args) -> Result<Mode, String> {
+        let (layers, elems) = (a.layers, a.elems);
         let options = SessionOptions {
             pool: Some(pool.clone()),
             speculation: kind.speculation(),
-            copy_dtype: publish.then_some(DType::Bf16),
+            copy_dtype: a.publish.then_some(DType::Bf16),
+            moment_dtype: if a.bf16_moments { DType::Bf16 } else { DType::F32 },
             ..SessionOptions::default()
         };
-        let transport = publish.then(|| Arc::new(Publisher) as Arc<dyn Transport>);
+        let transport = a.publish.then(|| Arc::new(Publisher) as Arc<dyn Transport>);
         let session = Session::with_transport(options, transport).map_err(|e| format!("session: {e}"))?;
         let group = session
             .add_group(GroupHparams { lr: 1e-4, ..GroupHparams::default() })
@@ -204,7 +206,7 @@ impl Mode {
             wait_cpu += thread_cpu().saturating_sub(cw);
             spin(a.fwd);
         }
-        let forward = t0.elapsed();
+        let (forward, forward_wait) = (t0.elapsed(), wait);
         let tb = Instant::now();
         self.session.begin_step(Some(1.0), 1).map_err(|e| format!("begin_step: {e}"))?;
         let mut handoff = Duration::ZERO;
@@ -234,7 +236,7 @@ impl Mode {
         let busy_cpu = thread_cpu().saturating_sub(c0).saturating_sub(wait_cpu);
         let preempted = (step - wait).saturating_sub(busy_cpu);
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        Ok([ms(step), ms(wait), ms(step - wait), ms(forward - wait), ms(backward), ms(handoff), ms(preempted)])
+        Ok([ms(step), ms(wait), ms(step - wait), ms(forward - forward_wait), ms(backward), ms(handoff), ms(preempted)])
     }
 
     /// One block of consecutive steps of this mode: the first `--refill` are not measured;
