@@ -28,13 +28,16 @@ def colour(event):
     return "other", "#999999"
 
 
+def cpu_jobs(events):
+    """The CPU-Adam thread's jobs (lane 2), its waits left out, in time order."""
+    return sorted((e for e in events if e["tid"] == 2 and not e["name"].startswith("wait")), key=lambda e: e["ts"])
+
+
 def summary(events):
     """One line: what the CPU-Adam thread did and what the caller waited for, in ms."""
     t0 = min(e["ts"] for e in events)
     kinds = {}
-    for e in events:
-        if e["tid"] != 2 or e["name"].startswith("wait"):
-            continue
+    for e in cpu_jobs(events):
         kind, _ = colour(e)
         kinds.setdefault(kind, []).append(e["dur"] / 1e3)
     passes = ", ".join(f"{k} {len(d)} x {sum(d) / len(d):.2f}" for k, d in sorted(kinds.items()))
@@ -56,7 +59,7 @@ def steps(events):
     """One line per step between two decisions: period, CPU-Adam busy time, the last final
     pass's end after the decision, and per kind of pass (sub-group numbers dropped) the count
     and the milliseconds in all."""
-    cpu = sorted((e for e in events if e["tid"] == 2 and not e["name"].startswith("wait")), key=lambda e: e["ts"])
+    cpu = cpu_jobs(events)
     decisions = [e["ts"] for e in cpu if e["name"].startswith("decide")]
     lines = []
     for i, (start, stop) in enumerate(zip(decisions, decisions[1:])):
