@@ -197,6 +197,18 @@ pub(crate) struct StepInFlight {
     pub prepared: Result<()>,
 }
 
+/// The step's copy-ahead speculative passes ([`SpecKind::CopyAhead`]): how many were planned,
+/// and how many had begun by the decision (the CPU-Adam thread, which decides, runs no pass
+/// meanwhile; one not begun is cancelled).
+fn copy_ahead_progress(plan: &StepPlan) -> (usize, usize) {
+    plan.subgroups.iter().fold((0, 0), |(planned, begun), (sg, _)| match sg.data.lock().unwrap().work.applied {
+        Applied::Speculative(spec) if spec.kind == SpecKind::CopyAhead => {
+            (planned + 1, begun + usize::from(spec.done > 0))
+        }
+        _ => (planned, begun),
+    })
+}
+
 impl StepInFlight {
     pub(crate) fn done(&self) -> bool {
         self.remaining == 0 && self.settling == 0
@@ -263,9 +275,11 @@ impl Worker {
             result.next_loss_scale = plan.loss_scale;
         }
         let unchanged = !result.skipped && result.grad_factor == unscale_factor(plan.loss_scale);
+        let (copies_planned, copies_begun) = copy_ahead_progress(&plan);
         let state_after = {
             let mut policy = self.shared.policy.lock().unwrap();
             policy.decided(unchanged);
+            policy.copy_ahead_decided(copies_planned, copies_begun);
             policy.state_after_limit(plan.speculative > 0)
         };
         let subgroups: Vec<Arc<SubGroup>> = plan.subgroups.iter().map(|(sg, _)| sg.clone()).collect();

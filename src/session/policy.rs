@@ -14,6 +14,20 @@
 //! they all changed it, it does not. So a run that starts or stops clipping wastes or misses
 //! at most two speculative steps, not half the history's.
 //!
+//! Copy written ahead. Where a sub-group's step cannot be undone (bf16 moments), its
+//! speculative pass writes the weights' copy alone, and the master weights and moments follow
+//! in a state pass: it pays where the CPU-Adam thread has time for that pass during the
+//! backward. Where it has none (the previous step's state passes fill the backward), the
+//! speculative passes are cancelled at the decision, and planning them costs: every final
+//! pass then writes the copy first and its state after (30 bytes a parameter), where a step
+//! that did not speculate chooses one pass for part of the sub-groups ([`StateAfter`]). So in
+//! `Auto`, after [`REGIME`] steps in which fewer than an eighth of the planned copy-ahead
+//! passes had begun by the decision, none is planned, and one step in [`HISTORY`] tries
+//! again. A
+//! copy written ahead fixes no bits (the kept copy and its state pass write what one update
+//! writes; a rescaled or skipped step is taken from the master weights), so this choice may
+//! follow timings; the whole update's speculation follows the factor history alone.
+//!
 //! A device-placed sub-group decides like a host-placed one (the decision fixes the bits,
 //! and placement may follow timings), but in `Auto` its speculative step waits for the
 //! decision: on the GPU a step run beside the backward takes the GPU's memory bandwidth
@@ -86,6 +100,23 @@ const HEADROOM_FRACTION: f64 = 0.05;
 /// A step that speculated defers its state when the CPU-Adam thread was busy for at most
 /// this fraction of the previous step period.
 const STATE_AFTER_BUSY: f64 = 0.5;
+/// Steps decided, while copy-ahead speculation is paused, before one tries it again.
+const COPY_AHEAD_RETRY: usize = HISTORY;
+/// A step in which fewer than this fraction of its planned copy-ahead passes had begun by the
+/// decision counts towards pausing them: where a few begin, they still take the copy pass of
+/// their sub-groups off the forward's wait.
+const COPY_AHEAD_BEGUN_MIN: f64 = 0.125;
+
+/// Whether copy-ahead speculative passes began before their steps' decisions (module doc,
+/// "Copy written ahead").
+#[derive(Clone, Copy, Debug, Default)]
+struct CopyAhead {
+    /// Consecutive steps that planned copy-ahead passes and had begun fewer than
+    /// [`COPY_AHEAD_BEGUN_MIN`] of them by the decision; [`REGIME`] of them pause it.
+    stalled: usize,
+    /// Steps decided since the last that planned any, while paused.
+    paused_for: usize,
+}
 
 /// What the automatic budget measured and chose (bytes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -133,6 +164,7 @@ pub(crate) struct Policy {
     /// The most free device memory the automatic budget may count on (the caller's).
     memory_limit: Option<usize>,
     state_after: StateAfter,
+    copy_ahead: CopyAhead,
 }
 
 impl Policy {
@@ -149,6 +181,7 @@ impl Policy {
             auto_budget: None,
             memory_limit: None,
             state_after: StateAfter::default(),
+            copy_ahead: CopyAhead::default(),
         }
     }
 
@@ -266,6 +299,31 @@ impl Policy {
                 let same = self.unchanged.iter().filter(|&&u| u).count();
                 2 * (same + 1) >= self.unchanged.len() + 2
             }
+        }
+    }
+
+    /// Whether a sub-group whose speculative pass would write the weights' copy alone
+    /// ([`super::SpecKind::CopyAhead`]) plans one, where [`Policy::should_speculate`] says
+    /// speculation pays: not in `Auto` while such passes have not begun before the decision
+    /// (module doc, "Copy written ahead"), but for one step in [`COPY_AHEAD_RETRY`].
+    pub(crate) fn should_copy_ahead(&self) -> bool {
+        let c = self.copy_ahead;
+        self.mode != Speculation::Auto || c.stalled < REGIME || c.paused_for >= COPY_AHEAD_RETRY
+    }
+
+    /// A step was decided that had planned `planned` copy-ahead passes, `begun` of which had
+    /// begun (the others were cancelled).
+    pub(crate) fn copy_ahead_decided(&mut self, planned: usize, begun: usize) {
+        let c = &mut self.copy_ahead;
+        if planned == 0 {
+            if c.stalled >= REGIME {
+                c.paused_for += 1;
+            }
+        } else if begun as f64 >= COPY_AHEAD_BEGUN_MIN * planned as f64 {
+            *c = CopyAhead::default();
+        } else {
+            c.stalled += 1;
+            c.paused_for = 0;
         }
     }
 
@@ -398,6 +456,39 @@ mod tests {
         assert!(alternating.should_speculate(), "clipped every other step: half of them unchanged");
         assert!(!Policy::new(Speculation::Off).should_speculate());
         assert!(Policy::new(Speculation::On).should_speculate());
+    }
+
+    #[test]
+    fn copy_ahead_pauses_where_it_does_not_run_ahead_and_tries_again() {
+        let mut p = Policy::new(Speculation::Auto);
+        assert!(p.should_copy_ahead(), "a new session writes copies ahead");
+        p.copy_ahead_decided(16, 1);
+        assert!(p.should_copy_ahead(), "one step that did not run ahead");
+        p.copy_ahead_decided(16, 2);
+        p.copy_ahead_decided(16, 1);
+        assert!(p.should_copy_ahead(), "an eighth of them began: the count starts again");
+        p.copy_ahead_decided(16, 1);
+        assert!(!p.should_copy_ahead(), "two steps in a row began fewer than an eighth");
+        for _ in 0..COPY_AHEAD_RETRY - 1 {
+            p.copy_ahead_decided(0, 0);
+            assert!(!p.should_copy_ahead());
+        }
+        p.copy_ahead_decided(0, 0);
+        assert!(p.should_copy_ahead(), "one step in COPY_AHEAD_RETRY tries again");
+        p.copy_ahead_decided(16, 1);
+        assert!(!p.should_copy_ahead(), "the try did not run ahead: paused again");
+        for _ in 0..COPY_AHEAD_RETRY {
+            p.copy_ahead_decided(0, 0);
+        }
+        p.copy_ahead_decided(16, 2);
+        assert!(p.should_copy_ahead(), "the try ran ahead: no longer paused");
+        p.copy_ahead_decided(0, 0);
+        assert!(p.should_copy_ahead(), "steps that planned none (clipped) change nothing");
+        let mut on = Policy::new(Speculation::On);
+        for _ in 0..REGIME {
+            on.copy_ahead_decided(10, 0);
+        }
+        assert!(on.should_copy_ahead(), "`On` always speculates");
     }
 
     #[test]

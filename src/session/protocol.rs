@@ -350,21 +350,23 @@ impl Session {
     }
 
     /// A sub-group's gradient is complete: plan its speculative step if the policy says it
-    /// pays (from the history of earlier steps, never from timings: the plan fixes the
-    /// step's bits) and queue it (the ticket of it), else just record that it is complete.
+    /// pays (a whole update's from the history of earlier steps, never from timings: the plan
+    /// fixes the step's bits) and queue it (the ticket of it), else just record that it is
+    /// complete.
     fn submit_complete(&self, t: &mut Tracking, sg: &Arc<SubGroup>) -> Option<Ticket> {
         let group = t.reg.groups[sg.group as usize];
         let mut data = sg.data.lock().unwrap();
-        let (speculate, device_ahead) = {
+        let (speculate, copy_ahead, device_ahead) = {
             let policy = self.shared.policy.lock().unwrap();
-            (policy.should_speculate(), policy.device_steps_ahead())
+            (policy.should_speculate(), policy.should_copy_ahead(), policy.device_steps_ahead())
         };
         // A device-placed sub-group speculates with its whole update, queued on the device: it
-        // has no copy to write ahead of its state.
+        // has no copy to write ahead of its state. A copy written ahead fixes no bits, so
+        // whether it is planned may follow timings (`policy.rs`, "Copy written ahead").
         let kind = sg
             .speculation(group, &data)
             .filter(|&k| k == SpecKind::Full || data.placement == Placement::Host)
-            .filter(|_| speculate);
+            .filter(|&k| speculate && (k == SpecKind::Full || copy_ahead));
         if let Some(kind) = kind {
             let hp = sg.hyper(group, data.work.step_count + 1);
             data.work.applied =

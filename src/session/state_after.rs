@@ -30,9 +30,12 @@
 //!
 //! Each window's median period is kept with its limit: a window slower than the best one by
 //! more than [`WORSE`] ends the search at the best limit, so the choice is never slower than
-//! the copy first for every sub-group as measured. A step that speculates, or a change of
-//! placement, starts the search afresh with no limit. The limit changes which passes run,
-//! never the bits: a copy pass and its state pass write exactly what one update writes.
+//! the copy first for every sub-group as measured. A change of placement starts the search
+//! afresh with no limit. A step that speculates is not measured (its passes are laid out by
+//! the policy, not by the limit) and restarts the window, but the limit and the best stay:
+//! speculation comes and goes with clipping, and the limit found for the steps that do not
+//! speculate holds when they return. The limit changes which passes run, never the bits: a
+//! copy pass and its state pass write exactly what one update writes.
 
 /// Steps that measure one limit, the first of them not counted.
 const WINDOW: usize = 4;
@@ -121,7 +124,7 @@ impl StateAfter {
             return;
         }
         if step.speculated {
-            self.reset();
+            self.window.clear();
             return;
         }
         if step.deferred == 0 && self.limit.is_none() {
@@ -317,9 +320,17 @@ mod tests {
         let plant = Plant::host_bound();
         let (_, mut policy) = plant.run(40, |_| 0.0);
         assert!(policy.limit.is_some());
+        let (limit, best) = (policy.limit, policy.best);
+        policy.window.clear();
+        policy.step_decided(false);
+        policy.measured(1.0, 1.0, 0.5);
+        assert_eq!(policy.window.len(), 1);
         policy.step_decided(true);
         policy.measured(1.0, 1.0, 0.5);
-        assert_eq!((policy.limit, policy.best), (None, None), "a step that speculated starts afresh");
+        assert!(policy.window.is_empty(), "a step that speculated is not measured and restarts the window");
+        assert_eq!((policy.limit, policy.best), (limit, best), "the limit and the best stay");
+        policy.reset();
+        assert_eq!((policy.limit, policy.best), (None, None), "a change of placement starts afresh");
         policy.force(Some(7));
         for _ in 0..2 * WINDOW {
             assert_eq!(policy.step_decided(false), Some(7));
