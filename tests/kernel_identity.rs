@@ -187,3 +187,29 @@ fn the_copy_has_the_same_bits_at_any_alignment() {
         }
     }
 }
+
+#[test]
+fn a_conversion_on_the_pool_writes_the_bits_of_one_on_the_calling_thread() {
+    let mut rng = Rng::new(17);
+    for isa in supported_isas() {
+        for threads in [1, 3] {
+            let pool = pool(isa, threads);
+            for from in DTYPES {
+                for to in DTYPES {
+                    for &n in &LENGTHS {
+                        let values: Vec<f64> = (0..n).map(|_| rng.normalish(100.0)).collect();
+                        let src = Store::from_f64(from, values.into_iter());
+                        let mut want = Store::from_f64(to, std::iter::repeat_n(-7.0, n));
+                        let mut got = want.clone();
+                        kernels::copy_into(want.floats_mut(), src.floats(), false, None).unwrap();
+                        kernels::convert(&pool, got.floats_mut(), src.floats()).unwrap();
+                        assert!(got == want, "{isa:?} x{threads}: {from:?} -> {to:?}, {n} elements");
+                        let mut short = Store::from_f64(to, std::iter::repeat_n(-7.0, n - 1));
+                        let err = kernels::convert(&pool, short.floats_mut(), src.floats()).unwrap_err();
+                        assert_eq!(err.status, superoffload::error::Status::InvalidArgument, "{}", err.message);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -412,6 +412,41 @@ pub fn copy_into(
     Ok(partials.map(|p| p.iter().sum()))
 }
 
+/// [`copy_into`] on `pool`'s threads, without accumulating or summing: a conversion on the
+/// optimizer's critical path (a kept speculative step's weights, published piece by piece
+/// from the master weights), which on one thread would take as long as a whole update pass
+/// on all of them. The same bits as [`copy_into`].
+pub fn convert(pool: &Pool, dst: FloatsMut<'_>, src: Floats<'_>) -> Result<()> {
+    if dst.len() != src.len() {
+        return Err(Error::invalid(format!("conversion of {} elements into {}", src.len(), dst.len())));
+    }
+    fn run<S: Simd, D: Elem, G: Elem>(pool: &Pool, s: S, mut dst: &mut [D], mut src: &[G]) {
+        let ranges = chunk_ranges(dst.len(), pool.num_threads());
+        let mut jobs = Vec::with_capacity(ranges.len());
+        for range in ranges {
+            let (d, rest) = std::mem::take(&mut dst).split_at_mut(range.len());
+            dst = rest;
+            let (g, rest) = src.split_at(range.len());
+            src = rest;
+            jobs.push(move || s.copy_chunk(d, g, false, None));
+        }
+        pool.run_all(jobs);
+    }
+    fn with_src<S: Simd, D: Elem>(pool: &Pool, s: S, dst: &mut [D], src: Floats<'_>) {
+        match src {
+            Floats::F32(g) => run(pool, s, dst, g),
+            Floats::Bf16(g) => run(pool, s, dst, g),
+            Floats::F16(g) => run(pool, s, dst, g),
+        }
+    }
+    with_isa!(pool.isa(), s => match dst {
+        FloatsMut::F32(d) => with_src(pool, s, d, src),
+        FloatsMut::Bf16(d) => with_src(pool, s, d, src),
+        FloatsMut::F16(d) => with_src(pool, s, d, src),
+    });
+    Ok(())
+}
+
 /// [`grad_sumsq`] on the calling thread (same result bit for bit).
 pub fn grad_sumsq_here(grad: GradRef<'_>, scale: f32) -> Result<f64> {
     check_scale("scale", scale)?;

@@ -93,7 +93,7 @@ impl Worker {
     pub(crate) fn restore_copy(&self, sg: &SubGroup, data: &mut SgData, done: usize) -> Result<()> {
         let Some(copy) = data.copy.as_mut().filter(|_| done > 0) else { return Ok(()) };
         self.master_write(sg)?;
-        kernels::copy_into(copy.range_mut(0..done), data.master.range(0..done), false, None).map(drop)
+        kernels::convert(&self.shared.pool, copy.range_mut(0..done), data.master.range(0..done))
     }
 
     /// What a speculative step's ticket reports whether or not its pass ran (cancelled,

@@ -163,7 +163,7 @@ impl Shared {
                             Some(pass) => self.each_piece(sg, data, piece.clone(), CopyTo::Nowhere, pass)?,
                             None => {}
                         }
-                        kernels::copy_into(out, data.master.range(piece.clone()), false, None).map(drop)
+                        kernels::convert(&self.pool, out, data.master.range(piece.clone()))
                     })?;
                 }
             }

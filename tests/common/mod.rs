@@ -4,7 +4,7 @@
 
 use half::{bf16, f16};
 use superoffload::kernels::{
-    AdamBuffers, AdamHyper, AdamMode, CopyOutMut, DType, FloatsMut, GradRef, Isa, MomentsMut, ParamMut, Pool,
+    AdamBuffers, AdamHyper, AdamMode, CopyOutMut, DType, Floats, FloatsMut, GradRef, Isa, MomentsMut, ParamMut, Pool,
     PoolOptions,
 };
 
@@ -111,6 +111,20 @@ impl Store {
             Store::F32(v) => GradRef::F32(v),
             Store::Bf16(v) => GradRef::Bf16(v),
             Store::F16(v) => GradRef::F16(v),
+        }
+    }
+    pub fn floats(&self) -> Floats<'_> {
+        match self {
+            Store::F32(v) => Floats::F32(v),
+            Store::Bf16(v) => Floats::Bf16(v),
+            Store::F16(v) => Floats::F16(v),
+        }
+    }
+    pub fn floats_mut(&mut self) -> FloatsMut<'_> {
+        match self {
+            Store::F32(v) => FloatsMut::F32(v),
+            Store::Bf16(v) => FloatsMut::Bf16(v),
+            Store::F16(v) => FloatsMut::F16(v),
         }
     }
     pub fn copy_out(&mut self) -> CopyOutMut<'_> {
