@@ -15,6 +15,9 @@ script with --worker), without clipping and with clipping on every step (max_gra
   ours-defaults-spec-off  ours, the defaults but speculation="off" (GPU-resident sub-groups
                        stepped after the decision rather than during backward)
   ours-bf16-moments    ours, moment_dtype="bf16", everything offloaded
+  ours-offload-all-bounded-copy  ours-offload-all with host_copy="bounded": no host copy of the
+                       weights (each piece written into a bounded buffer as it is published)
+  ours-bf16-moments-bounded-copy  ours-bf16-moments with host_copy="bounded"
   ours-lean            ours, gradient_home="device", host_copy="bounded": the host holds the Adam
                        state alone (gradients read back from the GPU in pieces, weights
                        published through bounded buffers)

@@ -366,6 +366,8 @@ SYSTEMS = {
     "ours-bf16-moments-lean": ('ours, moment_dtype "bf16", everything offloaded, gradient_home "device", '
                                'host_copy "bounded"',
                                lambda ctx: Ours(ctx, {"moment_dtype": "bf16", **OFFLOAD_ALL, **LEAN})),
+    "ours-offload-all-bounded-copy": ('ours, everything offloaded, host_copy "bounded"',
+                                      lambda ctx: Ours(ctx, {**OFFLOAD_ALL, "host_copy": "bounded"})),
     "ours-bf16-moments-bounded-copy": ('ours, moment_dtype "bf16", everything offloaded, host_copy "bounded"',
                                        lambda ctx: Ours(ctx, {"moment_dtype": "bf16", **OFFLOAD_ALL,
                                                               "host_copy": "bounded"})),
@@ -392,5 +394,6 @@ def baseline_of(ranks):
 # matters least ("ours" repeats one of the two before it, whichever the package's default is).
 RUN_ORDER = ["torch-gpu-adamw", "torch-fsdp2-gpu-adamw", "ours-offload-all", "ours-fsdp2", "ours-budget-auto",
              "torchao-offload", "torchao-offload-grads", "ours-spec-off", "ours", "ours-defaults-spec-off",
-             "ours-bf16-moments", "ours-bf16-moments-bounded-copy", "ours-lean", "ours-bf16-moments-lean",
+             "ours-bf16-moments", "ours-offload-all-bounded-copy", "ours-bf16-moments-bounded-copy", "ours-lean",
+             "ours-bf16-moments-lean",
              "ds-zero3-offload", "torch-fsdp2-offload", "ds-superoffload"]
