@@ -385,10 +385,8 @@ impl Session {
                 }
             }
             data.work = SgWork { step_count: *step, ..Default::default() };
+            data.copy_from_master(&self.shared.pool)?;
             let d = &mut *data;
-            if let Some(copy) = d.copy.as_mut() {
-                crate::kernels::copy_into(copy.floats_mut(), d.master.floats(), false, None)?;
-            }
             // The model's device copy of the weights follows the loaded master weights.
             match (transport, d.placement) {
                 (Some(transport), Placement::Device) => transport.load_state(sg.id, d.host_state())?,

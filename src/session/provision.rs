@@ -399,7 +399,7 @@ impl Session {
             }
             if let Some(dtype) = o.copy_dtype.filter(|_| full_copy) {
                 let mut copy = HostBuf::zeros(dtype, sg.numel, "a master-weight copy")?;
-                crate::kernels::copy_into(copy.floats_mut(), data.master.floats(), false, None)?;
+                crate::kernels::convert(&self.shared.pool, copy.floats_mut(), data.master.floats())?;
                 pins.extend(self.pin_buffer(&mut copy)?);
                 bytes += copy.bytes();
                 data.copy = Some(copy);

@@ -488,10 +488,7 @@ impl Session {
         if placement == Placement::Host {
             // The host master is current again: stage and publish it as the model's weights
             // are (the device kernel published the same values already).
-            let d = &mut *data;
-            if let Some(copy) = d.copy.as_mut() {
-                crate::kernels::copy_into(copy.floats_mut(), d.master.floats(), false, None)?;
-            }
+            data.copy_from_master(&self.shared.pool)?;
         }
         data.placement = placement;
         Ok(())

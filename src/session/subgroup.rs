@@ -5,7 +5,8 @@ use std::sync::Mutex;
 
 use super::buffers::HostBuf;
 use super::{GroupHparams, HandedSumsq, HostState, Placement};
-use crate::kernels::{AdamHyper, AdamMode, DType};
+use crate::error::Result;
+use crate::kernels::{self, AdamHyper, AdamMode, DType, Pool};
 
 /// Gradients that arrived after the sub-group completed.
 pub(crate) struct LateGrads {
@@ -85,6 +86,15 @@ pub(crate) struct SgData {
 }
 
 impl SgData {
+    /// Writes the weights' copy, where the session keeps one, from the master weights (they
+    /// were loaded or moved here, not stepped).
+    pub(crate) fn copy_from_master(&mut self, pool: &Pool) -> Result<()> {
+        match self.copy.as_mut() {
+            Some(copy) => kernels::convert(pool, copy.floats_mut(), self.master.floats()),
+            None => Ok(()),
+        }
+    }
+
     pub(crate) fn host_state(&mut self) -> HostState<'_> {
         HostState {
             master: self.master.floats_mut(),
