@@ -412,10 +412,10 @@ pub fn copy_into(
     Ok(partials.map(|p| p.iter().sum()))
 }
 
-/// [`copy_into`] on `pool`'s threads, without accumulating or summing: a conversion on the
-/// optimizer's critical path (a kept speculative step's weights, published piece by piece
-/// from the master weights), which on one thread would take as long as a whole update pass
-/// on all of them. The same bits as [`copy_into`].
+/// [`copy_into`] on `pool`'s threads, without accumulating or summing: for conversions on
+/// the optimizer's critical path (a kept speculative step's weights, published piece by
+/// piece from the master weights), which on one thread take longer than an update pass over
+/// the same elements on the pool. The same bits as [`copy_into`].
 pub fn convert(pool: &Pool, dst: FloatsMut<'_>, src: Floats<'_>) -> Result<()> {
     if dst.len() != src.len() {
         return Err(Error::invalid(format!("conversion of {} elements into {}", src.len(), dst.len())));
