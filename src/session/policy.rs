@@ -23,10 +23,10 @@
 //! that did not speculate chooses one pass for part of the sub-groups ([`StateAfter`]). So in
 //! `Auto`, after [`REGIME`] steps in which fewer than an eighth of the planned copy-ahead
 //! passes had begun by the decision, none is planned, and one step in [`HISTORY`] tries
-//! again. A
-//! copy written ahead fixes no bits (the kept copy and its state pass write what one update
-//! writes; a rescaled or skipped step is taken from the master weights), so this choice may
-//! follow timings; the whole update's speculation follows the factor history alone.
+//! again. A copy written ahead fixes no bits (the kept copy and its state pass write what one
+//! update writes; a rescaled or skipped step is taken from the master weights), so this
+//! choice may follow timings; the whole update's speculation follows the factor history
+//! alone.
 //!
 //! A device-placed sub-group decides like a host-placed one (the decision fixes the bits,
 //! and placement may follow timings), but in `Auto` its speculative step waits for the

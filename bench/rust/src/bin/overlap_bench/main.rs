@@ -187,12 +187,10 @@ fn run(a: Args) -> Result<(), String> {
         (a.layers * a.elems * 4) as f64 / 1e6,
         a.fwd.as_secs_f64() * 1e3,
         a.bwd.as_secs_f64() * 1e3,
-        match (a.publish, a.bf16_moments) {
-            (false, false) => "",
-            (true, false) => ", a bf16 copy published",
-            (false, true) => ", bf16 moments",
-            (true, true) => ", a bf16 copy published, bf16 moments",
-        }
+        [(a.publish, ", a bf16 copy published"), (a.bf16_moments, ", bf16 moments")]
+            .iter()
+            .filter_map(|&(on, words)| on.then_some(words))
+            .collect::<String>()
     );
     println!(
         "training thread on core {train_core}; session pool: {} thread(s) on cores {:?}, {}; {} measured steps per mode in blocks of {} (first {} not measured)",
