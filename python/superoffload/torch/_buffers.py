@@ -59,32 +59,38 @@ GIB = 1 << 30
 HOST_RESERVE_BYTES = 2 * GIB
 
 
-def check_host_memory(numel, *, masters, moment_dtype):
+def check_host_memory(numel, *, masters, moment_dtype, grad_dtype=None):
     """Raises SuperOffloadError (OUT_OF_RESOURCES) before anything is allocated when the host
-    cannot hold the f32 master weights (`masters`: this layer allocates them) and both moments
-    of `numel` parameters, with what it needs, what there is and what lowers it."""
+    cannot hold the f32 master weights (`masters`: this layer allocates them), both moments and
+    the gradient buffers this layer lends (`grad_dtype`, or None) of `numel` parameters, with
+    what it needs, what there is and what lowers it."""
     measured = _core.host_memory()
     if measured is None:
         return
     available, _ = measured
     moment_bytes = 2 * numel * torch.tensor([], dtype=TORCH_DTYPES[moment_dtype]).element_size()
-    need = moment_bytes + (4 * numel if masters else 0)
+    grad_bytes = numel * torch.tensor([], dtype=TORCH_DTYPES[grad_dtype]).element_size() if grad_dtype else 0
+    need = moment_bytes + (4 * numel if masters else 0) + grad_bytes
     if need + HOST_RESERVE_BYTES > available:
         lower = ('moment_dtype="bf16" (4 bytes per parameter less)' if moment_dtype == "f32" else
                  "fewer parameters offloaded (freeze some, or a smaller model)")
         raise _core.SuperOffloadError(
             _abi.Status.OUT_OF_RESOURCES,
             f"SuperOffloadAdamW needs {need / GIB:.2f} GiB of host memory for the optimizer state of {numel:,} "
-            f"parameters ({'f32 master weights and ' if masters else ''}{moment_dtype} moments) and the library "
+            f"parameters ({'f32 master weights, ' if masters else ''}{moment_dtype} moments"
+            f"{f', {grad_dtype} gradients' if grad_dtype else ''}) and the library "
             f"keeps {HOST_RESERVE_BYTES / GIB:.0f} GiB free; {available / GIB:.2f} GiB is available: lower it with "
             f"{lower}, or run on a host with more memory")
 
 
 @torch.no_grad()
-def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, align_bytes, pool, touch):
+def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, align_bytes, pool, touch,
+             grad_dtype=None, pinned_grads=False):
     """Lays out every sub-group's slices, allocates and fills its buffers, registers it with the
     session and re-points the parameters; returns the master arena (None when host FSDP shards
-    are their own masters). `touch`: first-touch the host buffers with `pool` (NUMA placement)."""
+    are their own masters). `touch`: first-touch the host buffers with `pool` (NUMA placement).
+    `grad_dtype`: lend the session a gradient buffer of that dtype per sub-group (pinned with
+    `pinned_grads`), which each slice's `grad_buffer` views."""
     cuda = device.type == "cuda"
     el = torch.tensor([], dtype=param_dtype).element_size()
     dev_align = max(1, align_bytes // el)
@@ -99,7 +105,8 @@ def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, ali
             off += info.numel
         sg.numel = off
     page_el = PAGE_BYTES // 4
-    check_host_memory(sum(sg.numel for sg in subgroups), masters=not borrow, moment_dtype=moment_dtype)
+    check_host_memory(sum(sg.numel for sg in subgroups), masters=not borrow, moment_dtype=moment_dtype,
+                      grad_dtype=grad_dtype)
     arena = None
     if not borrow:
         total = sum(round_up(sg.numel, page_el) for sg in subgroups) + page_el
@@ -125,6 +132,11 @@ def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, ali
         sg.exp_avg.zero_()
         sg.exp_avg_sq.zero_()
         keep = [sg.master, sg.exp_avg, sg.exp_avg_sq]
+        if grad_dtype:
+            sg.grad = torch.zeros(sg.numel, dtype=TORCH_DTYPES[grad_dtype], pin_memory=pinned_grads)
+            keep.append(sg.grad)
+            for info in sg.params:
+                info.grad_buffer = sg.grad[sg.span(info)]
         if cuda:
             if fsdp:
                 sg.device_param = _contiguous_shard(sg.params[0])
@@ -143,6 +155,7 @@ def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, ali
         slices = [(info.name, info.offset, info.numel) for info in sg.params]
         sg.id, slice_ids = session.add_subgroup(
             sg.group, sg.master.data_ptr(), sg.numel, slices, master_dtype="f32",
+            grad=sg.grad.data_ptr() if sg.grad is not None else 0,
             device_param=sg.device_param.data_ptr() if sg.device_param is not None else 0,
             device_param_dtype=DTYPE_NAMES[param_dtype], keep=keep, exp_avg=sg.exp_avg.data_ptr(),
             exp_avg_sq=sg.exp_avg_sq.data_ptr(),

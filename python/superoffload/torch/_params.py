@@ -33,7 +33,8 @@ def round_up(x, m):
 class ParamInfo:
     """One trainable parameter: its slice of a sub-group and its place in the state dict."""
 
-    __slots__ = ("param", "name", "group", "numel", "dtensor", "sg", "slice", "offset", "count", "index")
+    __slots__ = ("param", "name", "group", "numel", "dtensor", "sg", "slice", "offset", "count", "index",
+                 "grad_buffer")
 
     def __init__(self, param, name, group, index):
         self.param, self.name, self.group, self.index = param, name, group, index
@@ -42,18 +43,19 @@ class ParamInfo:
         self.sg = self.slice = None  # the session's sub-group and slice ids (None: an empty FSDP shard)
         self.offset = 0  # in the sub-group's buffers
         self.count = 0  # backward passes seen in this step (gradient accumulation)
+        self.grad_buffer = None  # its view of a gradient buffer the session borrows (FSDP2 on the host)
 
 
 class SubGroup:
     """Consecutive parameters of one param group and the buffers the session steps them in."""
 
     __slots__ = ("id", "group", "params", "numel", "device_placed", "master", "device_param", "exp_avg",
-                 "exp_avg_sq")
+                 "exp_avg_sq", "grad")
 
     def __init__(self, group, device_placed):
         self.group, self.device_placed = group, device_placed
         self.params, self.numel = [], 0
-        self.id = self.master = self.device_param = self.exp_avg = self.exp_avg_sq = None
+        self.id = self.master = self.device_param = self.exp_avg = self.exp_avg_sq = self.grad = None
 
     def span(self, info):
         return slice(info.offset, info.offset + info.numel)

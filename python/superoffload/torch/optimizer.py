@@ -53,12 +53,17 @@ import torch
 from torch.optim import Optimizer
 
 from .. import _abi, _core, _cores
-from . import _buffers, _options, _params
+from . import _buffers, _fsdp, _options, _params
 from ._metrics import Nvtx, StepTimes, metrics
 from ._params import DTYPE_NAMES, TORCH_DTYPES, is_dtensor, local
 from ._state_dict import StateDictMixin
 
 logger = logging.getLogger("superoffload")
+
+
+def dist_world(group):
+    import torch.distributed as dist
+    return dist.get_world_size(group)
 
 
 class SuperOffloadAdamW(StateDictMixin, Optimizer):
@@ -173,6 +178,17 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         self.device, self.param_dtype, self.fsdp = _params.common_placement(infos)
         self.cuda = self.device.type == "cuda"
         self._setup_distributed(distributed, process_group)
+        # FSDP2 with the shards on the host: the sub-groups in the order forward gathers them and,
+        # on one rank, the gradients taken before FSDP2 reduces them (see _fsdp.py).
+        self._fsdp_modules = _fsdp.fsdp_modules(model) if self.fsdp and not self.cuda else None
+        self._taker = self._forward_waits = None
+        take_dtype = None
+        if self._fsdp_modules:
+            _fsdp.forward_order(infos, self._fsdp_modules)
+            gdt = _fsdp.gradient_dtype(self._fsdp_modules)
+            if _fsdp.shard_group_size(self._fsdp_modules) == 1 and gdt in DTYPE_NAMES:
+                take_dtype = DTYPE_NAMES[gdt]
+        compute = _fsdp.compute_device(self._fsdp_modules) if take_dtype else None
         self._device_infos = []  # the first parameters, placed on the GPU by the library
         if gpu_fraction > 0:
             if not self.cuda or self.fsdp:
@@ -190,7 +206,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         self.cores = list(cores) if cores is not None else None
         # The pool the session runs on; also used to first-touch the host state (NUMA).
         self._pool = _core.Pool(0, self.cores) if self.cores else None
-        dt = DTYPE_NAMES[self.param_dtype]
+        dt = take_dtype or DTYPE_NAMES[self.param_dtype]
         if copy_dtype == "auto":
             copy_dtype = dt if self.cuda and dt != "f32" else "none"
         self.session = _core.Session(
@@ -213,20 +229,28 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         self._master_arena = _buffers.register(
             self.session, self._subgroups, device=self.device, param_dtype=self.param_dtype,
             moment_dtype=moment_dtype, fsdp=self.fsdp, align_bytes=align_bytes, pool=self._pool,
-            touch=bool(first_touch))
+            touch=bool(first_touch), grad_dtype=take_dtype, pinned_grads=compute is not None and compute.type == "cuda")
         self._all_sgs = [sg.id for sg in self._subgroups]
-        for info in self._infos:
-            self._hooks.append(info.param.register_post_accumulate_grad_hook(self._make_hook(info)))
+        if take_dtype:
+            self._taker = _fsdp.GradientTaker(self._fsdp_modules, self._by_param, self.accumulation_steps,
+                                              self._begin_once, self._hand_over_written, compute)
+        else:
+            for info in self._infos:
+                self._hooks.append(info.param.register_post_accumulate_grad_hook(self._make_hook(info)))
 
         if wait == "auto":
-            wait = "module" if model is not None and not self.fsdp else "step"
+            wait = "module" if model is not None and (not self.fsdp or self._fsdp_modules) else "step"
         if wait == "module":
             if model is None:
                 raise ValueError('wait="module" needs model=')
-            if self.fsdp:
-                raise ValueError('wait="module" does not work under FSDP2 (its all-gathers read the shards before '
-                                 'module hooks run); use wait="step"')
-            self._install_module_waits(model)
+            if self.fsdp and not self._fsdp_modules:
+                raise ValueError('wait="module" under FSDP2 needs the shards on the host (CPUOffloadPolicy) and a '
+                                 'torch whose FSDP2 modules expose their state; use wait="step"')
+            if self._fsdp_modules:
+                self._forward_waits = _fsdp.ForwardWaits(self._fsdp_modules, self._by_param, self._make_module_wait)
+                self._unowned = [s for s in self._all_sgs if s not in self._forward_waits.covered]
+            else:
+                self._install_module_waits(model)
         self.wait_mode = wait
         if model is not None:
             # model.state_dict() reads the weights, model.load_state_dict() writes them: both
@@ -348,14 +372,25 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
                 t.record_stream(self._copy_stream)
                 self.session.grad_device(info.slice, t.data_ptr(), t.numel(), self.session.accum_dtype, self._stream())
             else:
-                t = g if g.dtype == torch.float32 else g.float()
+                t = g if g.dtype == self._accum_torch else g.to(self._accum_torch)
                 t = t.contiguous()
                 if t.device.type != "cpu":
                     raise _core.SuperOffloadError(_abi.Status.INVALID_ARGUMENT,
                                                   f"the gradient of {info.name} is on {t.device}; a host session takes "
                                                   "CPU gradients")
                 self.session.grad_copy(info.slice, t.data_ptr(), t.numel())
+                if self._taker is not None:
+                    self._taker.taken.add(id(info))
             p.grad = None  # the session has it (CUDA: record_stream'ed on the copy stream)
+
+    def _hand_over_written(self, info):
+        """A gradient is in the slice's borrowed buffer (FSDP2 on the host, _fsdp.GradientTaker)."""
+        with self._times.timed("handoff_s"), self._nvtx.range(f"superoffload:hand_over {info.name}"):
+            self.session.grad_written(info.slice)
+
+    def _begin_once(self):
+        if not self._in_step:
+            self._begin()
 
     def _begin(self):
         if self._pending:  # sub-groups no forward waited for (their modules did not run)
@@ -409,9 +444,13 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for info in self._infos:  # gradients still held in p.grad (short accumulation, no hook)
+        if self._taker is not None:
+            self._taker.flush()
+        for info in self._infos:  # gradients still held in p.grad (short accumulation, no hook, set by hand)
             if info.param.grad is not None:
                 self._hand_over(info, info.param)
+        if self._taker is not None and self._in_step:
+            self._zero_untaken()
         if not self._in_step:
             return loss  # no gradient this step: like torch, nothing changes
         with self._times.timed("step_call_s"), self._nvtx.range("superoffload:step"):
@@ -419,7 +458,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             if self.cuda:
                 self.session.set_compute_stream(self._stream())
             max_norm = self.max_grad_norm if max_grad_norm is None else float(max_grad_norm)
-            if self.distributed:
+            if self.distributed and dist_world(self._pg) > 1:
                 self._ticket = self.session.step(max_norm, self._all_reduced_norm(), False)
             else:
                 self._ticket = self.session.step(max_norm)
@@ -429,6 +468,8 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             self._expose_state()
             for info in self._infos:
                 info.count = 0
+            if self._taker is not None:
+                self._taker.taken.clear()
             if self.wait_mode == "module":
                 self._pending = set(self._all_sgs)
                 if self._unowned:
@@ -440,6 +481,14 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
                 self.session.wait(self._ticket)
         self._times.end_step()
         return loss
+
+    def _zero_untaken(self):
+        """A parameter whose unsharded gradient backward did not produce is stepped with a zero
+        gradient, as in every other mode (its buffer still holds an earlier step's)."""
+        for info in self._infos:
+            if info.sg is not None and id(info) not in self._taker.taken:
+                info.grad_buffer.zero_()
+                self._hand_over_written(info)
 
     def _all_reduced_norm(self):
         """The global gradient norm over every rank's shards (NaN when a sum is not finite)."""
@@ -536,7 +585,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             return {}
         budget = self.session.gpu_budget() if self.cuda and not self.session.closed else None
         return metrics(r, self._times.last, cuda=self.cuda, pinned_bytes=self.session.pinned_bytes(),
-                       host_bytes=self.session.host_bytes() + self._master_bytes(),
+                       host_bytes=self.session.host_bytes() + self._master_bytes() + self._grad_bytes(),
                        device_bytes=self._device_state_bytes(), gpu_budget_bytes=budget)
 
     def loss_scale(self):
@@ -563,6 +612,10 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             return self._master_arena.numel() * 4
         return sum(sg.master.numel() * 4 for sg in self._subgroups)
 
+    def _grad_bytes(self):
+        """The gradient buffers this optimizer lends the session (FSDP2 on one host rank)."""
+        return sum(sg.grad.numel() * sg.grad.element_size() for sg in self._subgroups if sg.grad is not None)
+
     def _device_state_bytes(self):
         return self.session.device_bytes() if self.cuda and not self.session.closed else 0
 
@@ -576,8 +629,9 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         master = self._master_bytes()
         moments = sum(sg.exp_avg.numel() * sg.exp_avg.element_size() * 2 for sg in self._subgroups)
         session = self.session.host_bytes()
+        grads = self._grad_bytes()
         return {"params": numel, "session_host_bytes": session, "master_bytes": master, "moment_bytes": moments,
-                "host_bytes_per_param": (session + master + moments) / max(numel, 1),
+                "grad_bytes": grads, "host_bytes_per_param": (session + master + moments + grads) / max(numel, 1),
                 "pinned_bytes": self.session.pinned_bytes(), "gpu_resident_params": gpu,
                 "gpu_resident_bytes": self._device_state_bytes()}
 
@@ -605,6 +659,9 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for hooks in (self._taker, self._forward_waits):
+            if hooks is not None:
+                hooks.close()
         if self.cuda and not self.session.closed:
             if self._ticket is not None:
                 self.session.enqueue_wait_final(self._all_sgs, self._stream())
