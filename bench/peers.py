@@ -40,6 +40,11 @@ script with --worker), without clipping and with clipping on every step (max_gra
                        GPU shards (the baseline of --ranks above 1)
   ours-fsdp2           FSDP2 as above on bf16 parameters, SuperOffloadAdamW's defaults stepping
                        each rank's shards on that rank's share of the cores
+  ours-fsdp2-offload   FSDP2 with CPUOffloadPolicy and MixedPrecisionPolicy(bf16 params, no
+                       reduce dtype) as torch-fsdp2-offload: SuperOffloadAdamW steps the f32 host
+                       shards in place during backward; on one rank the bf16 gradients are taken
+                       before FSDP2 reduces them, and each layer's gather waits for its final pass
+  ours-fsdp2-offload-bf16-moments  ours-fsdp2-offload with moment_dtype="bf16"
   ds-superoffload      DeepSpeed ZeRO-3 + offload_optimizer.super_offload, as DeepSpeed's
                        SuperOffload examples configure it (ratio 0.9, cpuadam_cores_perc 0.9,
                        sub_group_size = reduce_bucket_size = 4e8, overlap_comm off)

@@ -78,6 +78,16 @@ class Context:
         fully_shard(model, mesh=mesh, **policies)
         return model
 
+    def fully_shard_offloaded(self, model, reduce_dtype):
+        """FSDP2 with CPUOffloadPolicy: f32 shards in (pinned) host memory, compute in this
+        context's dtype; what the model's construction left cached goes back to the device."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+        self.fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=reduce_dtype),
+                         offload_policy=CPUOffloadPolicy(pin_memory=self.cuda))
+        if self.cuda:
+            torch.cuda.empty_cache()
+        return model
+
     def largest_of_ranks(self, value):
         if self.world == 1:
             return value
@@ -166,12 +176,17 @@ class TorchGpuAdamW(Trainer):
 
 
 class Ours(Trainer):
-    def __init__(self, ctx, options, sharded=False):
+    def __init__(self, ctx, options, sharded=False, offload=False):
         from superoffload.torch import SuperOffloadAdamW
         super().__init__(ctx)
-        self.model = ctx.build_model()
-        if sharded:
-            ctx.fully_shard(self.model)
+        if offload:
+            # FSDP2's CPU offload: f32 shards on the host (the session's master weights), compute in
+            # the context's dtype, the gradients in it too (taken before FSDP2 would reduce them).
+            self.model = ctx.fully_shard_offloaded(ctx.build_model(dtype=torch.float32), reduce_dtype=None)
+        else:
+            self.model = ctx.build_model()
+            if sharded:
+                ctx.fully_shard(self.model)
         options = dict(options)
         if ctx.cap_bytes and options.get("gpu_budget") == "auto":
             del options["gpu_budget"]
@@ -183,7 +198,8 @@ class Ours(Trainer):
         # after a few measured steps.
         self.splits = options.get("gpu_budget_bytes") != 0
         self.speculation_auto = options.get("speculation", "auto") == "auto"
-        self.config = {**options, "subgroups": len(self.opt.subgroups()), "cores": self.opt.cores}
+        self.config = {**options, "subgroups": len(self.opt.subgroups()), "cores": self.opt.cores,
+                       **({"fsdp2": "CPUOffloadPolicy, f32 shards on the host"} if offload else {})}
         self.step_metrics = None
 
     def set_clip(self, max_norm):
@@ -332,11 +348,8 @@ class DeepSpeedZero3(Trainer):
 
 class Fsdp2CpuOffload(Trainer):
     def __init__(self, ctx):
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
         super().__init__(ctx)
-        self.model = ctx.fully_shard(ctx.build_model(dtype=torch.float32),
-                                     mp_policy=MixedPrecisionPolicy(param_dtype=ctx.dtype, reduce_dtype=torch.float32),
-                                     offload_policy=CPUOffloadPolicy(pin_memory=ctx.cuda))
+        self.model = ctx.fully_shard_offloaded(ctx.build_model(dtype=torch.float32), reduce_dtype=torch.float32)
         self.opt = torch.optim.AdamW(self.model.parameters(), fused=True, **HPARAMS)
         self.config = {"masters": "f32 on the CPU", "compute": str(ctx.dtype),
                        "optimizer": "torch.optim.AdamW(fused=True) on the CPU"}
@@ -380,9 +393,14 @@ SYSTEMS = {
     "ds-superoffload": ("DeepSpeed ZeRO-3 + SuperOffload", lambda ctx: DeepSpeedZero3(ctx, True)),
     "torch-fsdp2-gpu-adamw": ("torch FSDP2, AdamW(fused) on the GPU", lambda ctx: TorchGpuAdamW(ctx, sharded=True)),
     "ours-fsdp2": ("ours under FSDP2, defaults", lambda ctx: Ours(ctx, {}, sharded=True)),
+    "ours-fsdp2-offload": ("ours under FSDP2 CPUOffloadPolicy (f32 shards are the master weights)",
+                           lambda ctx: Ours(ctx, {}, offload=True)),
+    "ours-fsdp2-offload-bf16-moments": ('ours under FSDP2 CPUOffloadPolicy, moment_dtype "bf16"',
+                                        lambda ctx: Ours(ctx, {"moment_dtype": "bf16"}, offload=True)),
 }
 # The systems that run on more than one rank.
-FSDP2_SYSTEMS = ["torch-fsdp2-gpu-adamw", "ours-fsdp2", "torch-fsdp2-offload"]
+FSDP2_SYSTEMS = ["torch-fsdp2-gpu-adamw", "ours-fsdp2", "torch-fsdp2-offload", "ours-fsdp2-offload",
+                 "ours-fsdp2-offload-bf16-moments"]
 
 
 def baseline_of(ranks):
@@ -396,4 +414,5 @@ RUN_ORDER = ["torch-gpu-adamw", "torch-fsdp2-gpu-adamw", "ours-offload-all", "ou
              "torchao-offload", "torchao-offload-grads", "ours-spec-off", "ours", "ours-defaults-spec-off",
              "ours-bf16-moments", "ours-offload-all-bounded-copy", "ours-bf16-moments-bounded-copy", "ours-lean",
              "ours-bf16-moments-lean",
-             "ds-zero3-offload", "torch-fsdp2-offload", "ds-superoffload"]
+             "ds-zero3-offload", "torch-fsdp2-offload", "ours-fsdp2-offload", "ours-fsdp2-offload-bf16-moments",
+             "ds-superoffload"]

@@ -22,6 +22,11 @@ CUDA mode, SuperOffloadAdamW on a tiny GPT (python/tests/_models.py), determinis
   cuda_lean_memory     gradient_home="device" and host_copy="bounded" (the gradient kept on the GPU, the
                        copy written piece by piece as it is published): the bits of the full host buffers
                        with clipping on some steps, resume bit for bit, and no host bytes beyond the state
+  cuda_fsdp2_offload   FSDP2 with CPUOffloadPolicy (f32 host shards, bf16 compute, one rank): the same
+                       losses and master weights bit for bit as the CUDA mode on bf16 parameters with
+                       the same sub-groups, clipping every step (speculation off), unclipped
+                       (speculation on) and with accumulation_steps=2; 2 bytes a parameter of lent
+                       bf16 gradient buffers
 Hugging Face Trainer on a LlamaConfig-built model (f32 parameters, bf16 autocast, full_determinism):
   trainer_parity       SuperOffloadTrainer vs Trainer's AdamW, max_grad_norm active, >= 30 steps:
                        mean relative loss difference <= 1e-3
@@ -318,7 +323,49 @@ def torch_checks(dev):
               cap_bytes=cap)
         opt.close()
 
-    for name, fn in (("cuda_state_dict_read", state_dict_read), ("cuda_budget_fraction", budget_under_fraction), ("cuda_parity", parity), ("cuda_speculation", speculation), ("cuda_resume", resume_check),
+    def fsdp2_offload():
+        import socket
+        import torch.distributed as dist
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        if not dist.is_initialized():
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+        policies = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dt), offload_policy=CPUOffloadPolicy())
+        hp = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        outcomes = {}
+        for label, clip, spec, acc in (("clipped", CLIP, False, 1), ("unclipped", 0.0, True, 1),
+                                       ("accumulated", CLIP, False, 2)):
+            sharded = make_model(0, dev, dt).float()  # bf16 values: both start from the same masters
+            for blk in sharded.blocks:
+                fully_shard(blk, **policies)
+            fully_shard(sharded, **policies)
+            oa = SuperOffloadAdamW(sharded.named_parameters(), model=sharded, max_grad_norm=clip, speculation=spec,
+                                   accumulation_steps=acc, **hp)
+            order = [names[0] for _, _, _, names in oa.subgroups()]  # the order FSDP2 gathers them in
+            plain = make_model(0, dev, dt)
+            named = dict(plain.named_parameters())
+            ob = SuperOffloadAdamW([(n, named[n]) for n in order], max_grad_norm=clip, speculation=spec,
+                                   accumulation_steps=acc, sub_group_numel=0, gpu_budget_bytes=0, wait="step", **hp)
+            la, _ = train(sharded, oa, torch.optim.lr_scheduler.LambdaLR(oa, lr_lambda), data[:12], acc)
+            lb, _ = train(plain, ob, torch.optim.lr_scheduler.LambdaLR(ob, lr_lambda), data[:12], acc)
+            oa.synchronize(host=True)
+            ob.synchronize(host=True)
+            shards = {n: p.to_local() for n, p in sharded.named_parameters()}
+            masters = {sg.params[0].name: sg.master for sg in ob._subgroups}
+            same = all(torch.equal(shards[n].reshape(-1), masters[n]) for n in order)
+            mem = oa.memory()
+            outcomes[label] = dict(losses_equal=la == lb, masters_equal=same, falls=la[-1] < la[0],
+                                   grad_bytes_per_param=mem["grad_bytes"] / mem["params"])
+            oa.close()
+            ob.close()
+        ok = all(o["losses_equal"] and o["masters_equal"] and o["falls"] and o["grad_bytes_per_param"] == 2
+                 for o in outcomes.values())
+        check("cuda_fsdp2_offload", ok, **outcomes)
+
+    for name, fn in (("cuda_fsdp2_offload", fsdp2_offload), ("cuda_state_dict_read", state_dict_read), ("cuda_budget_fraction", budget_under_fraction), ("cuda_parity", parity), ("cuda_speculation", speculation), ("cuda_resume", resume_check),
                      ("cuda_rerun", rerun),
                      ("cuda_accumulation", accumulation), ("cuda_gpu_fraction", gpu_fraction),
                      ("cuda_bf16_moments", bf16_moments), ("cuda_direct_read", direct_read),

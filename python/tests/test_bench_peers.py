@@ -24,12 +24,12 @@ def peers(tmp_path, *args):
 
 @pytest.mark.parametrize("ranks, baseline", [(1, "torch-gpu-adamw"), (2, "torch-fsdp2-gpu-adamw")])
 def test_every_worker_runs_and_is_compared_with_its_baseline(tmp_path, ranks, baseline):
-    proc, out = peers(tmp_path, "--ranks", str(ranks), "--systems", f"{baseline},ours-fsdp2")
+    systems = (baseline, "ours-fsdp2", "ours-fsdp2-offload")
+    proc, out = peers(tmp_path, "--ranks", str(ranks), "--systems", ",".join(systems))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(out / "peers.json") as f:
         rows = json.load(f)["rows"]
-    assert sorted((r["system"], r["clip"]) for r in rows) == sorted(
-        (s, c) for s in (baseline, "ours-fsdp2") for c in (0.0, 1e-3))
+    assert sorted((r["system"], r["clip"]) for r in rows) == sorted((s, c) for s in systems for c in (0.0, 1e-3))
     for r in rows:
         assert r["status"] == "ok", r
         assert r["ranks"] == ranks
