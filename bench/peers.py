@@ -119,6 +119,9 @@ def main():
     ap.add_argument("--models", default="1.1b,2.8b",
                     help="comma list of 1.1b, 2.8b, 7b, 8b, 10b, 13b, tiny (default 1.1b,2.8b)")
     ap.add_argument("--batch", type=int, default=0, help="sequences a step, for every model (default: the model's)")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="backward passes a step, each over an equal part of the batch, for every system that "
+                         "accumulates (default 1; under a memory cap the same for every system)")
     ap.add_argument("--clip", choices=("none", "every", "both"), default="both",
                     help="runs without clipping, clipping every step, or both (default)")
     ap.add_argument("--clip-max-norm", type=float, default=1e-3,

@@ -52,11 +52,26 @@ class Context:
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self.cap_bytes = int(args.cap_gib * GIB) if args.cap_gib else 0
         self.clips = args.clips
+        self.micro_batches = args.micro_batches
+        if self.spec["batch"] % self.micro_batches:
+            raise SystemExit(f"--micro-batches {self.micro_batches} does not divide the batch {self.spec['batch']}")
         self.settle = not args.no_settle
         # Data parallel: each rank its own tokens.
         generator = torch.Generator().manual_seed(self.rank)
         shape = (self.spec["batch"], self.spec["seq"])
         self.batch = torch.randint(0, self.spec["vocab"], shape, generator=generator).to(self.device)
+
+    def forward_backward(self, model):
+        """Forward and backward of the step's batch in `micro_batches` equal parts (gradients
+        accumulate); returns the batch's mean loss."""
+        if self.micro_batches == 1:
+            return self.e2e.forward_backward(model, self.batch)
+        total = 0.0
+        for part in self.batch.chunk(self.micro_batches):
+            loss = model(input_ids=part, labels=part).loss / self.micro_batches
+            loss.backward()
+            total = total + loss.detach()
+        return total
 
     def build_model(self, dtype=None):
         shape = argparse.Namespace(**self.spec, dtype=dtype or self.dtype, activation_checkpointing=True)
@@ -104,7 +119,7 @@ class Context:
                  for p in model.parameters() if p.requires_grad]
         torch.cuda.reset_peak_memory_stats(self.device)
         try:
-            self.e2e.forward_backward(model, self.batch)
+            self.forward_backward(model)
         finally:
             for h in hooks:
                 h.remove()
@@ -167,7 +182,7 @@ class TorchGpuAdamW(Trainer):
                        "fsdp2_ranks": ctx.world if sharded else None}
 
     def train_step(self):
-        loss = self.ctx.e2e.forward_backward(self.model, self.ctx.batch)
+        loss = self.ctx.forward_backward(self.model)
         if self.max_norm:
             torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
         self.opt.step()
@@ -193,7 +208,7 @@ class Ours(Trainer):
             options["gpu_budget_bytes"] = ctx.budget_within_cap(self.model)
         self.max_norm = ctx.clips[0]
         self.opt = SuperOffloadAdamW(self.model.parameters(), model=self.model, max_grad_norm=self.max_norm,
-                                     **HPARAMS, **options)
+                                     accumulation_steps=ctx.micro_batches, **HPARAMS, **options)
         # An explicit zero budget offloads everything; any other may place sub-groups on the GPU
         # after a few measured steps.
         self.splits = options.get("gpu_budget_bytes") != 0
@@ -241,7 +256,7 @@ class Ours(Trainer):
         return recorded
 
     def train_step(self):
-        loss = self.ctx.e2e.forward_backward(self.model, self.ctx.batch)
+        loss = self.ctx.forward_backward(self.model)
         if self.step_metrics is not None:
             # The previous step's, read once this backward is over: every job of that step
             # runs before this step's, so the wait adds little.
@@ -259,6 +274,8 @@ class TorchaoOffload(Trainer):
         import torchao
         from torchao.optim import CPUOffloadOptimizer
         super().__init__(ctx)
+        if ctx.micro_batches > 1:
+            raise Unsupported("its gradient hooks copy every backward's gradients to the host: no accumulation")
         self.model = ctx.build_model()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.offload_gradients = offload_gradients
@@ -285,7 +302,7 @@ class TorchaoOffload(Trainer):
                     p.grad.mul_(self.host_grad_scale)
 
     def train_step(self):
-        loss = self.ctx.e2e.forward_backward(self.model, self.ctx.batch)
+        loss = self.ctx.forward_backward(self.model)
         if self.max_norm:
             # The host gradients were copied during backward: the GPU ones give the norm, the
             # pre-hook scales the host copies as each per-parameter optimizer steps.
@@ -304,6 +321,8 @@ class DeepSpeedZero3(Trainer):
     def __init__(self, ctx, super_offload):
         import deepspeed
         super().__init__(ctx)
+        if ctx.micro_batches > 1:
+            raise Unsupported("gradient accumulation runs through DeepSpeed's own engine steps, not measured here")
         model = ctx.build_model()
         offload = {"device": "cpu", "pin_memory": True}
         zero = {"stage": 3, "offload_optimizer": offload}
@@ -355,7 +374,7 @@ class Fsdp2CpuOffload(Trainer):
                        "optimizer": "torch.optim.AdamW(fused=True) on the CPU"}
 
     def train_step(self):
-        loss = self.ctx.e2e.forward_backward(self.model, self.ctx.batch)
+        loss = self.ctx.forward_backward(self.model)
         if self.max_norm:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm, foreach=True)
         self.opt.step()
