@@ -9,8 +9,13 @@ fn main() {
     let minor = env::var("CARGO_PKG_VERSION_MINOR").unwrap();
     let patch = env::var("CARGO_PKG_VERSION_PATCH").unwrap();
 
+    // Every 0.x minor release changes the ABI, so its SONAME carries the minor version too:
+    // the dynamic loader then refuses a program built against another one. CMakeLists.txt
+    // (so_soname) computes the same name; c_tests/build_symbols.c checks that they agree.
+    let soname =
+        if major == "0" { format!("libsuperoffload.so.0.{minor}") } else { format!("libsuperoffload.so.{major}") };
     if env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
-        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libsuperoffload.so.{major}");
+        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,{soname}");
     }
 
     let abi = if major == "0" { minor.to_string() } else { format!("({major} << 16)") };
