@@ -27,7 +27,14 @@ fn main() {
 #define SO_VERSION_PATCH {patch}
 /** `(major << 16) | (minor << 8) | patch`. */
 #define SO_VERSION_NUMBER ((SO_VERSION_MAJOR << 16) | (SO_VERSION_MINOR << 8) | SO_VERSION_PATCH)
-/** The ABI this header describes; compare with `so_abi_version()` at start-up. */
+/**
+ * The ABI this header describes; compare with `so_abi_version()` at start-up.
+ *
+ * The `so_*_default()` functions return their struct by value at the size this library was
+ * built with, which no `struct_size` check can catch: a program must be built against the
+ * header of the library it runs with. The library's SONAME, {soname} (major.minor
+ * while the major version is 0), makes the dynamic loader refuse any other.
+ */
 #define SO_ABI_VERSION {abi}
 
 /** A CUDA stream: the same type as `cudaStream_t` and `CUstream` (no CUDA header needed). */
