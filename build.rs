@@ -10,8 +10,8 @@ fn main() {
     let patch = env::var("CARGO_PKG_VERSION_PATCH").unwrap();
 
     // Every 0.x minor release changes the ABI, so its SONAME carries the minor version too:
-    // the dynamic loader then refuses a program built against another one. CMakeLists.txt
-    // (so_soname) computes the same name; c_tests/build_symbols.c checks that they agree.
+    // the dynamic loader then refuses a program built against another one. CMake's so_soname
+    // (cmake/SuperOffloadHelpers.cmake) gives the same name; c_tests/build_symbols.c checks it.
     let soname =
         if major == "0" { format!("libsuperoffload.so.0.{minor}") } else { format!("libsuperoffload.so.{major}") };
     if env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
