@@ -9,8 +9,13 @@ fn main() {
     let minor = env::var("CARGO_PKG_VERSION_MINOR").unwrap();
     let patch = env::var("CARGO_PKG_VERSION_PATCH").unwrap();
 
+    // Every 0.x minor release changes the ABI, so its SONAME carries the minor version too:
+    // the dynamic loader then refuses a program built against another one. CMake's so_soname
+    // (cmake/SuperOffloadHelpers.cmake) gives the same name; c_tests/build_symbols.c checks it.
+    let soname =
+        if major == "0" { format!("libsuperoffload.so.0.{minor}") } else { format!("libsuperoffload.so.{major}") };
     if env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
-        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libsuperoffload.so.{major}");
+        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,{soname}");
     }
 
     let abi = if major == "0" { minor.to_string() } else { format!("({major} << 16)") };
@@ -22,7 +27,14 @@ fn main() {
 #define SO_VERSION_PATCH {patch}
 /** `(major << 16) | (minor << 8) | patch`. */
 #define SO_VERSION_NUMBER ((SO_VERSION_MAJOR << 16) | (SO_VERSION_MINOR << 8) | SO_VERSION_PATCH)
-/** The ABI this header describes; compare with `so_abi_version()` at start-up. */
+/**
+ * The ABI this header describes; compare with `so_abi_version()` at start-up.
+ *
+ * The `so_*_default()` functions return their struct by value at the size this library was
+ * built with, which no `struct_size` check can catch: a program must be built against the
+ * header of the library it runs with. The library's SONAME, {soname} (major.minor
+ * while the major version is 0), makes the dynamic loader refuse any other.
+ */
 #define SO_ABI_VERSION {abi}
 
 /** A CUDA stream: the same type as `cudaStream_t` and `CUstream` (no CUDA header needed). */

@@ -3,8 +3,8 @@
  * - `nm -D --defined-only`: every exported (global: text, data, bss, rodata, weak) symbol
  *   starts with so_; every function declared in the header is exported as text; nothing
  *   is exported that the header does not declare.
- * - `readelf -d`: the library's SONAME is libsuperoffload.so.<major>, and this program
- *   (linked against it) records exactly that name as NEEDED.
+ * - `readelf -d`: the library's SONAME (given by build.rs) is SO_TEST_SONAME (CMake's
+ *   so_soname), and this program (linked against it) records exactly that name as NEEDED.
  */
 #include <unistd.h>
 
@@ -114,7 +114,7 @@ int main(int argc, char **argv) {
     printf("%zu exported symbols, all so_*; %zu header functions, all exported\n", exported, declared.count);
 
     char soname[64];
-    snprintf(soname, sizeof soname, "[libsuperoffload.so.%d]", SO_VERSION_MAJOR);
+    snprintf(soname, sizeof soname, "[%s]", SO_TEST_SONAME);
     bool found = false;
     FILE *re = run("readelf", "-d", lib);
     while (fgets(line, sizeof line, re))

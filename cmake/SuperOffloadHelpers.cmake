@@ -13,3 +13,14 @@ function(so_relative_prefix out dir)
   string(REGEX REPLACE "[^/]+" ".." up "${dir}")
   set(${out} "\${pcfiledir}/${up}" PARENT_SCOPE)
 endfunction()
+
+# so_soname(<out> <major> <minor>): the shared library's SONAME for that version, as build.rs
+# gives it: libsuperoffload.so.0.<minor> while the major version is 0 (each minor release
+# changes the ABI), libsuperoffload.so.<major> from 1.0 on.
+function(so_soname out major minor)
+  if(major EQUAL 0)
+    set(${out} "libsuperoffload.so.0.${minor}" PARENT_SCOPE)
+  else()
+    set(${out} "libsuperoffload.so.${major}" PARENT_SCOPE)
+  endif()
+endfunction()

@@ -13,7 +13,14 @@
 #define SO_VERSION_PATCH 0
 /** `(major << 16) | (minor << 8) | patch`. */
 #define SO_VERSION_NUMBER ((SO_VERSION_MAJOR << 16) | (SO_VERSION_MINOR << 8) | SO_VERSION_PATCH)
-/** The ABI this header describes; compare with `so_abi_version()` at start-up. */
+/**
+ * The ABI this header describes; compare with `so_abi_version()` at start-up.
+ *
+ * The `so_*_default()` functions return their struct by value at the size this library was
+ * built with, which no `struct_size` check can catch: a program must be built against the
+ * header of the library it runs with. The library's SONAME, libsuperoffload.so.0.5 (major.minor
+ * while the major version is 0), makes the dynamic loader refuse any other.
+ */
 #define SO_ABI_VERSION 5
 
 /** A CUDA stream: the same type as `cudaStream_t` and `CUstream` (no CUDA header needed). */
@@ -1077,6 +1084,9 @@ extern "C" {
  * AdamW, lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01, bias correction on,
  * step 1; `struct_size` set.
  *
+ * The struct is returned by value at this library's size: build the program against the
+ * header of the library it runs with (see `SO_ABI_VERSION`).
+ *
  * @note Thread-safety: safe to call from any thread.
  */
 struct so_adam_hparams so_adam_hparams_default(void);
@@ -1085,12 +1095,18 @@ struct so_adam_hparams so_adam_hparams_default(void);
  * Returns an empty buffer set: `numel` 0, all pointers NULL, f32 param, gradient and
  * moments, no parameter copy; `struct_size` set.
  *
+ * The struct is returned by value at this library's size: build the program against the
+ * header of the library it runs with (see `SO_ABI_VERSION`).
+ *
  * @note Thread-safety: safe to call from any thread.
  */
 struct so_adam_buffers so_adam_buffers_default(void);
 
 /**
  * Returns update options: gradient scale 1, no finiteness check; `struct_size` set.
+ *
+ * The struct is returned by value at this library's size: build the program against the
+ * header of the library it runs with (see `SO_ABI_VERSION`).
  *
  * @note Thread-safety: safe to call from any thread.
  */
@@ -1233,6 +1249,9 @@ so_status so_grad_sumsq(const struct so_pool *pool,
  * Returns pool options: as many threads as CPUs this process may run on, unpinned, widest
  * instruction set; `struct_size` set.
  *
+ * The struct is returned by value at this library's size: build the program against the
+ * header of the library it runs with (see `SO_ABI_VERSION`).
+ *
  * @note Thread-safety: safe to call from any thread.
  */
 struct so_pool_options so_pool_options_default(void);
@@ -1300,6 +1319,9 @@ const char *so_isa_name(uint32_t isa);
  * Returns the built-in loss scaler's defaults (torch GradScaler's: scale 65536, growth 2,
  * backoff 0.5, interval 2000, hysteresis 1, minimum 1); `struct_size` set.
  *
+ * The struct is returned by value at this library's size: build the program against the
+ * header of the library it runs with (see `SO_ABI_VERSION`).
+ *
  * @note Thread-safety: safe to call from any thread.
  */
 struct so_loss_scaler_options so_loss_scaler_options_default(void);
@@ -1308,6 +1330,9 @@ struct so_loss_scaler_options so_loss_scaler_options_default(void);
  * Returns session options: default pool, AdamW with bias correction, f32 moments,
  * gradients and accumulation, automatic speculation (`SO_SPECULATION_AUTO`), no memory
  * limit, no loss scaler, no GPU budget; `struct_size` set.
+ *
+ * The struct is returned by value at this library's size: build the program against the
+ * header of the library it runs with (see `SO_ABI_VERSION`).
  *
  * @note Thread-safety: safe to call from any thread.
  */
@@ -1440,6 +1465,9 @@ SO_NODISCARD so_status so_session_trace_save(const struct so_session *session, c
  * Returns `torch.optim.AdamW`'s hyperparameters (lr 1e-3, betas 0.9 and 0.999, eps 1e-8,
  * weight decay 0.01); `struct_size` set.
  *
+ * The struct is returned by value at this library's size: build the program against the
+ * header of the library it runs with (see `SO_ABI_VERSION`).
+ *
  * @note Thread-safety: safe to call from any thread.
  */
 struct so_group_hparams so_group_hparams_default(void);
@@ -1492,6 +1520,9 @@ so_status so_session_get_group(const struct so_session *session,
 /**
  * Returns an empty sub-group description (group 0, no buffers, f32 master, no slices);
  * `struct_size` set.
+ *
+ * The struct is returned by value at this library's size: build the program against the
+ * header of the library it runs with (see `SO_ABI_VERSION`).
  *
  * @note Thread-safety: safe to call from any thread.
  */
@@ -1640,6 +1671,9 @@ so_status so_session_set_placement(struct so_session *session,
 
 /**
  * Returns step arguments: no clipping, local norm, no overflow; `struct_size` set.
+ *
+ * The struct is returned by value at this library's size: build the program against the
+ * header of the library it runs with (see `SO_ABI_VERSION`).
  *
  * @note Thread-safety: safe to call from any thread.
  */
@@ -1917,6 +1951,9 @@ so_status so_ticket_wait_all(const struct so_session *session,
 
 /**
  * Returns CUDA options: device 0, 16 MiB pieces; `struct_size` set.
+ *
+ * The struct is returned by value at this library's size: build the program against the
+ * header of the library it runs with (see `SO_ABI_VERSION`).
  *
  * @note Thread-safety: safe to call from any thread.
  */

@@ -19,9 +19,9 @@
  * | superoffload/cuda.hpp       | CudaOptions, cuda_available(), Session's CUDA calls              |
  *
  * Everything here is `inline` and calls only the C functions, so a program built with this
- * header links against the same `libsuperoffload.so.0` as a C program would; the C++ ABI
- * (compiler, standard library, `_GLIBCXX_USE_CXX11_ABI`) never matters. The header keeps no
- * state of its own.
+ * header links against the same `libsuperoffload.so.0.<minor>` as a C program would; the
+ * C++ ABI (compiler, standard library, `_GLIBCXX_USE_CXX11_ABI`) never matters. The header
+ * keeps no state of its own.
  *
  * The option, argument and result types are the C structs themselves: each derives from its
  * `so_*` struct (initialised by the C `_default()` function, `struct_size` set), so its

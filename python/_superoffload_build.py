@@ -4,8 +4,9 @@
   same string through so_version_string()).
 - `BuildPy`: after the Python sources, builds the library with
   `cargo build --release --lib --locked` (debug info stripped: CARGO_PROFILE_RELEASE_STRIP) and
-  copies it into the package as `libsuperoffload.so.<major>` (its SONAME, so a C++ extension
-  linked against it finds it by that name), with the C and C++ headers under `include/`.
+  copies it into the package under its SONAME, read from the library (`libsuperoffload.so.0.<minor>`
+  while the major version is 0; so a C++ extension linked against it finds it by that name), with
+  the C and C++ headers under `include/`.
   SUPEROFFLOAD_PREBUILT_LIBRARY=<path> copies that library instead of running cargo;
   CARGO_TARGET_DIR and CARGO are honoured.
 - `BdistWheel`: the wheel is platform-specific but independent of the Python version and ABI
@@ -16,6 +17,7 @@ Not shipped in the wheel (it is not in the package list).
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -41,7 +43,6 @@ def _cargo_version():
 
 
 VERSION = _cargo_version()
-SONAME = f"libsuperoffload.so.{VERSION.split('.')[0]}"
 
 
 def _log(msg):
@@ -74,6 +75,28 @@ def build_library():
     return path
 
 
+def soname(path):
+    """The SONAME (DT_SONAME) of a 64-bit little-endian ELF shared library: build.rs sets it."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4:6] != b"\x02\x01":
+        raise RuntimeError(f"{path} is not a 64-bit little-endian ELF file")
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    # Section headers: (name, type, flags, addr, offset, size, link, info, addralign, entsize).
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    for _, sh_type, _, _, offset, size, link, *_ in sections:
+        if sh_type != 6:  # SHT_DYNAMIC; its sh_link is the section of its strings
+            continue
+        strings = sections[link][4]
+        for pos in range(offset, offset + size, 16):
+            tag, value = struct.unpack_from("<qQ", data, pos)
+            if tag == 14:  # DT_SONAME
+                start = strings + value
+                return data[start:data.index(b"\0", start)].decode()
+    raise RuntimeError(f"{path} has no SONAME")
+
+
 class Build(_build):
     """Builds under target/python-build (build/ is the CMake build directory of this repository)."""
 
@@ -93,8 +116,10 @@ class BuildPy(_build_py):
         for old in os.listdir(pkg):
             if old.startswith("libsuperoffload.so"):
                 os.remove(os.path.join(pkg, old))
-        shutil.copyfile(build_library(), os.path.join(pkg, SONAME))
-        os.chmod(os.path.join(pkg, SONAME), 0o755)
+        library = build_library()
+        installed = os.path.join(pkg, soname(library))
+        shutil.copyfile(library, installed)
+        os.chmod(installed, 0o755)
         include = os.path.join(pkg, "include")
         shutil.rmtree(include, ignore_errors=True)
         # The C header, the C++ umbrella header and its topic headers (include/superoffload/).

@@ -4,7 +4,8 @@
 # moved copy of it; check that asking for the next minor version fails; check pkg-config.
 #
 # Variables (-D): SO_BUILD_DIR, SO_PREFIX (empty: install SO_BUILD_DIR), SO_WORK_DIR,
-# SO_CONSUMER_SOURCE_DIR, SO_VERSION, SO_LIBDIR, SO_GENERATOR, SO_C_COMPILER, SO_PKG_CONFIG.
+# SO_CONSUMER_SOURCE_DIR, SO_VERSION, SO_SONAME, SO_LIBDIR, SO_GENERATOR, SO_C_COMPILER,
+# SO_PKG_CONFIG.
 cmake_minimum_required(VERSION 3.22)
 
 function(run)
@@ -46,7 +47,7 @@ foreach(f "${libdir}/libsuperoffload.so.${SO_VERSION}"
     message(FATAL_ERROR "not installed: ${f}")
   endif()
 endforeach()
-foreach(link "libsuperoffload.so.${major}" "libsuperoffload.so")
+foreach(link "${SO_SONAME}" "libsuperoffload.so")
   if(NOT IS_SYMLINK "${libdir}/${link}")
     message(FATAL_ERROR "${libdir}/${link} is not a symlink")
   endif()
@@ -65,13 +66,19 @@ if(EXISTS "${prefix}/include/superoffload.hpp")
     endif()
   endforeach()
 endif()
-file(READ_SYMLINK "${libdir}/libsuperoffload.so.${major}" target)
+file(READ_SYMLINK "${libdir}/${SO_SONAME}" target)
 if(NOT target STREQUAL "libsuperoffload.so.${SO_VERSION}")
-  message(FATAL_ERROR "libsuperoffload.so.${major} -> ${target}")
+  message(FATAL_ERROR "${SO_SONAME} -> ${target}")
 endif()
 file(READ_SYMLINK "${libdir}/libsuperoffload.so" target)
-if(NOT target STREQUAL "libsuperoffload.so.${major}")
+if(NOT target STREQUAL "${SO_SONAME}")
   message(FATAL_ERROR "libsuperoffload.so -> ${target}")
+endif()
+# The link is named after the SONAME that the installed library carries.
+run(readelf -d "${libdir}/libsuperoffload.so.${SO_VERSION}")
+string(FIND "${run_output}" "Library soname: [${SO_SONAME}]" soname_found)
+if(soname_found EQUAL -1)
+  message(FATAL_ERROR "libsuperoffload.so.${SO_VERSION} does not have the SONAME ${SO_SONAME}:\n${run_output}")
 endif()
 
 # A lean install: the binaries are stripped (debug info, if installed at all, is in .debug/
@@ -115,9 +122,9 @@ function(configure_build_run name pfx)
   endforeach()
   # The shared one really loads the library from the prefix, by its SONAME.
   run(readelf -d "${bin}/app")
-  string(FIND "${run_output}" "[libsuperoffload.so.${major}]" needed)
+  string(FIND "${run_output}" "[${SO_SONAME}]" needed)
   if(needed EQUAL -1)
-    message(FATAL_ERROR "app does not record NEEDED libsuperoffload.so.${major}:\n${run_output}")
+    message(FATAL_ERROR "app does not record NEEDED ${SO_SONAME}:\n${run_output}")
   endif()
 endfunction()
 

@@ -26,7 +26,8 @@ def get_include():
 
 
 def get_library():
-    """Path of the bundled libsuperoffload.so.<major> (link it by path; rpath its directory)."""
+    """Path of the bundled library, named by its SONAME (libsuperoffload.so.0.<minor> while 0.x; link it
+    by path, rpath its directory)."""
     return library_path()
 
 

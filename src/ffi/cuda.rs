@@ -50,6 +50,9 @@ fn stream_arg(stream: so_cuda_stream_t) -> cuda::Stream {
 
 /// Returns CUDA options: device 0, 16 MiB pieces; `struct_size` set.
 ///
+/// The struct is returned by value at this library's size: build the program against the
+/// header of the library it runs with (see `SO_ABI_VERSION`).
+///
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn so_cuda_options_default() -> so_cuda_options {

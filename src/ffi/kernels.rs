@@ -99,6 +99,9 @@ with_struct_size!(unsafe so_adam_hparams, so_adam_buffers, so_update_options);
 /// AdamW, lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01, bias correction on,
 /// step 1; `struct_size` set.
 ///
+/// The struct is returned by value at this library's size: build the program against the
+/// header of the library it runs with (see `SO_ABI_VERSION`).
+///
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn so_adam_hparams_default() -> so_adam_hparams {
@@ -107,6 +110,9 @@ pub extern "C" fn so_adam_hparams_default() -> so_adam_hparams {
 
 /// Returns an empty buffer set: `numel` 0, all pointers NULL, f32 param, gradient and
 /// moments, no parameter copy; `struct_size` set.
+///
+/// The struct is returned by value at this library's size: build the program against the
+/// header of the library it runs with (see `SO_ABI_VERSION`).
 ///
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
@@ -129,6 +135,9 @@ pub extern "C" fn so_adam_buffers_default() -> so_adam_buffers {
 }
 
 /// Returns update options: gradient scale 1, no finiteness check; `struct_size` set.
+///
+/// The struct is returned by value at this library's size: build the program against the
+/// header of the library it runs with (see `SO_ABI_VERSION`).
 ///
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]

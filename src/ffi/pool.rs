@@ -84,6 +84,9 @@ pub(crate) unsafe fn pool_arg(pool: *const so_pool) -> Result<Arc<Pool>> {
 /// Returns pool options: as many threads as CPUs this process may run on, unpinned, widest
 /// instruction set; `struct_size` set.
 ///
+/// The struct is returned by value at this library's size: build the program against the
+/// header of the library it runs with (see `SO_ABI_VERSION`).
+///
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn so_pool_options_default() -> so_pool_options {

@@ -33,6 +33,9 @@ with_struct_size!(unsafe so_group_hparams);
 /// Returns `torch.optim.AdamW`'s hyperparameters (lr 1e-3, betas 0.9 and 0.999, eps 1e-8,
 /// weight decay 0.01); `struct_size` set.
 ///
+/// The struct is returned by value at this library's size: build the program against the
+/// header of the library it runs with (see `SO_ABI_VERSION`).
+///
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn so_group_hparams_default() -> so_group_hparams {

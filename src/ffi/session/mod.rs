@@ -214,6 +214,9 @@ pub(crate) unsafe fn session_options(options: *const so_session_options) -> Resu
 /// Returns the built-in loss scaler's defaults (torch GradScaler's: scale 65536, growth 2,
 /// backoff 0.5, interval 2000, hysteresis 1, minimum 1); `struct_size` set.
 ///
+/// The struct is returned by value at this library's size: build the program against the
+/// header of the library it runs with (see `SO_ABI_VERSION`).
+///
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn so_loss_scaler_options_default() -> so_loss_scaler_options {
@@ -223,6 +226,9 @@ pub extern "C" fn so_loss_scaler_options_default() -> so_loss_scaler_options {
 /// Returns session options: default pool, AdamW with bias correction, f32 moments,
 /// gradients and accumulation, automatic speculation (`SO_SPECULATION_AUTO`), no memory
 /// limit, no loss scaler, no GPU budget; `struct_size` set.
+///
+/// The struct is returned by value at this library's size: build the program against the
+/// header of the library it runs with (see `SO_ABI_VERSION`).
 ///
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]

@@ -144,6 +144,9 @@ with_struct_size!(unsafe so_step_args, so_step_result);
 
 /// Returns step arguments: no clipping, local norm, no overflow; `struct_size` set.
 ///
+/// The struct is returned by value at this library's size: build the program against the
+/// header of the library it runs with (see `SO_ABI_VERSION`).
+///
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn so_step_args_default() -> so_step_args {

@@ -162,6 +162,9 @@ with_struct_size!(unsafe so_subgroup_desc, so_subgroup_state);
 /// Returns an empty sub-group description (group 0, no buffers, f32 master, no slices);
 /// `struct_size` set.
 ///
+/// The struct is returned by value at this library's size: build the program against the
+/// header of the library it runs with (see `SO_ABI_VERSION`).
+///
 /// @note Thread-safety: safe to call from any thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn so_subgroup_desc_default() -> so_subgroup_desc {
