@@ -555,8 +555,9 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         device_stepped counts, forward_wait_s, ...) and `step`; seconds the training thread spent
         in hand-offs, in step() and waiting for weights (host mode) since the step before
         (handoff_s, step_call_s, wait_s; their sum with forward_wait_s in CUDA mode: exposed_s);
-        pinned bytes, host bytes (what `host_memory_limit` bounds: `memory()["host_bytes"]`), device bytes of GPU-resident state (device_bytes) and, in CUDA mode,
-        the automatic split's budget (gpu_budget_bytes; with "auto", from when it was chosen on).
+        pinned bytes, host bytes (host_bytes: what `host_memory_limit` bounds, as in
+        `memory()`), device bytes of GPU-resident state (device_bytes) and, in CUDA mode, the
+        automatic split's budget (gpu_budget_bytes; with "auto", from when it was chosen on).
         {} before the first step."""
         r = self.last_step_result(wait=wait)
         if r is None:
