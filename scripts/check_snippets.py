@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Runs the fenced code blocks of the READMEs as they are written, so that what they show works.
+"""Runs the fenced code blocks of the READMEs and docs/cpp.md as they are written, so that what
+they show works.
 
     scripts/check_snippets.py [--lang LIST] [--prefix DIR] [--gpu] [--work DIR] [FILE.md ...]
 
-FILE.md defaults to README.md and python/README.md. The blocks are taken in document order:
+FILE.md defaults to README.md, python/README.md and docs/cpp.md. The blocks are taken in
+document order:
 
 - ```python: run on its own by this interpreter, in a fresh directory;
-- ```c and ```cmake: written to the file that a comment before the block names (below);
+- ```c, ```cpp and ```cmake: written to the file that a comment before the block names (below);
 - ```sh: run with `bash -euo pipefail` in the work directory, where `dist` is a link to --prefix
   (an install of superoffload made by `cmake --install`): a README command that uses the install
   finds it where the README says it is. Without --prefix these blocks are skipped.
@@ -17,15 +19,16 @@ An HTML comment on the line before a block says more about it (several separated
                                         block's syntax is still checked)
     <!-- snippet: file app/main.c -->   written to that path in the work directory, not run
     <!-- snippet: covered by WHERE -->  not run here: WHERE runs the same steps (printed as COVERED)
+    <!-- snippet: not run: WHY -->      a documented command no test runs, and why (printed as NOT RUN)
 
 Options:
-    --lang LIST   only blocks of these languages, a comma list of python, sh, c, cmake (default: all)
+    --lang LIST   only blocks of these languages, a comma list of python, sh, c, cpp, cmake (default: all)
     --prefix DIR  the install prefix the sh blocks use as `dist`
     --gpu         a GPU is expected: a block marked gpu fails instead of being skipped without CUDA
     --work DIR    where the blocks run (default: a temporary directory, removed at the end)
 
 Exit status 0 when every block that ran passed; each skipped or covered block is listed.
-scripts/test.sh runs the sh, c and cmake blocks against its install, scripts/python_test.sh the
+scripts/test.sh runs the sh, c, cpp and cmake blocks against its install, scripts/python_test.sh the
 python blocks in its fresh environment; on a GPU machine with the wheel installed:
 `python3 scripts/check_snippets.py --lang python --gpu`.
 """
@@ -38,8 +41,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_FILES = ["README.md", "python/README.md"]
-LANGUAGES = ("python", "sh", "c", "cmake")
+DEFAULT_FILES = ["README.md", "python/README.md", "docs/cpp.md"]
+LANGUAGES = ("python", "sh", "c", "cpp", "cmake")
 BLOCK_TIMEOUT_S = 900
 FENCE = re.compile(r"^```(\S*)\s*$")
 DIRECTIVE = re.compile(r"^<!--\s*snippet:(.*?)-->\s*$")
@@ -48,7 +51,7 @@ DIRECTIVE = re.compile(r"^<!--\s*snippet:(.*?)-->\s*$")
 class Block:
     def __init__(self, path, line, lang, code, directives):
         self.path, self.line, self.lang, self.code = path, line, lang, code
-        self.gpu, self.file, self.covered_by = False, None, None
+        self.gpu, self.file, self.covered_by, self.not_run = False, None, None, None
         for d in directives:
             if d == "gpu":
                 self.gpu = True
@@ -56,9 +59,11 @@ class Block:
                 self.file = d[len("file "):].strip()
             elif d.startswith("covered by "):
                 self.covered_by = d[len("covered by "):].strip()
+            elif d.startswith("not run:"):
+                self.not_run = d[len("not run:"):].strip()
             else:
                 raise SystemExit(f"{self.where()}: unknown snippet directive {d!r}")
-        if lang in ("c", "cmake") and not self.file and not self.covered_by:
+        if lang in ("c", "cpp", "cmake") and not self.file and not self.covered_by:
             raise SystemExit(f"{self.where()}: a {lang} block needs <!-- snippet: file PATH --> before it")
 
     def where(self):
@@ -132,8 +137,12 @@ def main():
         os.symlink(os.path.abspath(args.prefix), dist)
 
     no_cuda = cuda_missing() if any(b.gpu for b in blocks) else None
-    ran, failed, skipped, covered = 0, [], [], []
+    ran, failed, skipped, covered, not_run = 0, [], [], [], []
     for n, b in enumerate(blocks):
+        if b.not_run:
+            not_run.append(f"{b.title()}: {b.not_run}")
+            print(f"NOT RUN: {not_run[-1]}")
+            continue
         if b.covered_by:
             print(f"COVERED: {b.title()}: by {b.covered_by}")
             covered.append(b)
@@ -179,7 +188,10 @@ def main():
 
     if not args.work:
         shutil.rmtree(work)
-    print(f"\nsnippets: {ran} ran, {len(failed)} failed, {len(covered)} covered elsewhere, {len(skipped)} skipped")
+    print(f"\nsnippets: {ran} ran, {len(failed)} failed, {len(covered)} covered elsewhere, {len(not_run)} not run, "
+          f"{len(skipped)} skipped")
+    for s in not_run:
+        print(f"  NOT RUN: {s}")
     for s in skipped:
         print(f"  SKIPPED: {s}")
     for s in failed:

@@ -8,9 +8,11 @@
 #   2. `cargo test --workspace` (the library and the benchmark crate), then the
 #      reproducibility harness, which needs the `fault-injection` feature;
 #   3. the CMake build and the ctest suite in c_tests/;
-#   4. the install (stripped) into <build>/install, with its size;
-#   5. against that install: the main job (scripts/demo.sh, a short run) and the README's C
-#      quick start, its CMake project and program as written (scripts/check_snippets.py);
+#   4. the install (stripped) into <build>/install, with its size, checked against the sizes
+#      docs/library.md states (scripts/check_sizes.py, within 15 %);
+#   5. against that install: the main job (scripts/demo.sh, a short run), the README's C
+#      quick start and docs/cpp.md's C++ program, their CMake projects and programs as written
+#      (scripts/check_snippets.py);
 #   6. the ctest suite once more, every test under valgrind memcheck (errors fatal);
 #   7. the C/C++ tests built with AddressSanitizer and UndefinedBehaviorSanitizer
 #      (-fsanitize=address,undefined -fno-sanitize-recover=all) against the installed library,
@@ -168,15 +170,16 @@ rm -rf "$prefix"
 cmake --install "$build_dir" --prefix "$prefix" >/dev/null
 (cd "$prefix" && du -ab . | sort -k2 | awk '$1 > 65536 && !/\/$/ { printf "%9.2f MB  %s\n", $1 / 1e6, $2 }')
 echo "install tree: $(du -sb "$prefix" | awk '{ printf "%.2f MB", $1 / 1e6 }') in $(find "$prefix" -type f | wc -l) files"
+python3 scripts/check_sizes.py --prefix "$prefix"    # the sizes docs/library.md states
 
 # ---------------------------------------------------------------- the main job and the C quick start
 # Against the install above: the library is not built a second time.
 section "Main job: scripts/demo.sh against $prefix"
 SO_PREBUILT_DIR="$prefix" SO_DEMO_BUILD="$build_dir/demo" bash scripts/demo.sh --steps 40
 
-section "README's C quick start against $prefix (scripts/check_snippets.py)"
+section "README's C quick start and docs/cpp.md against $prefix (scripts/check_snippets.py)"
 rm -rf "$build_dir/snippets"
-python3 scripts/check_snippets.py --lang sh,cmake,c --prefix "$prefix" --work "$build_dir/snippets"
+python3 scripts/check_snippets.py --lang sh,cmake,c,cpp --prefix "$prefix" --work "$build_dir/snippets"
 
 # ---------------------------------------------------------------- valgrind
 # build_consumer is left out: it runs cmake and a compiler, and its programs are the API

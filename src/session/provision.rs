@@ -255,10 +255,16 @@ pub(crate) fn plan(options: &SessionOptions, transport: bool, needs: &[SgNeed], 
     out.device_bytes =
         needs.iter().zip(&out.device_gradient).filter(|(_, d)| **d).map(|(n, _)| n.numel * grad_size).sum();
     if room.host.is_some_and(|h| host > h) {
+        // A host session has no device to move gradients or copies to.
+        let lower = if transport {
+            "gradient_home = device or host_copy = bounded, bf16 moments, or more host memory"
+        } else {
+            "bf16 moments, a larger host_memory_limit, or more host memory"
+        };
         return Err(refusal(
             format!("{} of host memory for gradients and copies", size(host)),
             room.host_bound.clone(),
-            "gradient_home = device or host_copy = bounded, bf16 moments, or more host memory",
+            lower,
         ));
     }
     if room.device.is_some_and(|d| out.device_bytes > d) {
@@ -539,8 +545,11 @@ mod tests {
         let n = 1000;
         let host = SessionOptions { copy_dtype: Some(DType::Bf16), ..SessionOptions::default() };
         let room = |host, device| Room { host, host_bound: String::new(), reserve: 0, device };
-        let p = plan(&host, false, &needs(2, n), room(Some(0), None));
-        assert!(p.is_err(), "a host session's buffers are needed: the limit refuses them");
+        let e = plan(&host, false, &needs(2, n), room(Some(0), None)).unwrap_err();
+        assert!(e.message.contains("bf16 moments"), "{}", e.message);
+        for cuda_only in ["gradient_home", "host_copy"] {
+            assert!(!e.message.contains(cuda_only), "a host session is advised no {cuda_only}: {}", e.message);
+        }
         let p = plan(&host, false, &needs(2, n), room(None, None)).unwrap();
         assert_eq!((p.device_gradient, p.full_copy, p.host_bytes), (vec![false; 2], vec![true; 2], 2 * n * 6));
         let device = SessionOptions { gradient_home: GradientHome::Device, host_copy: HostCopy::Bounded, ..host };

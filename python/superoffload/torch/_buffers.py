@@ -4,8 +4,9 @@ dict can view them), and in CUDA mode one flat device buffer per sub-group that 
 parameters are re-pointed into, which is where the library publishes. In host mode the
 parameters are re-pointed into the master weights themselves.
 
-The host state is checked against what the host can give (`so_host_memory`) before any of it
-is allocated, so a model too large for the host is an error, not a process the kernel kills;
+The host state is checked against host_memory_limit and what the host can give
+(`so_host_memory`) before any of it is allocated, so a model too large for the host is an
+error, not a process the kernel kills;
 the device buffers are allocated one sub-group at a time, each parameter's old storage freed as
 it moves, so the GPU never holds two copies of the weights."""
 import mmap
@@ -59,65 +60,99 @@ GIB = 1 << 30
 HOST_RESERVE_BYTES = 2 * GIB
 
 
-def check_host_memory(numel, *, masters, moment_dtype, grad_dtype=None):
-    """Raises SuperOffloadError (OUT_OF_RESOURCES) before anything is allocated when the host
-    cannot hold the f32 master weights (`masters`: this layer allocates them), both moments and
-    the gradient buffers this layer lends (`grad_dtype`, or None) of `numel` parameters, with
-    what it needs, what there is and what lowers it."""
-    measured = _core.host_memory()
-    if measured is None:
-        return
-    available, _ = measured
-    moment_bytes = 2 * numel * torch.tensor([], dtype=TORCH_DTYPES[moment_dtype]).element_size()
-    grad_bytes = numel * torch.tensor([], dtype=TORCH_DTYPES[grad_dtype]).element_size() if grad_dtype else 0
-    need = moment_bytes + (4 * numel if masters else 0) + grad_bytes
-    if need + HOST_RESERVE_BYTES > available:
-        lower = ('moment_dtype="bf16" (4 bytes per parameter less)' if moment_dtype == "f32" else
-                 "fewer parameters offloaded (freeze some, or a smaller model)")
-        raise _core.SuperOffloadError(
-            _abi.Status.OUT_OF_RESOURCES,
-            f"SuperOffloadAdamW needs {need / GIB:.2f} GiB of host memory for the optimizer state of {numel:,} "
-            f"parameters ({'f32 master weights, ' if masters else ''}{moment_dtype} moments"
-            f"{f', {grad_dtype} gradients' if grad_dtype else ''}) and the library "
-            f"keeps {HOST_RESERVE_BYTES / GIB:.0f} GiB free; {available / GIB:.2f} GiB is available: lower it with "
-            f"{lower}, or run on a host with more memory")
+def element_size(dtype_name):
+    return torch.tensor([], dtype=TORCH_DTYPES[dtype_name]).element_size()
 
 
-@torch.no_grad()
-def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, align_bytes, pool, touch,
-             grad_dtype=None, pinned_grads=False):
-    """Lays out every sub-group's slices, allocates and fills its buffers, registers it with the
-    session and re-points the parameters; returns the master arena (None when host FSDP shards
-    are their own masters). `touch`: first-touch the host buffers with `pool` (NUMA placement).
-    `grad_dtype`: lend the session a gradient buffer of that dtype per sub-group (pinned with
-    `pinned_grads`), which each slice's `grad_buffer` views."""
-    cuda = device.type == "cuda"
-    el = torch.tensor([], dtype=param_dtype).element_size()
-    dev_align = max(1, align_bytes // el)
-    host_align = max(1, 64 // 4)
-    borrow = fsdp and not cuda  # host FSDP: the f32 shards themselves are the masters
+def layout(subgroups, *, cuda, param_dtype, align_bytes):
+    """Places each parameter's slice in its sub-group's buffers (aligned to `align_bytes` in the
+    device buffer in CUDA mode, to 64 bytes on the host) and sets the sub-groups' sizes."""
+    align = max(1, align_bytes // torch.tensor([], dtype=param_dtype).element_size()) if cuda else 64 // 4
     for sg in subgroups:
         off = 0
-        align = dev_align if cuda else host_align
         for info in sg.params:
             off = round_up(off, align)
             info.offset = off
             off += info.numel
         sg.numel = off
+
+
+def arena_numel(subgroups):
+    """f32 elements of the master arena: each sub-group on pages of its own, and a page more to
+    align the first."""
     page_el = PAGE_BYTES // 4
-    check_host_memory(sum(sg.numel for sg in subgroups), masters=not borrow, moment_dtype=moment_dtype,
-                      grad_dtype=grad_dtype)
+    return sum(round_up(sg.numel, page_el) for sg in subgroups) + page_el
+
+
+def session_host_bytes(subgroups, *, cuda, accum_dtype, copy_dtype, host_copy, gradient_home, grads_lent=False):
+    """Host bytes the session must allocate for the offloaded sub-groups, and the options that
+    lower them: a host session's gradient buffers (unless this layer lends them: `grads_lent`)
+    and copies; in CUDA mode the host gradients and copies asked for explicitly (the automatic
+    choices fit in what the limit leaves)."""
+    numel = sum(sg.numel for sg in subgroups if not sg.device_placed)
+    per_param, lower = 0, []
+    if (not cuda and not grads_lent) or gradient_home == "host":
+        per_param += element_size(accum_dtype)
+        if cuda:
+            lower.append('gradient_home="device"')
+    if copy_dtype != "none" and (host_copy == "full" or not cuda):
+        per_param += element_size(copy_dtype)
+        lower.append('host_copy="bounded"' if cuda else 'copy_dtype="none"')
+    return numel * per_param, lower
+
+
+def check_host_memory(subgroups, *, masters, moment_dtype, session_bytes, session_lower, limit, grad_dtype=None):
+    """The host bytes this layer lends the session: the master arena (`masters`: this layer
+    allocates it), both moments and the gradient buffers (`grad_dtype`, or None). Raises
+    SuperOffloadError (OUT_OF_RESOURCES) before anything is allocated when they and the
+    session's `session_bytes` exceed host_memory_limit (`limit`; 0: none) or what the host can
+    give, with what it needs, what there is and what lowers it (`session_lower`: the session's
+    options that do)."""
+    numel = sum(sg.numel for sg in subgroups)
+    lent = 2 * numel * element_size(moment_dtype) + (4 * arena_numel(subgroups) if masters else 0)
+    lent += numel * element_size(grad_dtype) if grad_dtype else 0
+    need = lent + session_bytes
+    lower = (['moment_dtype="bf16" (4 bytes per parameter less)'] if moment_dtype == "f32" else []) + session_lower
+    lower.append("fewer parameters offloaded (freeze some, or a smaller model)")
+    what = (f"the optimizer state of {numel:,} parameters ({'f32 master weights, ' if masters else ''}"
+            f"{moment_dtype} moments{f', {grad_dtype} gradients' if grad_dtype else ''}: {lent:,} bytes; the "
+            f"session's buffers: {session_bytes:,} bytes)")
+    if limit and need > limit:
+        raise _core.SuperOffloadError(
+            _abi.Status.OUT_OF_RESOURCES,
+            f"SuperOffloadAdamW's host_memory_limit of {limit:,} bytes would be exceeded: {need - limit:,} more "
+            f"bytes needed for {what}; lower it with {', '.join(lower)}, or raise host_memory_limit")
+    measured = _core.host_memory()
+    if measured is not None and need + HOST_RESERVE_BYTES > measured[0]:
+        available = measured[0]
+        raise _core.SuperOffloadError(
+            _abi.Status.OUT_OF_RESOURCES,
+            f"SuperOffloadAdamW needs {need / GIB:.2f} GiB of host memory for {what} and the library keeps "
+            f"{HOST_RESERVE_BYTES / GIB:.0f} GiB free; {available / GIB:.2f} GiB is available: lower it with "
+            f"{', '.join(lower)}, or run on a host with more memory")
+    return lent
+
+
+@torch.no_grad()
+def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, masters, pool, touch, grad_dtype=None,
+             pinned_grads=False):
+    """Allocates and fills every laid out sub-group's buffers, registers it with the session and
+    re-points the parameters; returns the master arena (None without `masters`: host FSDP shards
+    are their own masters). `touch`: first-touch the host buffers with `pool` (NUMA placement).
+    `grad_dtype`: lend the session a gradient buffer of that dtype per sub-group (pinned with
+    `pinned_grads`), which each slice's `grad_buffer` views."""
+    cuda = device.type == "cuda"
+    page_el = PAGE_BYTES // 4
     arena = None
-    if not borrow:
-        total = sum(round_up(sg.numel, page_el) for sg in subgroups) + page_el
-        arena = host_empty(total, torch.float32)
+    if masters:
+        arena = host_empty(arena_numel(subgroups), torch.float32)
         if touch:
             first_touch([arena], pool)
         base = (-(arena.data_ptr() // 4)) % page_el  # first page boundary
     host_pos = base if arena is not None else 0
     mdt = TORCH_DTYPES[moment_dtype]
     for sg in subgroups:
-        if borrow:
+        if not masters:
             sg.master = _contiguous_shard(sg.params[0])
         else:
             sg.master = arena[host_pos:host_pos + sg.numel]
@@ -149,7 +184,7 @@ def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, ali
                     view.copy_(info.param.data.reshape(-1))
                     info.param.data = view.view(info.param.shape)
             keep.append(sg.device_param)
-        elif not borrow:
+        elif masters:
             for info in sg.params:  # host mode: the parameter is its master slice
                 info.param.data = sg.master[sg.span(info)].view(info.param.shape)
         slices = [(info.name, info.offset, info.numel) for info in sg.params]

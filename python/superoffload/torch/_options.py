@@ -1,5 +1,6 @@
 """SuperOffloadAdamW's arguments: their checks and their so_session_options values."""
 import math
+import numbers
 
 from .. import _abi
 
@@ -42,6 +43,15 @@ def gpu_budget(value, automatic):
         ok = False
     if not ok:
         raise ValueError(f'gpu_budget_bytes must be "auto" or a number of bytes >= 0, not {value!r}')
+    return int(value)
+
+
+def host_memory_limit(value):
+    """The host_memory_limit argument as a whole number of bytes (0: no limit)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"host_memory_limit must be a number of bytes (0: no limit), not {value!r}")
+    if not (math.isfinite(value) and value == int(value) and 0 <= value < 1 << 64):
+        raise ValueError(f"host_memory_limit must be a whole number of bytes >= 0 (0: no limit), not {value!r}")
     return int(value)
 
 

@@ -90,24 +90,31 @@ def split_names(params):
 
 def collect(param_groups, names, model):
     """The trainable parameters of `param_groups`, each once, in forward order (the model's
-    registration order when given), each with a unique name (its own, else `param<k>`)."""
+    registration order when given: each must be one of its parameters), each with a unique name
+    (its own, else `param<k>`)."""
+    order = {}
     if model is not None:
-        for n, p in model.named_parameters():
+        for i, (n, p) in enumerate(model.named_parameters()):
             names.setdefault(id(p), n)
+            order[id(p)] = i
     infos, seen, index = [], set(), 0
     for gi, group in enumerate(param_groups):
-        for p in group["params"]:
+        for k, p in enumerate(group["params"]):
             pos = index
             index += 1
             if id(p) in seen or not p.requires_grad:
                 continue
+            if model is not None and id(p) not in order:
+                # Its forward order, and which module's forward waits for it, would be unknown.
+                what = repr(names[id(p)]) if id(p) in names else f"{k} of param group {gi}"
+                raise ValueError(f"SuperOffloadAdamW: parameter {what} (shape {tuple(p.shape)}) is not a parameter "
+                                 "of `model`: pass the model that holds every parameter, or no model")
             seen.add(id(p))
             infos.append(ParamInfo(p, names.get(id(p)), gi, pos))
     if not infos:
         raise ValueError("SuperOffloadAdamW got no trainable parameters")
     if model is not None:
-        order = {id(p): i for i, p in enumerate(model.parameters())}
-        infos.sort(key=lambda i: order.get(id(i.param), len(order)))
+        infos.sort(key=lambda i: order[id(i.param)])
     used = set()
     for k, info in enumerate(infos):
         name = info.name or f"param{k}"

@@ -110,6 +110,8 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             measured.
         model: the module holding the parameters: gives the forward order and names, and lets
             each module's forward wait only for its own sub-groups' weights (`wait="module"`).
+            Every trainable parameter given must be one of its parameters (ValueError naming
+            the one that is not).
         wait: "module" (per-module forward pre-hooks; needs `model`), "step" (everything waited
             for at the end of step(): on the GPU without blocking in CUDA mode, on the host in
             host mode) or "auto" ("module" with a model and no FSDP, else "step").
@@ -137,7 +139,19 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             as its memory holds, less a reserve, on the GPU for the rest), "host" (a pinned host
             buffer, 2 bytes per parameter with bf16) or "device" (a GPU buffer the library reads
             back in pieces for each pass: no host memory for it).
-        piece_bytes, host_memory_limit, bias_correction: passed to the session.
+        host_memory_limit: host bytes this optimizer may hold (0, the default: no limit; a whole
+            number >= 0): the f32 master weights and both moments it allocates (`memory()`) and
+            every buffer of the session (gradient buffers, copies, late gradients): what
+            `metrics()["host_bytes"]` reports. The parameters' own storage is not counted: it
+            existed before (in host mode the parameters become views of the master weights,
+            which are counted; their old storage is freed when nothing else holds it; under
+            host FSDP the f32 shards are the masters and are not counted), nor are device
+            memory and torch's temporaries. A limit the state cannot fit in is refused at
+            construction, before anything is allocated or re-pointed: a SuperOffloadError
+            (OUT_OF_RESOURCES) with the bytes needed and the options that lower them. Within
+            it, the session's automatic choices (`gradient_home`, `host_copy`) take what the
+            master weights and moments leave.
+        piece_bytes, bias_correction: passed to the session.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, max_grad_norm=0.0,
@@ -147,6 +161,8 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
                  gpu_fraction=0.0, gpu_budget_bytes="auto", nvtx=None, first_touch=True, host_copy="auto",
                  gradient_home="auto"):
         _options.check_arguments(lr, betas, max_grad_norm, accumulation_steps, gpu_fraction, moment_dtype, wait)
+        host_memory_limit = _options.host_memory_limit(host_memory_limit)
+        host_copy_name, gradient_home_name = host_copy, gradient_home
         host_copy, gradient_home = _options.choice("host_copy", host_copy, _abi.HostCopy), _options.choice(
             "gradient_home", gradient_home, _abi.GradientHome)
         params, names = _params.split_names(params)
@@ -201,18 +217,32 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         if gpu_budget_bytes and not self.cuda:
             raise ValueError("SuperOffloadAdamW: gpu_budget_bytes needs CUDA parameters")
 
+        dt = take_dtype or DTYPE_NAMES[self.param_dtype]
+        if copy_dtype == "auto":
+            copy_dtype = dt if self.cuda and dt != "f32" else "none"
+        device_placed = {id(i) for i in self._device_infos}
+        self._subgroups = _params.partition(infos, 0 if self.fsdp else int(sub_group_numel), device_placed)
+        _buffers.layout(self._subgroups, cuda=self.cuda, param_dtype=self.param_dtype, align_bytes=align_bytes)
+        masters = not (self.fsdp and not self.cuda)  # host FSDP: the f32 shards themselves are the masters
+        session_bytes, session_lower = _buffers.session_host_bytes(
+            self._subgroups, cuda=self.cuda, accum_dtype=dt, copy_dtype=copy_dtype, host_copy=host_copy_name,
+            gradient_home=gradient_home_name, grads_lent=take_dtype is not None)
+        # Checked before anything is allocated; the session then keeps its own buffers within what
+        # the lent master weights and moments leave of the limit (its 0 would mean no limit).
+        lent = _buffers.check_host_memory(self._subgroups, masters=masters, moment_dtype=moment_dtype,
+                                          session_bytes=session_bytes, session_lower=session_lower,
+                                          limit=host_memory_limit, grad_dtype=take_dtype)
+        session_limit = max(1, host_memory_limit - lent) if host_memory_limit else 0
+
         if cores is None:
             cores = _cores.rank_cores(cores_fraction, self.device.index if self.cuda else None)
         self.cores = list(cores) if cores is not None else None
         # The pool the session runs on; also used to first-touch the host state (NUMA).
         self._pool = _core.Pool(0, self.cores) if self.cores else None
-        dt = take_dtype or DTYPE_NAMES[self.param_dtype]
-        if copy_dtype == "auto":
-            copy_dtype = dt if self.cuda and dt != "f32" else "none"
         self.session = _core.Session(
             cuda=self.cuda, device=(self.device.index or 0) if self.cuda else 0, speculation=speculation,
             mode="adamw", bias_correction=bias_correction, grad_dtype=dt, accum_dtype=dt, moment_dtype=moment_dtype,
-            copy_dtype=copy_dtype, pool=self._pool, host_memory_limit=int(host_memory_limit),
+            copy_dtype=copy_dtype, pool=self._pool, host_memory_limit=session_limit,
             piece_bytes=int(piece_bytes), loss_scaler=loss_scaler, gpu_budget_bytes=gpu_budget_bytes,
             host_copy=host_copy, gradient_home=gradient_home)
         self._accum_torch = TORCH_DTYPES[dt]
@@ -224,12 +254,10 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         if self.cuda:
             self._copy_stream = torch.cuda.ExternalStream(self.session.copy_stream(), device=self.device)
 
-        device_placed = {id(i) for i in self._device_infos}
-        self._subgroups = _params.partition(infos, 0 if self.fsdp else int(sub_group_numel), device_placed)
         self._master_arena = _buffers.register(
             self.session, self._subgroups, device=self.device, param_dtype=self.param_dtype,
-            moment_dtype=moment_dtype, fsdp=self.fsdp, align_bytes=align_bytes, pool=self._pool,
-            touch=bool(first_touch), grad_dtype=take_dtype, pinned_grads=compute is not None and compute.type == "cuda")
+            moment_dtype=moment_dtype, fsdp=self.fsdp, masters=masters, pool=self._pool, touch=bool(first_touch),
+            grad_dtype=take_dtype, pinned_grads=compute is not None and compute.type == "cuda")
         self._all_sgs = [sg.id for sg in self._subgroups]
         if take_dtype:
             self._taker = _fsdp.GradientTaker(self._fsdp_modules, self._by_param, self.accumulation_steps,
@@ -577,15 +605,16 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         device_stepped counts, forward_wait_s, ...) and `step`; seconds the training thread spent
         in hand-offs, in step() and waiting for weights (host mode) since the step before
         (handoff_s, step_call_s, wait_s; their sum with forward_wait_s in CUDA mode: exposed_s);
-        pinned and host bytes, device bytes of GPU-resident state (device_bytes) and, in CUDA mode,
-        the automatic split's budget (gpu_budget_bytes; with "auto", from when it was chosen on).
+        pinned bytes, host bytes (host_bytes: what `host_memory_limit` bounds, as in
+        `memory()`), device bytes of GPU-resident state (device_bytes) and, in CUDA mode, the
+        automatic split's budget (gpu_budget_bytes; with "auto", from when it was chosen on).
         {} before the first step."""
         r = self.last_step_result(wait=wait)
         if r is None:
             return {}
         budget = self.session.gpu_budget() if self.cuda and not self.session.closed else None
         return metrics(r, self._times.last, cuda=self.cuda, pinned_bytes=self.session.pinned_bytes(),
-                       host_bytes=self.session.host_bytes() + self._master_bytes() + self._grad_bytes(),
+                       host_bytes=self.memory()["host_bytes"],
                        device_bytes=self._device_state_bytes(), gpu_budget_bytes=budget)
 
     def loss_scale(self):
@@ -620,18 +649,22 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         return self.session.device_bytes() if self.cuda and not self.session.closed else 0
 
     def memory(self):
-        """Host bytes: the session's allocations (moments, gradient buffers, copies), the master
-        weights and moments this optimizer allocated, page-locked bytes, and bytes per offloaded
-        parameter; GPU-resident parameters and the session's device bytes (their f32 master and
-        moment bytes, and staging buffers)."""
+        """Host bytes: the session's allocations (gradient buffers, copies, late gradients), the
+        master weights and moments this optimizer allocated, their sum (`host_bytes`, what
+        `host_memory_limit` bounds: under host FSDP without the shards, which are the masters),
+        page-locked bytes, and bytes per offloaded parameter;
+        GPU-resident parameters and the session's device bytes (their f32 master and moment
+        bytes, and staging buffers)."""
         gpu = sum(i.numel for i in self._device_infos)
         numel = sum(i.numel for i in self._infos) - gpu
         master = self._master_bytes()
         moments = sum(sg.exp_avg.numel() * sg.exp_avg.element_size() * 2 for sg in self._subgroups)
         session = self.session.host_bytes()
+        lent_master = master if self._master_arena is not None else 0  # host FSDP: the shards are the masters
         grads = self._grad_bytes()
         return {"params": numel, "session_host_bytes": session, "master_bytes": master, "moment_bytes": moments,
-                "grad_bytes": grads, "host_bytes_per_param": (session + master + moments + grads) / max(numel, 1),
+                "grad_bytes": grads, "host_bytes": session + lent_master + moments + grads,
+                "host_bytes_per_param": (session + master + moments + grads) / max(numel, 1),
                 "pinned_bytes": self.session.pinned_bytes(), "gpu_resident_params": gpu,
                 "gpu_resident_bytes": self._device_state_bytes()}
 
