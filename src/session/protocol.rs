@@ -281,13 +281,15 @@ impl Session {
     }
 
     /// Records that the caller wrote a slice's gradient (accumulated, for later
-    /// micro-steps) directly into its sub-group's caller-provided gradient buffer; at the
-    /// last micro-step its sum of squares is taken here, on the calling thread.
+    /// micro-steps) directly into its sub-group's caller-provided gradient buffer. Its sum of
+    /// squares is taken on the pool when the CPU-Adam thread first needs it (the speculative
+    /// step or the preparation), not on the calling thread: one thread reading a large
+    /// gradient would hold the next hand-off up for longer than the pool takes.
     pub fn grad_written(&self, slice: u32) -> Result<Option<Ticket>> {
         let mut t = self.lock();
         let (micro, micro_steps) = backward_phase(&t, "grad_written")?;
         let info = t.reg.slice(slice, None)?;
-        let (index, range, sg_id) = (info.index, info.range.clone(), info.sg);
+        let (index, sg_id) = (info.index, info.sg);
         let track = t.reg.track(sg_id)?;
         let (sg, final_ticket) = (track.sg.clone(), track.final_ticket);
         if sg.data.lock().unwrap().grad.as_ref().is_none_or(|g| g.is_owned()) {
@@ -304,10 +306,7 @@ impl Session {
             )));
         }
         if micro + 1 == micro_steps {
-            let mut data = sg.data.lock().unwrap();
-            let grad = data.grad.as_ref().expect("a lent gradient buffer");
-            let sumsq = kernels::grad_sumsq_here(grad.range(range), unscale_factor(t.loss_scale))?;
-            data.sumsq[index] = Some(HandedSumsq::Known(sumsq));
+            sg.data.lock().unwrap().sumsq[index] = None;
         }
         Ok(self.mark_gradient(&mut t, slice, &sg, micro, micro_steps))
     }
