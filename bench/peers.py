@@ -143,6 +143,8 @@ def main():
     ap.add_argument("--baseline", metavar="PEERS_JSON",
                     help="take the uncapped torch-gpu-adamw rows from an earlier run's peers.json instead of "
                          "running them")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="run no baseline (capacity runs of models it cannot train; the rows have no ratio)")
     ap.add_argument("--retry-failed", action="store_true",
                     help="run a system again for the later models and caps after it failed")
     ap.add_argument("--ranks", type=int, default=1,

@@ -153,8 +153,9 @@ def runner_main(args):
     os.makedirs(args.out, exist_ok=True)
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
         sys.exit(f"peers.py: --ranks {args.ranks} needs as many GPUs; this machine has {torch.cuda.device_count()}")
+    # --no-baseline: capacity runs of a model no baseline can train (its rows have no ratio).
     rows = load_baseline(args.baseline, models, clips, args.ranks) if args.baseline else []
-    jobs = plan(systems, models, caps, clips, bool(rows), args.ranks)
+    jobs = plan(systems, models, caps, clips, bool(rows) or args.no_baseline, args.ranks)
     header = host_header(args)
     for r in rows:
         note_machine(header, r)
