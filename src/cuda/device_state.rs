@@ -5,7 +5,7 @@ use super::driver::{self, CUdeviceptr, CUstream, Kernels, dtype_code};
 use super::faults;
 use super::memory::{DeviceBuffer, floats_mut_ptr};
 use crate::error::{Error, Result};
-use crate::kernels::DType;
+use crate::kernels::{DType, device_constants};
 use crate::session::{DevicePass, HostState};
 
 /// The master weights (f32), moments and gradient of a device-placed sub-group, freed on drop.
@@ -97,7 +97,7 @@ impl DeviceState {
         if op != 0 && self.moment_dtype != DType::F32 {
             return Err(Error::unsupported("a rollback or rescale on the device needs f32 moments"));
         }
-        let (k, l2) = hp.device_constants();
+        let (k, l2) = device_constants(&hp);
         let (mut p, mut g, mut m, mut v, mut out) =
             (self.master.ptr(), self.grad.ptr(), self.exp_avg.ptr(), self.exp_avg_sq.ptr(), param.ptr);
         let mut n = param.numel as u64;
