@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 
 const MAX_LINES: usize = 650;
 
-/// Cycles not yet taken apart, each as the sorted names of its modules (issue 43). The test
+/// Cycles not yet taken apart, each as the sorted names of its modules (issue 43): both run
+/// through a `mod.rs` that defines what its children use and imports from them. The test
 /// fails on any other, and on one listed here that is gone.
 const KNOWN_CYCLES: &[&[&str]] = &[
     &[
@@ -27,7 +28,6 @@ const KNOWN_CYCLES: &[&[&str]] = &[
     &[
         "session",
         "session::finalize",
-        "session::passes",
         "session::plans",
         "session::policy",
         "session::provision",
@@ -35,14 +35,17 @@ const KNOWN_CYCLES: &[&[&str]] = &[
         "session::registry",
         "session::scaler",
         "session::scheduler",
+        "session::speculation",
         "session::subgroup",
+        "session::subgroup_ops",
         "session::transport",
         "session::types",
+        "session::worker",
     ],
 ];
 
 /// Files over [`MAX_LINES`] not yet split (issue 43).
-const KNOWN_LONG: &[&str] = &["src/session/policy.rs"];
+const KNOWN_LONG: &[&str] = &[];
 
 type ModPath = Vec<String>;
 
