@@ -10,6 +10,7 @@
  * | superoffload/version.hpp    | the C header, the C++17 check, ABI and library versions          |
  * | superoffload/error.hpp      | Error, check(), last_error_message(), status_str()               |
  * | superoffload/types.hpp      | the C enumerations (DType, Isa, Mode, ...), bf16, f16, dtype_of  |
+ * | superoffload/handle.hpp     | OwnedHandle, the ownership Pool and Session share                |
  * | superoffload/pool.hpp       | PoolOptions, PoolInfo, Pool, PoolRef                             |
  * | superoffload/kernels.hpp    | Hparams, UpdateOptions, AdamBuffers, adam_update, grad_sumsq ... |
  * | superoffload/ticket.hpp     | Ticket, Timeout, forever, TicketStatus                           |
@@ -76,6 +77,7 @@
 #include "superoffload/version.hpp"
 #include "superoffload/error.hpp"
 #include "superoffload/types.hpp"
+#include "superoffload/handle.hpp"
 #include "superoffload/pool.hpp"
 #include "superoffload/kernels.hpp"
 #include "superoffload/ticket.hpp"

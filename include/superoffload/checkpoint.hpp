@@ -36,7 +36,7 @@ struct SubgroupState : so_subgroup_state {
  */
 inline void Session::save(const std::string& path) {
     detail::check_c_string(path, "the path", "Session::save");
-    check(so_session_save(handle_.get(), path.c_str()));
+    check(so_session_save(raw(), path.c_str()));
 }
 
 /**
@@ -46,7 +46,7 @@ inline void Session::save(const std::string& path) {
  */
 inline void Session::load(const std::string& path) {
     detail::check_c_string(path, "the path", "Session::load");
-    check(so_session_load(handle_.get(), path.c_str()));
+    check(so_session_load(raw(), path.c_str()));
 }
 
 /**
@@ -56,7 +56,7 @@ inline void Session::load(const std::string& path) {
  */
 inline SubgroupState Session::subgroup_state(std::uint32_t subgroup) const {
     SubgroupState state;
-    check(so_session_get_subgroup_state(handle_.get(), subgroup, &state));
+    check(so_session_get_subgroup_state(raw(), subgroup, &state));
     return state;
 }
 
@@ -66,7 +66,7 @@ inline SubgroupState Session::subgroup_state(std::uint32_t subgroup) const {
  * @throws Error `SO_STATUS_NOT_FOUND`, `SO_STATUS_INVALID_STATE` (during a step).
  */
 inline void Session::set_step_count(std::uint32_t subgroup, std::uint64_t count) {
-    check(so_session_set_step_count(handle_.get(), subgroup, count));
+    check(so_session_set_step_count(raw(), subgroup, count));
 }
 
 } // namespace superoffload

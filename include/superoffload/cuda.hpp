@@ -41,27 +41,27 @@ inline Session Session::create_cuda(const SessionOptions& options, const CudaOpt
 
 /** @throws Error `SO_STATUS_UNSUPPORTED` (a host session, non-f32 master weights), and the others of the C call. */
 inline void Session::set_placement(std::uint32_t subgroup, Placement placement) {
-    check(so_session_set_placement(handle_.get(), subgroup, placement));
+    check(so_session_set_placement(raw(), subgroup, placement));
 }
 
 /** @throws Error only for an empty handle. */
 inline std::size_t Session::device_bytes() const {
     std::size_t bytes = 0;
-    check(so_session_device_bytes(handle_.get(), &bytes));
+    check(so_session_device_bytes(raw(), &bytes));
     return bytes;
 }
 
 /** @throws Error only for an empty handle. */
 inline std::optional<std::uint64_t> Session::gpu_budget() const {
     std::uint64_t bytes = 0;
-    check(so_session_gpu_budget(handle_.get(), &bytes));
+    check(so_session_gpu_budget(raw(), &bytes));
     if (bytes == SO_GPU_BUDGET_AUTO) return std::nullopt;
     return bytes;
 }
 
 /** @throws Error only for an empty handle. */
 inline void Session::limit_device_memory(std::optional<std::uint64_t> limit_bytes) {
-    check(so_session_limit_device_memory(handle_.get(), limit_bytes.value_or(SO_DEVICE_MEMORY_UNLIMITED)));
+    check(so_session_limit_device_memory(raw(), limit_bytes.value_or(SO_DEVICE_MEMORY_UNLIMITED)));
 }
 
 /**
@@ -74,7 +74,7 @@ inline void Session::limit_device_memory(std::optional<std::uint64_t> limit_byte
 inline Ticket Session::grad_device(std::uint32_t slice, so_device_ptr grad, std::size_t numel, DType dtype,
                                    so_cuda_stream_t stream) {
     Ticket ticket = no_ticket;
-    check(so_session_grad_device(handle_.get(), slice, grad, numel, dtype, stream, &ticket));
+    check(so_session_grad_device(raw(), slice, grad, numel, dtype, stream, &ticket));
     return ticket;
 }
 
@@ -83,7 +83,7 @@ inline Ticket Session::grad_device(std::uint32_t slice, so_device_ptr grad, std:
  * @throws Error `SO_STATUS_INVALID_STATE` for a host session, `SO_STATUS_STREAM_CAPTURING`.
  */
 inline void Session::set_compute_stream(so_cuda_stream_t stream) {
-    check(so_session_set_compute_stream(handle_.get(), stream));
+    check(so_session_set_compute_stream(raw(), stream));
 }
 
 /**
@@ -91,20 +91,20 @@ inline void Session::set_compute_stream(so_cuda_stream_t stream) {
  * @throws Error `SO_STATUS_NOT_FOUND` (a ticket never issued), the CUDA statuses.
  */
 inline void Session::enqueue_wait(Ticket ticket, so_cuda_stream_t stream) const {
-    check(so_ticket_enqueue_wait(handle_.get(), ticket, stream));
+    check(so_ticket_enqueue_wait(raw(), ticket, stream));
 }
 
 /** Every gradient copy ends on it (for record_stream). @throws Error `SO_STATUS_INVALID_STATE` for a host session. */
 inline so_cuda_stream_t Session::copy_stream() const {
     so_cuda_stream_t stream = nullptr;
-    check(so_session_copy_stream(handle_.get(), &stream));
+    check(so_session_copy_stream(raw(), &stream));
     return stream;
 }
 
 /** @throws Error only for an empty handle. */
 inline std::size_t Session::pinned_bytes() const {
     std::size_t bytes = 0;
-    check(so_session_pinned_bytes(handle_.get(), &bytes));
+    check(so_session_pinned_bytes(raw(), &bytes));
     return bytes;
 }
 

@@ -6,6 +6,7 @@
 #define SUPEROFFLOAD_POOL_HPP
 
 #include "error.hpp"
+#include "handle.hpp"
 #include "types.hpp"
 
 #include <cstddef>
@@ -89,7 +90,7 @@ class PoolRef;
  * Pool, or a PoolRef to it). The Pool object itself must not be moved, reset or destroyed
  * while another thread uses it.
  */
-class Pool {
+class Pool : public detail::OwnedHandle<Pool, so_pool, so_pool_destroy> {
 public:
     /** An empty pool handle (nothing to destroy). @note Never throws. */
     Pool() noexcept = default;
@@ -108,27 +109,8 @@ public:
         return adopt(out);
     }
 
-    /**
-     * Takes ownership of a handle from `so_pool_create` (or nullptr, giving an empty Pool).
-     * @note Never throws.
-     */
-    [[nodiscard]] static Pool adopt(so_pool* raw) noexcept {
-        Pool pool;
-        pool.handle_.reset(raw);
-        return pool;
-    }
-
-    /** Whether this handle owns a pool. @note Never throws. */
-    explicit operator bool() const noexcept { return handle_ != nullptr; }
-
-    /** The C handle, still owned by this object (nullptr when empty). @note Never throws. */
-    [[nodiscard]] so_pool* raw() const noexcept { return handle_.get(); }
-
-    /** Gives up ownership: returns the C handle (the caller must `so_pool_destroy` it). @note Never throws. */
-    [[nodiscard]] so_pool* release() noexcept { return handle_.release(); }
-
-    /** Destroys the owned pool now (joining its threads), leaving this handle empty. @note Never throws. */
-    void reset() noexcept { handle_.reset(); }
+    // adopt, operator bool, raw, release (the caller must then `so_pool_destroy` the handle)
+    // and reset (which joins the pool's threads) are OwnedHandle's.
 
     /**
      * The pool's instruction set, thread count and pinning (`so_pool_get_info`).
@@ -136,12 +118,6 @@ public:
      *         silently describe the default pool).
      */
     [[nodiscard]] PoolInfo info() const;
-
-private:
-    struct Deleter {
-        void operator()(so_pool* pool) const noexcept { so_pool_destroy(pool); }
-    };
-    std::unique_ptr<so_pool, Deleter> handle_;
 };
 
 /**

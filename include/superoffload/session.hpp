@@ -11,6 +11,7 @@
 #define SUPEROFFLOAD_SESSION_HPP
 
 #include "error.hpp"
+#include "handle.hpp"
 #include "pool.hpp"
 #include "session_types.hpp"
 #include "ticket.hpp"
@@ -56,7 +57,7 @@ struct SubgroupState; // superoffload/checkpoint.hpp
  * serialises them), but the Session object itself must not be moved, reset or destroyed
  * while another thread uses it.
  */
-class Session {
+class Session : public detail::OwnedHandle<Session, so_session, so_session_destroy> {
 public:
     /** An empty session handle (nothing to destroy). @note Never throws. */
     Session() noexcept = default;
@@ -96,24 +97,14 @@ public:
      * @note Never throws.
      */
     [[nodiscard]] static Session adopt(so_session* raw, DType grad_dtype, DType accum_dtype) noexcept {
-        Session session;
-        session.handle_.reset(raw);
+        Session session = OwnedHandle::adopt(raw);
         session.grad_dtype_ = grad_dtype;
         session.accum_dtype_ = accum_dtype;
         return session;
     }
 
-    /** Whether this handle owns a session. @note Never throws. */
-    explicit operator bool() const noexcept { return handle_ != nullptr; }
-
-    /** The C handle, still owned by this object (nullptr when empty). @note Never throws. */
-    [[nodiscard]] so_session* raw() const noexcept { return handle_.get(); }
-
-    /** Gives up ownership: returns the C handle (the caller must `so_session_destroy` it). @note Never throws. */
-    [[nodiscard]] so_session* release() noexcept { return handle_.release(); }
-
-    /** Destroys the owned session now (waiting for its queued work), leaving this handle empty. */
-    void reset() noexcept { handle_.reset(); }
+    // operator bool, raw, release (the caller must then `so_session_destroy` the handle) and
+    // reset (which waits for the session's queued work) are OwnedHandle's.
 
     /** The dtype grad_copy expects (SessionOptions::grad_dtype). @note Never throws. */
     [[nodiscard]] DType grad_dtype() const noexcept { return grad_dtype_; }
@@ -129,7 +120,7 @@ public:
      */
     std::uint32_t add_group(const GroupHparams& hparams = {}) {
         std::uint32_t id = 0;
-        check(so_session_add_group(handle_.get(), &hparams, &id));
+        check(so_session_add_group(raw(), &hparams, &id));
         return id;
     }
 
@@ -139,13 +130,13 @@ public:
      * @throws Error `SO_STATUS_NOT_FOUND` (unknown group), `SO_STATUS_INVALID_ARGUMENT`.
      */
     void set_group(std::uint32_t group, const GroupHparams& hparams) {
-        check(so_session_set_group(handle_.get(), group, &hparams));
+        check(so_session_set_group(raw(), group, &hparams));
     }
 
     /** A group's current hyperparameters (`so_session_get_group`). @throws Error `SO_STATUS_NOT_FOUND`. */
     [[nodiscard]] GroupHparams group(std::uint32_t group) const {
         GroupHparams out;
-        check(so_session_get_group(handle_.get(), group, &out));
+        check(so_session_get_group(raw(), group, &out));
         return out;
     }
 
@@ -177,7 +168,7 @@ public:
     template <class T, class A, std::enable_if_t<is_element_v<T> && is_element_v<A>, int> = 0>
     std::uint32_t add_subgroup(std::uint32_t group, T* master, std::size_t numel, const std::vector<Slice>& slices,
                                A* grad) {
-        if (handle_ && dtype_of<A>::value != accum_dtype_) {
+        if (raw() && dtype_of<A>::value != accum_dtype_) {
             throw Error(SO_STATUS_INVALID_ARGUMENT, std::string("superoffload::Session::add_subgroup: the gradient "
                                                                 "buffer is ") +
                                                         detail::dtype_name(dtype_of<A>::value) +
@@ -221,7 +212,7 @@ public:
      */
     std::uint32_t add_subgroup(const so_subgroup_desc& desc) {
         std::uint32_t id = 0;
-        check(so_session_add_subgroup(handle_.get(), &desc, &id));
+        check(so_session_add_subgroup(raw(), &desc, &id));
         return id;
     }
 
@@ -231,7 +222,7 @@ public:
      * not used after this returns.
      * @throws Error `SO_STATUS_NOT_FOUND`, `SO_STATUS_INVALID_STATE` (during a step).
      */
-    void remove_subgroup(std::uint32_t subgroup) { check(so_session_remove_subgroup(handle_.get(), subgroup)); }
+    void remove_subgroup(std::uint32_t subgroup) { check(so_session_remove_subgroup(raw(), subgroup)); }
 
     /**
      * The id of a slice (`so_session_slice_id`; stable for the session's lifetime: look it up
@@ -240,7 +231,7 @@ public:
     [[nodiscard]] std::uint32_t slice_id(const std::string& name) const {
         detail::check_c_string(name, "the slice name", "Session::slice_id");
         std::uint32_t id = 0;
-        check(so_session_slice_id(handle_.get(), name.c_str(), &id));
+        check(so_session_slice_id(raw(), name.c_str(), &id));
         return id;
     }
 
@@ -254,14 +245,14 @@ public:
      *         `SO_STATUS_INVALID_ARGUMENT` (bad scale, 0 micro-steps).
      */
     void begin_step(float loss_scale = 0.0f, std::uint32_t micro_steps = 1) {
-        check(so_session_begin_step(handle_.get(), loss_scale, micro_steps));
+        check(so_session_begin_step(raw(), loss_scale, micro_steps));
     }
 
     /**
      * Moves to the next micro-step (`so_session_next_micro_step`).
      * @throws Error `SO_STATUS_INVALID_STATE` (beyond the count, or no step).
      */
-    void next_micro_step() { check(so_session_next_micro_step(handle_.get())); }
+    void next_micro_step() { check(so_session_next_micro_step(raw())); }
 
     /**
      * Hands over a slice's gradient by copy (`so_session_grad_copy`): `numel` elements of
@@ -287,13 +278,13 @@ public:
      * tensor's data pointer). @throws Error as the typed form.
      */
     Ticket grad_copy(std::uint32_t slice, const void* grad, DType dtype, std::size_t numel) {
-        if (handle_ && dtype != grad_dtype_) {
+        if (raw() && dtype != grad_dtype_) {
             throw Error(SO_STATUS_INVALID_ARGUMENT,
                         std::string("superoffload::Session::grad_copy: the gradient is ") + detail::dtype_name(dtype) +
                             " but the session's grad_dtype is " + detail::dtype_name(grad_dtype_));
         }
         Ticket ticket = no_ticket;
-        check(so_session_grad_copy(handle_.get(), slice, grad, numel, &ticket));
+        check(so_session_grad_copy(raw(), slice, grad, numel, &ticket));
         return ticket;
     }
 
@@ -307,7 +298,7 @@ public:
      */
     Ticket grad_written(std::uint32_t slice) {
         Ticket ticket = no_ticket;
-        check(so_session_grad_written(handle_.get(), slice, &ticket));
+        check(so_session_grad_written(raw(), slice, &ticket));
         return ticket;
     }
 
@@ -332,7 +323,7 @@ public:
      */
     [[nodiscard]] std::optional<double> local_grad_sumsq(Timeout timeout) {
         double sumsq = 0.0;
-        const so_status st = so_session_local_grad_sumsq(handle_.get(), timeout.c_ns(), &sumsq);
+        const so_status st = so_session_local_grad_sumsq(raw(), timeout.c_ns(), &sumsq);
         if (st == SO_STATUS_TIMEOUT) {
             return std::nullopt;
         }
@@ -349,7 +340,7 @@ public:
      */
     Ticket step(const StepArgs& args = {}) {
         Ticket ticket = no_ticket;
-        check(so_session_step(handle_.get(), &args, &ticket));
+        check(so_session_step(raw(), &args, &ticket));
         return ticket;
     }
 
@@ -373,7 +364,7 @@ public:
      */
     [[nodiscard]] std::optional<StepResult> step_result(Ticket ticket, Timeout timeout) const {
         StepResult result;
-        const so_status st = so_session_step_result(handle_.get(), ticket, timeout.c_ns(), &result);
+        const so_status st = so_session_step_result(raw(), ticket, timeout.c_ns(), &result);
         if (st == SO_STATUS_TIMEOUT) {
             return std::nullopt;
         }
@@ -389,7 +380,7 @@ public:
      */
     [[nodiscard]] Ticket final_ticket(std::uint32_t subgroup) const {
         Ticket ticket = no_ticket;
-        check(so_session_final_ticket(handle_.get(), subgroup, &ticket));
+        check(so_session_final_ticket(raw(), subgroup, &ticket));
         return ticket;
     }
 
@@ -399,7 +390,7 @@ public:
      */
     [[nodiscard]] std::uint64_t step_count(std::uint32_t subgroup) const {
         std::uint64_t count = 0;
-        check(so_session_step_count(handle_.get(), subgroup, &count));
+        check(so_session_step_count(raw(), subgroup, &count));
         return count;
     }
 
@@ -409,14 +400,14 @@ public:
      */
     [[nodiscard]] float loss_scale() const {
         float scale = 0.0f;
-        check(so_session_loss_scale(handle_.get(), &scale));
+        check(so_session_loss_scale(raw(), &scale));
         return scale;
     }
 
     /** Host bytes the session allocated (`so_session_host_bytes`). @throws Error only for an empty handle. */
     [[nodiscard]] std::size_t host_bytes() const {
         std::size_t bytes = 0;
-        check(so_session_host_bytes(handle_.get(), &bytes));
+        check(so_session_host_bytes(raw(), &bytes));
         return bytes;
     }
 
@@ -429,7 +420,7 @@ public:
      *         a state), `SO_STATUS_NULL_ARGUMENT` for an empty handle.
      */
     [[nodiscard]] TicketStatus query(Ticket ticket) const {
-        const so_status st = so_ticket_query(handle_.get(), ticket);
+        const so_status st = so_ticket_query(raw(), ticket);
         TicketStatus out;
         switch (st) {
         case SO_STATUS_OK: out.state = TicketState::Done; return out;
@@ -463,7 +454,7 @@ public:
      * @throws Error as wait(ticket).
      */
     [[nodiscard]] bool wait(Ticket ticket, Timeout timeout) const {
-        const so_status st = so_ticket_wait(handle_.get(), ticket, timeout.c_ns());
+        const so_status st = so_ticket_wait(raw(), ticket, timeout.c_ns());
         if (st == SO_STATUS_TIMEOUT) {
             return false;
         }
@@ -487,7 +478,7 @@ public:
      * @throws Error as wait_all(ticket).
      */
     [[nodiscard]] bool wait_all(Ticket ticket, Timeout timeout) const {
-        const so_status st = so_ticket_wait_all(handle_.get(), ticket, timeout.c_ns());
+        const so_status st = so_ticket_wait_all(raw(), ticket, timeout.c_ns());
         if (st == SO_STATUS_TIMEOUT) {
             return false;
         }
@@ -557,7 +548,7 @@ public:
      * Starts (clearing an earlier one) or stops recording a timeline of the session's work
      * (`so_session_trace`).
      */
-    void trace(bool enable) { check(so_session_trace(handle_.get(), enable)); }
+    void trace(bool enable) { check(so_session_trace(raw(), enable)); }
 
     /**
      * Writes the recorded timeline as Chrome trace JSON (`so_session_trace_save`).
@@ -565,7 +556,7 @@ public:
      */
     void save_trace(const std::string& path) const {
         detail::check_c_string(path, "the path", "Session::save_trace");
-        check(so_session_trace_save(handle_.get(), path.c_str()));
+        check(so_session_trace_save(raw(), path.c_str()));
     }
 
     // ---- checkpoints and state (defined in superoffload/checkpoint.hpp) ---------------
@@ -606,10 +597,6 @@ private:
         return add_subgroup(desc);
     }
 
-    struct Deleter {
-        void operator()(so_session* session) const noexcept { so_session_destroy(session); }
-    };
-    std::unique_ptr<so_session, Deleter> handle_;
     DType grad_dtype_ = DType::F32;
     DType accum_dtype_ = DType::F32;
 };

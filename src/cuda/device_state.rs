@@ -1,11 +1,11 @@
 //! Device-resident state: the master weights, moments and gradient of a device-placed
 //! sub-group, their copies to and from the host, and the GPU Adam step over them.
 
-use super::driver::{self, CUdeviceptr, CUstream, Kernels, dtype_code};
-use super::faults;
+use super::driver::{self, CUdeviceptr, CUresult, CUstream, Kernels, dtype_code};
+use super::faults::{self, Verdict};
 use super::memory::{DeviceBuffer, floats_mut_ptr};
 use crate::error::{Error, Result};
-use crate::kernels::DType;
+use crate::kernels::{DType, device_constants};
 use crate::session::{DevicePass, HostState};
 
 /// The master weights (f32), moments and gradient of a device-placed sub-group, freed on drop.
@@ -52,7 +52,9 @@ impl DeviceState {
 
     /// Queues the copies of the host state into this one on `stream`; the caller waits.
     pub(crate) fn upload(&self, host: &mut HostState<'_>, stream: CUstream) -> Result<()> {
-        faults::upload_refused()?;
+        if faults::upload() == Verdict::Refuse {
+            return Err(driver::failure("cuMemcpyHtoDAsync", CUresult::CUDA_ERROR_INVALID_VALUE));
+        }
         for (dst, src) in [
             (&self.master, &mut host.master),
             (&self.exp_avg, &mut host.exp_avg),
@@ -97,7 +99,7 @@ impl DeviceState {
         if op != 0 && self.moment_dtype != DType::F32 {
             return Err(Error::unsupported("a rollback or rescale on the device needs f32 moments"));
         }
-        let (k, l2) = hp.device_constants();
+        let (k, l2) = device_constants(&hp);
         let (mut p, mut g, mut m, mut v, mut out) =
             (self.master.ptr(), self.grad.ptr(), self.exp_avg.ptr(), self.exp_avg_sq.ptr(), param.ptr);
         let mut n = param.numel as u64;

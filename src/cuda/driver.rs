@@ -9,12 +9,11 @@ use std::sync::OnceLock;
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
+use super::faults::{self, Verdict};
 use crate::error::{Error, Result, Status};
 use crate::kernels::DType;
 
-#[cfg(feature = "fault-injection")]
-pub(crate) use sys::CUresult;
-pub(crate) use sys::{CUdeviceptr, CUevent, CUstream};
+pub(crate) use sys::{CUdeviceptr, CUevent, CUresult, CUstream};
 
 /// A raw driver handle that may cross threads (the driver allows it; we serialise use).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,8 +55,7 @@ fn check<T>(r: std::result::Result<T, DriverError>, what: &str) -> Result<T> {
     r.map_err(|e| Error::new(Status::CudaError, format!("{what} failed: {}", name(e))))
 }
 
-/// The error `call` would report had the driver returned `code` (fault injection).
-#[cfg(feature = "fault-injection")]
+/// The error `call` would report had the driver returned `code` (a call a fault switch refused).
 pub(crate) fn failure(call: &str, code: CUresult) -> Error {
     check::<()>(Err(DriverError(code)), call).unwrap_err()
 }
@@ -217,7 +215,9 @@ pub(crate) fn host_register(ptr: *mut u8, bytes: usize) -> Result<bool> {
     if unsafe { sys::cuMemHostGetFlags(&mut flags, ptr.cast()) } == sys::CUresult::CUDA_SUCCESS {
         return Ok(false);
     }
-    super::faults::register_refused(bytes)?;
+    if faults::registration(bytes) == Verdict::Refuse {
+        return Err(failure("cuMemHostRegister", CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+    }
     // SAFETY: the caller guarantees the range is valid host memory.
     let r = unsafe { sys::cuMemHostRegister_v2(ptr.cast::<c_void>(), bytes, sys::CU_MEMHOSTREGISTER_PORTABLE) };
     if r == sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED {

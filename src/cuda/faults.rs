@@ -1,11 +1,15 @@
 //! Fault switches for the tests that prove the transport's failure paths (the GPU tests in
 //! `c_tests/`). They exist only with the cargo feature `fault-injection` (off by default;
 //! CMake: `-DSO_FAULT_INJECTION=ON`): a library built without it reads none of these
-//! environment variables and every switch is off.
+//! environment variables and every switch is off. A switch only says whether the call it
+//! guards fails; the caller builds the error that call would have returned.
 
-#[cfg(feature = "fault-injection")]
-use super::driver::{self, CUresult};
-use crate::error::Result;
+/// What a fault switch says of the call it guards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    Proceed,
+    Refuse,
+}
 
 /// Faults in the piece protocol of gradient copies, read once when a transport is created:
 /// `SUPEROFFLOAD_DEBUG_COPY=drop-last-piece` (the last piece is never copied) or
@@ -32,33 +36,33 @@ impl CopyFaults {
     }
 }
 
-/// Refuses a host registration of `bytes`, standing in for a pinned-memory limit:
+/// A host registration of `bytes`, refused as by a pinned-memory limit (out of memory):
 /// `SUPEROFFLOAD_DEBUG_REGISTER_LIMIT=<bytes>` refuses every larger one. Read at each call.
 #[cfg(feature = "fault-injection")]
-pub(crate) fn register_refused(bytes: usize) -> Result<()> {
+pub(crate) fn registration(bytes: usize) -> Verdict {
     let limit = std::env::var("SUPEROFFLOAD_DEBUG_REGISTER_LIMIT").ok().and_then(|v| v.parse::<usize>().ok());
     match limit {
-        Some(limit) if bytes > limit => Err(driver::failure("cuMemHostRegister", CUresult::CUDA_ERROR_OUT_OF_MEMORY)),
-        _ => Ok(()),
+        Some(limit) if bytes > limit => Verdict::Refuse,
+        _ => Verdict::Proceed,
     }
 }
 
 #[cfg(not(feature = "fault-injection"))]
-pub(crate) fn register_refused(_bytes: usize) -> Result<()> {
-    Ok(())
+pub(crate) fn registration(_bytes: usize) -> Verdict {
+    Verdict::Proceed
 }
 
-/// Fails the upload of a device-placed sub-group's state before its first copy:
-/// `SUPEROFFLOAD_DEBUG_UPLOAD=fail`. Read at each upload.
+/// The upload of a device-placed sub-group's state, failed before its first copy (an invalid
+/// value): `SUPEROFFLOAD_DEBUG_UPLOAD=fail`. Read at each upload.
 #[cfg(feature = "fault-injection")]
-pub(crate) fn upload_refused() -> Result<()> {
+pub(crate) fn upload() -> Verdict {
     match std::env::var("SUPEROFFLOAD_DEBUG_UPLOAD").as_deref() {
-        Ok("fail") => Err(driver::failure("cuMemcpyHtoDAsync", CUresult::CUDA_ERROR_INVALID_VALUE)),
-        _ => Ok(()),
+        Ok("fail") => Verdict::Refuse,
+        _ => Verdict::Proceed,
     }
 }
 
 #[cfg(not(feature = "fault-injection"))]
-pub(crate) fn upload_refused() -> Result<()> {
-    Ok(())
+pub(crate) fn upload() -> Verdict {
+    Verdict::Proceed
 }

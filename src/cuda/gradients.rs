@@ -5,12 +5,15 @@
 //! pinned host memory for the session to add.
 
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
-use super::driver::{self, CUdeviceptr, CUstream, dtype_code};
-use super::events::Event;
+use super::attached::SgDevice;
+use super::driver::{self, CUdeviceptr, CUstream, Kernels, Raw, dtype_code};
+use super::events::{Event, EventPool};
+use super::faults::CopyFaults;
 use super::memory::floats_mut_ptr;
 use super::partials::SumsqPartials;
-use super::transport::CudaTransport;
+use super::slots::{SLOTS, Slots};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{DType, Floats};
 use crate::session::{HandOff, HandedSumsq};
@@ -29,30 +32,72 @@ struct SumsqSource {
     copy: CUdeviceptr,
 }
 
-impl CudaTransport {
-    /// Queues the copy of a device gradient into the host place the session gave it (or, for
-    /// a device-placed sub-group, into its device gradient), and its sum of squares on the
-    /// GPU when the session asks for one. The caller's `stream` is where it was produced.
-    pub fn gradient_from_device(
+/// The transport's gradient copies: the streams they run on, the size of their pieces, the
+/// slots a gradient kept on the device is read back through, and the copy faults of the GPU
+/// fault tests. The transport owns one and hands it what the copies share with the rest of
+/// it (the kernels, the event pool, the attached sub-group).
+pub(super) struct GradientCopies {
+    /// Gradient copies; the first also carries the end of every copy sequence.
+    d2h: [Raw<CUstream>; 2],
+    /// Sums of squares and gradients that land on the device.
+    side: Raw<CUstream>,
+    piece_bytes: usize,
+    /// The session's accumulation dtype: of the gradients on the device.
+    accum_dtype: DType,
+    /// Pieces of gradients kept on the device, on their way to a pass.
+    slots: Mutex<Slots>,
+    faults: CopyFaults,
+    events: Arc<EventPool>,
+}
+
+impl GradientCopies {
+    pub(super) fn new(
+        d2h: [Raw<CUstream>; 2],
+        side: Raw<CUstream>,
+        piece_bytes: usize,
+        accum_dtype: DType,
+        events: Arc<EventPool>,
+    ) -> Self {
+        let slots = Mutex::new(Slots::new(SLOTS));
+        GradientCopies { d2h, side, piece_bytes, accum_dtype, slots, faults: CopyFaults::from_env(), events }
+    }
+
+    pub(super) fn accum_dtype(&self) -> DType {
+        self.accum_dtype
+    }
+
+    /// The stream every gradient copy ends on.
+    pub(super) fn copy_stream(&self) -> CUstream {
+        self.d2h[0].0
+    }
+
+    /// The stream of the sums of squares and of the writes into device gradients.
+    pub(super) fn side_stream(&self) -> CUstream {
+        self.side.0
+    }
+
+    /// The three streams, the copy stream first.
+    pub(super) fn streams(&self) -> [Raw<CUstream>; 3] {
+        [self.d2h[0], self.d2h[1], self.side]
+    }
+
+    /// Host bytes the slots page-locked.
+    pub(super) fn slot_bytes(&self) -> usize {
+        self.slots.lock().unwrap().bytes()
+    }
+
+    /// Queues the copy of a device gradient, produced on `stream`, into the host place the
+    /// session gave it (or into `dev`'s device gradient), and its sum of squares on the GPU
+    /// when the session asks for one.
+    pub(super) fn land(
         &self,
+        kernels: &Kernels,
+        dev: &mut SgDevice,
         h: HandOff<'_>,
         src: CUdeviceptr,
         dtype: DType,
         stream: CUstream,
     ) -> Result<Option<HandedSumsq>> {
-        if h.accumulate {
-            return Err(Error::unsupported(
-                "a CUDA session takes each slice's gradient once per step, at the last micro-step (accumulate \
-                 micro-steps on the GPU, as PyTorch does in .grad); only a late gradient may follow",
-            ));
-        }
-        if src == 0 {
-            return Err(Error::new(Status::NullArgument, "the device gradient is NULL"));
-        }
-        self.enter()?;
-        driver::refuse_capturing(stream)?;
-        let mut state = self.state.lock().unwrap();
-        let dev = state.attached_mut(h.sg)?;
         let size = dtype.size();
         // A gradient that stays on the device is copied there by the pass that sums it (once
         // the device step before, if any, has read the gradient there).
@@ -101,13 +146,13 @@ impl CudaTransport {
         let handed = match h.sumsq_scale {
             Some(scale) => {
                 let sumsq = SumsqSource { src, numel: h.range.len(), dtype, scale, copy: on_device.unwrap_or(0) };
-                self.queue_sumsq(&mut dev.partials, h.slice, sumsq)?;
+                self.queue_sumsq(kernels, &mut dev.partials, h.slice, sumsq)?;
                 Some(HandedSumsq::Deferred)
             }
             None => None,
         };
         if h.sumsq_scale.is_some() {
-            dev.partials.ready[h.slice] = Some(self.events.record(self.side.0)?);
+            dev.partials.set_ready(h.slice, self.events.record(self.side.0)?);
         }
         if side_used {
             // The copy stream ends every sequence: `record_stream` on it covers the reads of
@@ -121,34 +166,27 @@ impl CudaTransport {
         Ok(handed)
     }
 
-    /// Copies elements `range` of a gradient kept on the device to the host in pieces of at
-    /// most `piece` elements through the gradient slots, calling `f` on each in order while
-    /// the next ones are in flight (on the second copy stream).
-    pub(super) fn read_kept_gradient(
+    /// Copies elements `range` of the gradient kept on the device at `src` to the host in pieces of at most `piece` elements through the slots, calling `f` on
+    /// each in order while the next ones are in flight (on the second copy stream). A slot's
+    /// failure, a failure of queued work, goes to `note` too.
+    pub(super) fn read_kept(
         &self,
-        sg: u32,
+        src: CUdeviceptr,
         range: Range<usize>,
         piece: usize,
+        note: &dyn Fn(&Error),
         f: &mut dyn FnMut(usize, Floats<'_>) -> Result<()>,
     ) -> Result<()> {
-        self.enter()?;
         let size = self.accum_dtype.size();
-        let src = {
-            let state = self.state.lock().unwrap();
-            let d = state.attached(sg)?;
-            d.device_gradient_at(0).ok_or_else(|| {
-                Error::new(Status::InvalidState, format!("sub-group {sg} keeps no gradient on the device"))
-            })?
-        };
         let pieces: Vec<Range<usize>> =
             range.clone().step_by(piece.max(1)).map(|s| s..(s + piece).min(range.end)).collect();
         let stream = self.d2h[1].0;
-        let mut slots = self.gradient_slots.lock().unwrap();
-        self.noted(slots.reserve(piece * size))?;
+        let mut slots = self.slots.lock().unwrap();
+        slots.reserve(piece * size).inspect_err(note)?;
         let ahead = slots.len();
-        let queue = |slots: &mut super::slots::Slots, i: usize| -> Result<()> {
+        let queue = |slots: &mut Slots, i: usize| -> Result<()> {
             let p = &pieces[i];
-            let slot = self.noted(slots.ready(i % ahead))?;
+            let slot = slots.ready(i % ahead).inspect_err(note)?;
             driver::memcpy_dtoh_async(slot.ptr(), src + (p.start * size) as u64, p.len() * size, stream)?;
             slot.used_by(self.events.record(stream)?);
             Ok(())
@@ -157,7 +195,7 @@ impl CudaTransport {
             queue(&mut slots, i)?;
         }
         for (i, p) in pieces.iter().enumerate() {
-            let slot = self.noted(slots.ready(i % ahead))?;
+            let slot = slots.ready(i % ahead).inspect_err(note)?;
             f(p.start, slot.floats(self.accum_dtype, p.len()))?;
             if i + ahead < pieces.len() {
                 queue(&mut slots, i + ahead)?;
@@ -168,21 +206,26 @@ impl CudaTransport {
 
     /// Queues a slice's sum of squares on the side stream: block partials on the device, then
     /// their copy to the host.
-    fn queue_sumsq(&self, partials: &mut SumsqPartials, slice: usize, sumsq: SumsqSource) -> Result<()> {
-        let span = partials.spans[slice].clone();
-        let count = span.len();
+    fn queue_sumsq(
+        &self,
+        kernels: &Kernels,
+        partials: &mut SumsqPartials,
+        slice: usize,
+        sumsq: SumsqSource,
+    ) -> Result<()> {
+        let (count, out, host) = partials.slice_targets(slice);
         let SumsqSource { src: mut g, numel, dtype, mut scale, mut copy } = sumsq;
         let (mut n, mut code) = (numel as u64, dtype_code(dtype));
-        let (mut out, mut blocks) = (partials.dev.at(span.start * 8), count as u64);
+        let (mut out, mut blocks) = (out, count as u64);
         let threads = count * 8;
-        self.kernels.launch(
-            self.kernels.sumsq,
+        kernels.launch(
+            kernels.sumsq,
             threads.div_ceil(SUMSQ_THREADS) as u32,
             SUMSQ_THREADS as u32,
             self.side.0,
             &mut [&mut g, &mut n, &mut code, &mut scale, &mut out, &mut blocks, &mut copy],
         )?;
-        driver::memcpy_dtoh_async(partials.host.dst_at(span.start), out, count * 8, self.side.0)
+        driver::memcpy_dtoh_async(host, out, count * 8, self.side.0)
     }
 
     /// The device-to-host copy of one gradient, in pieces alternating the two copy streams,
@@ -210,21 +253,5 @@ impl CudaTransport {
             last.wait_in(self.d2h[0].0)?;
         }
         Ok(())
-    }
-
-    /// The sum of squares of a slice whose hand-off deferred it: waits for its partials and
-    /// adds them in block order, exactly as the CPU kernels add theirs.
-    pub(super) fn deferred_sumsq(&self, sg: u32, slice: usize) -> Result<f64> {
-        self.enter()?;
-        let ready = {
-            let mut state = self.state.lock().unwrap();
-            let dev = state.attached_mut(sg)?;
-            dev.partials.ready[slice].take()
-        }
-        .ok_or_else(|| Error::new(Status::Panic, format!("sub-group {sg} slice {slice}: no sum of squares queued")))?;
-        self.wait_and_free(vec![ready])?;
-        let state = self.state.lock().unwrap();
-        let partials = &state.attached(sg)?.partials;
-        Ok(partials.host.as_slice()[partials.spans[slice].clone()].iter().sum())
     }
 }

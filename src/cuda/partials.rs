@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use super::driver::CUdeviceptr;
 use super::events::Event;
 use super::memory::{DeviceBuffer, PinnedBox};
 use crate::error::Result;
@@ -14,11 +15,11 @@ pub(super) const SUMSQ_BLOCK: usize = 8192;
 /// host memory.
 pub(crate) struct SumsqPartials {
     /// Per slice: its partials' indices.
-    pub(super) spans: Vec<Range<usize>>,
-    pub(super) dev: DeviceBuffer,
-    pub(super) host: PinnedBox<f64>,
+    spans: Vec<Range<usize>>,
+    dev: DeviceBuffer,
+    host: PinnedBox<f64>,
     /// Per slice: recorded after its partials' copy to the host, until consumed.
-    pub(super) ready: Vec<Option<Event>>,
+    ready: Vec<Option<Event>>,
 }
 
 impl SumsqPartials {
@@ -34,6 +35,28 @@ impl SumsqPartials {
         let dev = DeviceBuffer::alloc(total * 8)?;
         let host = PinnedBox::zeros(total)?;
         Ok(SumsqPartials { spans, dev, host, ready: slices.iter().map(|_| None).collect() })
+    }
+
+    /// Where slice `slice`'s partials go: how many, on the device and in host memory.
+    pub(crate) fn slice_targets(&mut self, slice: usize) -> (usize, CUdeviceptr, *mut u8) {
+        let span = self.spans[slice].clone();
+        (span.len(), self.dev.at(span.start * 8), self.host.dst_at(span.start))
+    }
+
+    /// Records that slice `slice`'s partials are on their way to the host.
+    pub(crate) fn set_ready(&mut self, slice: usize, copied: Event) {
+        self.ready[slice] = Some(copied);
+    }
+
+    /// The event of slice `slice`'s copy, if it is unconsumed; consumes it.
+    pub(crate) fn take_ready(&mut self, slice: usize) -> Option<Event> {
+        self.ready[slice].take()
+    }
+
+    /// Slice `slice`'s sum of squares, its partials added in block order (as the CPU kernels
+    /// add theirs), once its copy has landed.
+    pub(crate) fn slice_sum(&self, slice: usize) -> f64 {
+        self.host.as_slice()[self.spans[slice].clone()].iter().sum()
     }
 
     pub(crate) fn host_bytes(&self) -> usize {

@@ -7,6 +7,9 @@ use super::memory::PinnedBox;
 use crate::error::Result;
 use crate::kernels::{DType, Floats, FloatsMut, bf16, f16};
 
+/// Slots of each bounded buffer: one piece filled while others are in flight.
+pub(super) const SLOTS: usize = 4;
+
 /// One page-locked slot and the copy that last used it.
 pub(crate) struct Slot {
     buf: PinnedBox<u64>,

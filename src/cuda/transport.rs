@@ -16,13 +16,13 @@ use super::attached::{SgDevice, State, not_device_placed};
 use super::device_state::DeviceState;
 use super::driver::{self, CUdeviceptr, CUstream, Context, Kernels, Raw};
 use super::events::{self, Event, EventPool, WaitTimes};
-use super::faults::CopyFaults;
+use super::gradients::GradientCopies;
 use super::memory::{DeviceBuffer, HostRegistration, floats_ptr};
 use super::partials::SumsqPartials;
-use super::slots::Slots;
+use super::slots::{SLOTS, Slots};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{DType, Floats, FloatsMut};
-use crate::session::{DeviceParam, DevicePass, HostState, Placement, Transport};
+use crate::session::{DeviceParam, DevicePass, HandOff, HandedSumsq, HostState, Placement, Transport};
 
 /// How a CUDA session moves data.
 #[derive(Clone, Copy, Debug)]
@@ -43,30 +43,23 @@ impl Default for CudaOptions {
 pub struct CudaTransport {
     device: i32,
     ctx: Context,
-    pub(super) kernels: Kernels,
-    /// Gradient copies; the first also carries the end of every copy sequence.
-    pub(super) d2h: [Raw<CUstream>; 2],
+    kernels: Kernels,
     /// Device steps and publication; a step's publications follow the caller's backward.
     h2d: Raw<CUstream>,
-    /// Sums of squares and gradients that land on the device.
-    pub(super) side: Raw<CUstream>,
-    pub(super) piece_bytes: usize,
-    /// The session's accumulation dtype (of gradients on the device) and the dtype of the
-    /// low-precision copy it keeps, if any (what 16-bit parameters are published from).
-    pub(super) accum_dtype: DType,
+    /// Gradients to the host or onto the device, and their sums of squares (`gradients.rs`).
+    gradients: GradientCopies,
+    /// The dtype of the low-precision copy the session keeps, if any (what 16-bit parameters
+    /// are published from).
     copy_dtype: Option<DType>,
     /// Pieces of weights on their way to the device where the session keeps no copy.
     publish_slots: Mutex<Slots>,
-    /// Pieces of gradients kept on the device, on their way to a pass.
-    pub(super) gradient_slots: Mutex<Slots>,
-    pub(super) faults: CopyFaults,
     /// The first failure of queued work (a copy, a kernel): CUDA reports those errors on
     /// every later call of the context, so the transport refuses from then on.
     fault: OnceLock<Error>,
-    pub(super) events: Arc<EventPool>,
+    events: Arc<EventPool>,
     /// The GPU's idle time at ticket waits, not yet accounted.
     waits: Mutex<WaitTimes>,
-    pub(super) state: Mutex<State>,
+    state: Mutex<State>,
 }
 
 impl CudaTransport {
@@ -79,21 +72,17 @@ impl CudaTransport {
         let ctx = Context::primary(options.device)?;
         let kernels = Kernels::load()?;
         let [a, b, c, d] = take_streams(options.device)?;
+        let events: Arc<EventPool> = Arc::default();
         let transport = CudaTransport {
             device: options.device,
             ctx,
             kernels,
-            d2h: [a, b],
             h2d: c,
-            side: d,
-            piece_bytes: options.piece_bytes,
-            accum_dtype,
+            gradients: GradientCopies::new([a, b], d, options.piece_bytes, accum_dtype, events.clone()),
             copy_dtype,
             publish_slots: Mutex::new(Slots::new(SLOTS)),
-            gradient_slots: Mutex::new(Slots::new(SLOTS)),
-            faults: CopyFaults::from_env(),
             fault: OnceLock::new(),
-            events: Arc::default(),
+            events,
             waits: Mutex::default(),
             state: Mutex::default(),
         };
@@ -103,7 +92,7 @@ impl CudaTransport {
     /// Makes the context current for a call, or refuses with the first fault of queued
     /// work: a sub-group must not be stepped or published from a gradient that never
     /// arrived.
-    pub(super) fn enter(&self) -> Result<()> {
+    fn enter(&self) -> Result<()> {
         if let Some(fault) = self.fault.get() {
             return Err(fault.clone());
         }
@@ -111,7 +100,7 @@ impl CudaTransport {
     }
 
     /// Remembers a failure of queued work (see `fault`).
-    pub(super) fn noted<T>(&self, outcome: Result<T>) -> Result<T> {
+    fn noted<T>(&self, outcome: Result<T>) -> Result<T> {
         if let Err(e) = &outcome {
             let _ = self.fault.set(e.clone());
         }
@@ -121,13 +110,39 @@ impl CudaTransport {
     /// The stream every gradient copy ends on: a device gradient may be reused once this
     /// stream has passed the copy (with PyTorch: `grad.record_stream(copy_stream)`).
     pub fn copy_stream(&self) -> CUstream {
-        self.d2h[0].0
+        self.gradients.copy_stream()
     }
 
     /// Host bytes this transport page-locked: the session's buffers and its own slots.
     pub fn pinned_bytes(&self) -> usize {
-        let slots = self.publish_slots.lock().unwrap().bytes() + self.gradient_slots.lock().unwrap().bytes();
+        let slots = self.publish_slots.lock().unwrap().bytes() + self.gradients.slot_bytes();
         slots + self.state.lock().unwrap().pins.values().map(HostRegistration::pinned_bytes).sum::<usize>()
+    }
+
+    /// Queues the copy of a device gradient into the host place the session gave it (or, for
+    /// a device-placed sub-group, into its device gradient), and its sum of squares on the
+    /// GPU when the session asks for one. The caller's `stream` is where it was produced.
+    pub fn gradient_from_device(
+        &self,
+        h: HandOff<'_>,
+        src: CUdeviceptr,
+        dtype: DType,
+        stream: CUstream,
+    ) -> Result<Option<HandedSumsq>> {
+        if h.accumulate {
+            return Err(Error::unsupported(
+                "a CUDA session takes each slice's gradient once per step, at the last micro-step (accumulate \
+                 micro-steps on the GPU, as PyTorch does in .grad); only a late gradient may follow",
+            ));
+        }
+        if src == 0 {
+            return Err(Error::new(Status::NullArgument, "the device gradient is NULL"));
+        }
+        self.enter()?;
+        driver::refuse_capturing(stream)?;
+        let mut state = self.state.lock().unwrap();
+        let dev = state.attached_mut(h.sg)?;
+        self.gradients.land(&self.kernels, dev, h, src, dtype, stream)
     }
 
     /// Registers the caller's compute stream (borrowed): publication of updated weights
@@ -172,7 +187,7 @@ impl CudaTransport {
 
     /// Waits for `events`, which then go back to the pool. Called without the state lock: a
     /// host thread waiting for a copy must not block the training thread's hand-offs.
-    pub(super) fn wait_and_free(&self, events: Vec<Event>) -> Result<()> {
+    fn wait_and_free(&self, events: Vec<Event>) -> Result<()> {
         self.noted(events::synchronize_all(events))
     }
 
@@ -190,7 +205,7 @@ impl CudaTransport {
     /// A device state of `numel` elements holding `host`'s (complete on return; freed again
     /// if the upload fails).
     fn uploaded(&self, numel: usize, host: &mut HostState<'_>) -> Result<DeviceState> {
-        let dev = DeviceState::alloc(numel, host.exp_avg.dtype(), self.accum_dtype)?;
+        let dev = DeviceState::alloc(numel, host.exp_avg.dtype(), self.gradients.accum_dtype())?;
         self.upload(&dev, host)?;
         Ok(dev)
     }
@@ -220,9 +235,6 @@ impl CudaTransport {
         }
     }
 }
-
-/// Slots of each bounded buffer: one piece filled while others are in flight.
-const SLOTS: usize = 4;
 
 /// Copy streams outlive the sessions that used them: callers `record_stream` them into
 /// PyTorch's caching allocator, which records events on them whenever it later frees such
@@ -315,7 +327,8 @@ impl Transport for CudaTransport {
         let removed = self.state.lock().unwrap().subgroups.remove(&sg);
         if let Some(mut d) = removed {
             let _ = self.wait_and_free(d.take_events());
-            for s in [self.side, self.h2d, self.d2h[1]] {
+            let [_, second_copy, side] = self.gradients.streams();
+            for s in [side, self.h2d, second_copy] {
                 let _ = driver::stream_synchronize(s.0);
             }
             // Nothing queued uses `d` any more: dropping it frees its buffers.
@@ -341,8 +354,14 @@ impl Transport for CudaTransport {
         d.copies.iter().rev().chain(d.partials.pending()).all(|e| e.done().unwrap_or(true))
     }
 
+    /// The sum of squares of a slice whose hand-off deferred it, once its partials landed.
     fn gradient_sumsq(&self, sg: u32, slice: usize) -> Result<f64> {
-        self.deferred_sumsq(sg, slice)
+        self.enter()?;
+        let ready = self.state.lock().unwrap().attached_mut(sg)?.partials.take_ready(slice).ok_or_else(|| {
+            Error::new(Status::Panic, format!("sub-group {sg} slice {slice}: no sum of squares queued"))
+        })?;
+        self.wait_and_free(vec![ready])?;
+        Ok(self.state.lock().unwrap().attached(sg)?.partials.slice_sum(slice))
     }
 
     fn master_write(&self, sg: u32) -> Result<()> {
@@ -437,7 +456,7 @@ impl Transport for CudaTransport {
         for (i, pass) in passes.iter().enumerate() {
             // Only the last pass writes the model's parameter, and only when it is published.
             let publish_here = publish && i + 1 == passes.len();
-            dev.step(&self.kernels, self.h2d.0, &d.param(), self.accum_dtype, pass, publish_here)?;
+            dev.step(&self.kernels, self.h2d.0, &d.param(), self.gradients.accum_dtype(), pass, publish_here)?;
         }
         if publish && passes.is_empty() {
             // The speculative update stands: its master weights, rounded as the step kernel
@@ -456,7 +475,7 @@ impl Transport for CudaTransport {
         let mut state = self.state.lock().unwrap();
         let d = state.attached_mut(sg)?;
         if d.device.is_none() && d.kept.is_none() {
-            d.kept = Some(DeviceBuffer::alloc(d.numel * self.accum_dtype.size())?);
+            d.kept = Some(DeviceBuffer::alloc(d.numel * self.gradients.accum_dtype().size())?);
         }
         d.keeps_gradient = true;
         Ok(())
@@ -469,20 +488,30 @@ impl Transport for CudaTransport {
         piece: usize,
         f: &mut dyn FnMut(usize, Floats<'_>) -> Result<()>,
     ) -> Result<()> {
-        self.read_kept_gradient(sg, range, piece, f)
+        self.enter()?;
+        let src = {
+            let state = self.state.lock().unwrap();
+            state.attached(sg)?.device_gradient_at(0).ok_or_else(|| {
+                Error::new(Status::InvalidState, format!("sub-group {sg} keeps no gradient on the device"))
+            })?
+        };
+        let note = |e: &Error| {
+            let _ = self.fault.set(e.clone());
+        };
+        self.gradients.read_kept(src, range, piece, &note, f)
     }
 
     fn device_zero_gradient(&self, sg: u32, range: Range<usize>) -> Result<()> {
         self.enter()?;
         let mut state = self.state.lock().unwrap();
         let d = state.attached_mut(sg)?;
-        let size = self.accum_dtype.size();
+        let size = self.gradients.accum_dtype().size();
         let dst = d.device_gradient_at(range.start * size).ok_or_else(not_device_placed)?;
         if let Some(stepped) = &d.stepped {
-            stepped.wait_in(self.side.0)?;
+            stepped.wait_in(self.gradients.side_stream())?;
         }
-        driver::memset_async(dst, range.len() * size, self.side.0)?;
-        d.copies.push(self.events.record(self.side.0)?);
+        driver::memset_async(dst, range.len() * size, self.gradients.side_stream())?;
+        d.copies.push(self.events.record(self.gradients.side_stream())?);
         Ok(())
     }
 
@@ -499,8 +528,10 @@ impl Transport for CudaTransport {
             }
             (Placement::Host, Some(dev)) => {
                 // The kept gradient first, and the device state freed only once the host holds it.
-                let kept =
-                    d.keeps_gradient.then(|| DeviceBuffer::alloc(d.numel * self.accum_dtype.size())).transpose()?;
+                let kept = d
+                    .keeps_gradient
+                    .then(|| DeviceBuffer::alloc(d.numel * self.gradients.accum_dtype().size()))
+                    .transpose()?;
                 self.download(dev, &mut host)?;
                 d.kept = kept;
                 d.device = None;
@@ -549,7 +580,8 @@ impl Drop for CudaTransport {
             std::mem::forget(state);
             return;
         }
-        for s in self.d2h.iter().chain([&self.h2d, &self.side]) {
+        let [first_copy, second_copy, side] = self.gradients.streams();
+        for s in [first_copy, second_copy, self.h2d, side] {
             let _ = driver::stream_synchronize(s.0);
         }
         // Nothing queued is left: the sub-groups' buffers are freed, the pins undone and
@@ -557,6 +589,6 @@ impl Drop for CudaTransport {
         drop(state);
         std::mem::take(&mut *self.waits.lock().unwrap());
         self.events.destroy_free();
-        give_back_streams(self.device, [self.d2h[0], self.d2h[1], self.h2d, self.side]);
+        give_back_streams(self.device, [first_copy, second_copy, self.h2d, side]);
     }
 }

@@ -1,7 +1,7 @@
 //! The buffers a pass reads and writes: slices of any element type, erased to one enum each,
 //! and the set of them an Adam step takes.
 
-use super::DType;
+use super::dtype::DType;
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 

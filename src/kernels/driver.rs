@@ -8,35 +8,11 @@
 //! back-end's `#[target_feature]` entry point, which is what lets the intrinsics inline.
 
 use super::dtype::{DType, Elem};
-use super::math::LaneOp;
-use super::simd::{MAX_LANES, Simd};
+use super::lanes::{LaneOp, MAX_LANES, Simd, StepChunk, Stores, SumsqOut};
 
 /// Elements per sum-of-squares partial; chunk boundaries between threads are multiples
 /// of it (and so of every vector width).
 pub(crate) const BLOCK: usize = 8192;
-
-/// Which buffers a step-shaped pass writes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Stores {
-    /// The parameter, its copy and the moments.
-    All,
-    /// The parameter's copy only; the parameter and the moments keep their values.
-    Copy,
-    /// The parameter and the moments; the copy keeps its value.
-    State,
-}
-
-/// The slices of one thread's share of a step-shaped pass.
-pub(crate) struct StepChunk<'a, P, G, M, C> {
-    pub stores: Stores,
-    pub p: &'a mut [P],
-    pub g: &'a [G],
-    pub m: &'a mut [M],
-    pub v: &'a mut [M],
-    pub out: Option<&'a mut [C]>,
-    /// One entry per block of this chunk, when the sum of squares is wanted.
-    pub partials: Option<&'a mut [f64]>,
-}
 
 #[inline(always)]
 pub(crate) fn step_chunk<S: Simd, O: LaneOp, P: Elem, G: Elem, M: Elem, C: Elem>(
@@ -185,13 +161,6 @@ pub(crate) fn sumsq_chunk<S: Simd, G: Elem>(s: S, scale: f32, g: &[G], partials:
         start = end;
         block += 1;
     }
-}
-
-/// Where a copy also writes the sum of squares of what it stored: one partial per
-/// [`BLOCK`] of the destination, of `scale · x`.
-pub(crate) struct SumsqOut<'a> {
-    pub scale: f32,
-    pub partials: &'a mut [f64],
 }
 
 /// `dst = src` or `dst += src`, through f32 lanes; with `sumsq`, the block partials of the

@@ -5,22 +5,8 @@
 //! every back-end executes exactly this sequence, so results are bit-identical across
 //! back-ends and thread counts.
 
-use super::simd::Simd;
-use super::{AdamHyper, AdamMode};
-
-/// New lane values of one vector block. `g` is the scaled gradient (before any L2 term),
-/// whose squares feed the optional sum of squares.
-pub(crate) struct Lanes<F> {
-    pub p: F,
-    pub m: F,
-    pub v: F,
-    pub g: F,
-}
-
-/// A pass over `(p, g, m, v)` lanes.
-pub(crate) trait LaneOp: Sync {
-    fn apply<S: Simd>(&self, s: S, p: S::F, g: S::F, m: S::F, v: S::F) -> Lanes<S::F>;
-}
+use super::hyper::{AdamHyper, AdamMode};
+use super::lanes::{LaneOp, Lanes, Simd};
 
 /// Per-call constants of one Adam step, in f32, derived once from the hyperparameters.
 #[derive(Clone, Copy, Debug)]

@@ -7,8 +7,11 @@
 //! and rounded once to f32 (both 1 without bias correction).
 
 mod buffers;
+mod dispatch;
 mod driver;
 pub mod dtype;
+mod hyper;
+mod lanes;
 mod math;
 mod pages;
 pub mod pool;
@@ -17,144 +20,20 @@ mod simd;
 pub use buffers::{AdamBuffers, CopyOutMut, Floats, FloatsMut, GradRef, MomentsMut, ParamMut};
 pub use dtype::{DType, Elem};
 pub use half::{bf16, f16};
+pub use hyper::{AdamHyper, AdamMode};
 pub use pages::advise_huge_pages;
 pub use pool::{Isa, Pool, PoolOptions};
 
 use crate::error::{Error, Result, Status};
-use driver::{BLOCK, StepChunk, Stores, SumsqOut};
-use math::{LaneOp, MemoryFloor, Rescale, Resolve, Rollback, StepConstants, Undo, Update};
-use simd::Simd;
+use dispatch::{chunk_ranges, run_step_pass, run_sumsq, with_isa};
+use driver::BLOCK;
+use lanes::{Simd, Stores, SumsqOut};
+use math::{MemoryFloor, Rescale, Resolve, Rollback, StepConstants, Undo, Update};
 
-/// Calls `$body` with `$s` bound to the token of instruction set `$isa`: a pool's, or
-/// `Isa::best()` for work on the calling thread (which must not queue behind optimizer work on
-/// a pool).
-macro_rules! with_isa {
-    ($isa:expr, $s:ident => $body:expr) => {
-        match $isa {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => {
-                let $s = simd::avx512::Avx512::detect().ok_or_else(isa_vanished)?;
-                $body
-            }
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => {
-                let $s = simd::avx2::Avx2::detect().ok_or_else(isa_vanished)?;
-                $body
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx512 | Isa::Avx2 => return Err(isa_vanished()),
-            Isa::Portable => {
-                let $s = simd::portable::Portable;
-                $body
-            }
-        }
-    };
-}
-
-/// How weight decay enters the step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum AdamMode {
-    /// Decoupled decay (Loshchilov & Hutter): `p ← p·(1 - lr·wd)` before the update.
-    AdamW,
-    /// Classic Adam with L2 regularisation: `g ← g + wd·p` before the moments.
-    L2,
-}
-
-/// Hyperparameters of one Adam step, as the caller states them (in double, like Python
-/// floats). Each per-call constant of the f32 arithmetic is derived from these in f64 and
-/// rounded once: so `beta2 = 0.999` gives `1 - beta2 = 1e-3` to f32 precision, not
-/// `1 - 0.999f32`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamHyper {
-    pub mode: AdamMode,
-    pub lr: f64,
-    pub beta1: f64,
-    pub beta2: f64,
-    pub eps: f64,
-    pub weight_decay: f64,
-    pub bias_correction: bool,
-    /// The step being taken, counting from 1.
-    pub step: u64,
-}
-
-impl Default for AdamHyper {
-    /// `torch.optim.AdamW`'s defaults, first step.
-    fn default() -> Self {
-        AdamHyper {
-            mode: AdamMode::AdamW,
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 1e-2,
-            bias_correction: true,
-            step: 1,
-        }
-    }
-}
-
-impl AdamHyper {
-    /// Checks every field; the message names the field and its value.
-    pub fn validate(&self) -> Result<()> {
-        fn check(name: &str, x: f64, ok: bool, range: &str) -> Result<()> {
-            if ok && x.is_finite() {
-                Ok(())
-            } else {
-                Err(Error::invalid(format!("{name} = {x} is out of range: it must be {range}")))
-            }
-        }
-        check("lr", self.lr, self.lr >= 0.0, "finite and >= 0")?;
-        check("beta1", self.beta1, (0.0..1.0).contains(&self.beta1), "in [0, 1)")?;
-        check("beta2", self.beta2, (0.0..1.0).contains(&self.beta2), "in [0, 1)")?;
-        check("eps", self.eps, self.eps >= 0.0, "finite and >= 0")?;
-        check("weight_decay", self.weight_decay, self.weight_decay >= 0.0, "finite and >= 0")?;
-        if self.step == 0 {
-            return Err(Error::invalid("step = 0 is out of range: steps count from 1"));
-        }
-        Ok(())
-    }
-
-    /// `(1 - beta1^t, 1 - beta2^t)` computed in f64 and rounded once to f32; `(1, 1)`
-    /// without bias correction.
-    pub fn bias_corrections(&self) -> (f32, f32) {
-        if !self.bias_correction {
-            return (1.0, 1.0);
-        }
-        let t = self.step as f64;
-        ((1.0 - self.beta1.powf(t)) as f32, (1.0 - self.beta2.powf(t)) as f32)
-    }
-
-    /// The f32 constants of one step as the device kernel takes them (see
-    /// `StepConstants::for_device`): the same derivation as the CPU kernels'.
-    pub fn device_constants(&self) -> ([f32; 9], bool) {
-        StepConstants::new(self).for_device()
-    }
-
-    /// AdamW's decay factor `1 - lr * wd`, rounded once to f32 (1 for Adam-L2).
-    pub fn decay_factor(&self) -> f32 {
-        match self.mode {
-            AdamMode::AdamW => (1.0 - self.lr * self.weight_decay) as f32,
-            AdamMode::L2 => 1.0,
-        }
-    }
-
-    /// Rollback and rescale divide by the betas and by AdamW's decay factor.
-    fn validate_invertible(&self, what: &str) -> Result<()> {
-        if self.beta1 == 0.0 || self.beta2 == 0.0 {
-            return Err(Error::invalid(format!(
-                "{what} needs beta1 > 0 and beta2 > 0 to recover the previous moments \
-                 (got beta1 = {}, beta2 = {})",
-                self.beta1, self.beta2
-            )));
-        }
-        if self.decay_factor() <= 0.0 {
-            return Err(Error::invalid(format!(
-                "{what} needs 1 - lr * weight_decay > 0 to undo AdamW's decay (lr = {}, weight_decay = {})",
-                self.lr, self.weight_decay
-            )));
-        }
-        Ok(())
-    }
+/// The f32 constants of one step with `hp` as the device kernel takes them (see
+/// `StepConstants::for_device`): the same derivation as the CPU kernels'.
+pub fn device_constants(hp: &AdamHyper) -> ([f32; 9], bool) {
+    StepConstants::new(hp).for_device()
 }
 
 /// Options of [`update`].
@@ -469,193 +348,4 @@ fn require_master_weights(what: &str, bufs: &AdamBuffers<'_>) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-fn isa_vanished() -> Error {
-    Error::new(Status::Unsupported, "the pool's instruction set is not available on this CPU")
-}
-
-/// Runs a step-shaped pass writing `stores`; returns the sum of squares when `want_sumsq`.
-fn run_step_pass<O: LaneOp>(
-    pool: &Pool,
-    op: &O,
-    bufs: AdamBuffers<'_>,
-    want_sumsq: bool,
-    stores: Stores,
-) -> Result<Option<f64>> {
-    let n = bufs.numel()?;
-    let mut partials = want_sumsq.then(|| vec![0.0f64; n.div_ceil(BLOCK)]);
-    let pass =
-        Pass { pool, op, ranges: chunk_ranges(n, pool.num_threads()), partials: partials.as_deref_mut(), stores };
-    with_isa!(pool.isa(), s => pass.dispatch_param(s, bufs));
-    Ok(partials.map(|p| p.iter().sum()))
-}
-
-const CHUNKS_PER_THREAD: usize = 4;
-
-/// Splits `n` elements into at most `CHUNKS_PER_THREAD × threads` contiguous ranges of whole
-/// blocks, at least `MIN_BLOCKS_PER_CHUNK` blocks each (small buffers are not worth waking
-/// every thread). Several chunks per thread let the pool's work stealing route around a
-/// thread that shares its core with the training thread: with one chunk each, the pass
-/// would last as long as that thread's share.
-fn chunk_ranges(n: usize, threads: usize) -> Vec<std::ops::Range<usize>> {
-    const MIN_BLOCKS_PER_CHUNK: usize = 4;
-    let blocks = n.div_ceil(BLOCK);
-    let chunks = (blocks / MIN_BLOCKS_PER_CHUNK).clamp(1, CHUNKS_PER_THREAD * threads.max(1));
-    let (base, extra) = (blocks / chunks, blocks % chunks);
-    let mut ranges = Vec::with_capacity(chunks);
-    let mut start_block = 0;
-    for c in 0..chunks {
-        let end_block = start_block + base + usize::from(c < extra);
-        ranges.push(start_block * BLOCK..(end_block * BLOCK).min(n));
-        start_block = end_block;
-    }
-    ranges
-}
-
-fn run_sumsq<S: Simd, G: Elem>(
-    pool: &Pool,
-    s: S,
-    scale: f32,
-    grad: &[G],
-    partials: &mut [f64],
-    ranges: &[std::ops::Range<usize>],
-) {
-    let mut jobs = Vec::with_capacity(ranges.len());
-    let mut partials = partials;
-    for range in ranges {
-        let (mine, rest) = std::mem::take(&mut partials).split_at_mut(range.len().div_ceil(BLOCK));
-        partials = rest;
-        let g = &grad[range.clone()];
-        jobs.push(move || s.sumsq_chunk(scale, g, mine));
-    }
-    pool.run_all(jobs);
-}
-
-/// One step-shaped pass being dispatched from dtype-erased buffers to typed chunks.
-struct Pass<'p, O> {
-    pool: &'p Pool,
-    op: &'p O,
-    ranges: Vec<std::ops::Range<usize>>,
-    partials: Option<&'p mut [f64]>,
-    stores: Stores,
-}
-
-impl<O: LaneOp> Pass<'_, O> {
-    fn dispatch_param<S: Simd>(self, s: S, bufs: AdamBuffers<'_>) {
-        let AdamBuffers { param, grad, moments, copy_out } = bufs;
-        match param {
-            ParamMut::F32(p) => self.dispatch_grad(s, p, grad, moments, copy_out),
-            ParamMut::Bf16(p) => self.dispatch_grad(s, p, grad, moments, copy_out),
-            ParamMut::F16(p) => self.dispatch_grad(s, p, grad, moments, copy_out),
-        }
-    }
-
-    fn dispatch_grad<S: Simd, P: Elem>(
-        self,
-        s: S,
-        p: &mut [P],
-        grad: GradRef<'_>,
-        moments: MomentsMut<'_>,
-        copy_out: Option<CopyOutMut<'_>>,
-    ) {
-        match grad {
-            GradRef::F32(g) => self.dispatch_moments(s, p, g, moments, copy_out),
-            GradRef::Bf16(g) => self.dispatch_moments(s, p, g, moments, copy_out),
-            GradRef::F16(g) => self.dispatch_moments(s, p, g, moments, copy_out),
-        }
-    }
-
-    fn dispatch_moments<S: Simd, P: Elem, G: Elem>(
-        self,
-        s: S,
-        p: &mut [P],
-        g: &[G],
-        moments: MomentsMut<'_>,
-        copy_out: Option<CopyOutMut<'_>>,
-    ) {
-        match moments {
-            MomentsMut::F32 { exp_avg, exp_avg_sq } => self.dispatch_copy(s, p, g, exp_avg, exp_avg_sq, copy_out),
-            MomentsMut::Bf16 { exp_avg, exp_avg_sq } => self.dispatch_copy(s, p, g, exp_avg, exp_avg_sq, copy_out),
-        }
-    }
-
-    fn dispatch_copy<S: Simd, P: Elem, G: Elem, M: Elem>(
-        self,
-        s: S,
-        p: &mut [P],
-        g: &[G],
-        m: &mut [M],
-        v: &mut [M],
-        copy_out: Option<CopyOutMut<'_>>,
-    ) {
-        match copy_out {
-            None => self.run::<S, P, G, M, bf16>(s, p, g, m, v, None),
-            Some(CopyOutMut::Bf16(out)) => self.run(s, p, g, m, v, Some(out)),
-            Some(CopyOutMut::F16(out)) => self.run(s, p, g, m, v, Some(out)),
-        }
-    }
-
-    fn run<S: Simd, P: Elem, G: Elem, M: Elem, C: Elem>(
-        self,
-        s: S,
-        mut p: &mut [P],
-        mut g: &[G],
-        mut m: &mut [M],
-        mut v: &mut [M],
-        mut out: Option<&mut [C]>,
-    ) {
-        let Pass { pool, op, ranges, mut partials, stores } = self;
-        let mut jobs = Vec::with_capacity(ranges.len());
-        for range in &ranges {
-            let len = range.len();
-            let (cp, rest) = std::mem::take(&mut p).split_at_mut(len);
-            p = rest;
-            let (cg, rest) = g.split_at(len);
-            g = rest;
-            let (cm, rest) = std::mem::take(&mut m).split_at_mut(len);
-            m = rest;
-            let (cv, rest) = std::mem::take(&mut v).split_at_mut(len);
-            v = rest;
-            let cout = match out.take() {
-                Some(o) => {
-                    let (mine, rest) = o.split_at_mut(len);
-                    out = Some(rest);
-                    Some(mine)
-                }
-                None => None,
-            };
-            let cpartials = match partials.take() {
-                Some(all) => {
-                    let (mine, rest) = all.split_at_mut(len.div_ceil(BLOCK));
-                    partials = Some(rest);
-                    Some(mine)
-                }
-                None => None,
-            };
-            let chunk = StepChunk { stores, p: cp, g: cg, m: cm, v: cv, out: cout, partials: cpartials };
-            jobs.push(move || s.step_chunk(op, chunk));
-        }
-        pool.run_all(jobs);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn chunks_cover_the_buffer_in_whole_blocks() {
-        for &(n, threads) in &[(0, 4), (1, 4), (BLOCK * 4 - 1, 16), (BLOCK * 100 + 17, 16), (BLOCK * 7, 3)] {
-            let ranges = chunk_ranges(n, threads);
-            assert!(ranges.len() <= CHUNKS_PER_THREAD * threads.max(1));
-            let mut next = 0;
-            for r in &ranges {
-                assert_eq!(r.start, next);
-                assert_eq!(r.start % BLOCK, 0);
-                next = r.end;
-            }
-            assert_eq!(next, n);
-        }
-    }
 }

@@ -1,23 +1,20 @@
 //! A step from its decision on: the decision (norm, skip, clip factor), each sub-group's final
 //! pass — what it must do, decided from what the step applied and the step's verdict alone
-//! (the table in ARCHITECTURE.md), and the pass that does it — the state passes left for
-//! later, and the step's completion.
+//! (the table in ARCHITECTURE.md), and the pass that does it — and the state passes left for
+//! later. The CPU-Adam thread (`worker.rs`) runs them and completes the step.
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Instant;
 
-use super::passes::{Worker, guarded};
 use super::plans::StepPlan;
 use super::publish::{CopyTo, Pass, writes_copy};
-use super::scheduler::Lifecycle;
 use super::state_after::take_from_prefix;
-use super::trace::Lane;
+use super::subgroup_ops::{gradient_ready, master_write, restore_copy, subgroup_sumsq};
 use super::{
-    Applied, DevicePass, GroupHparams, NormSource, Placement, SgData, SkipReason, SpecKind, SpecRecord, StepResult,
-    SubGroup, Ticket, clip_coefficient, grad_factor, speculation_stands, unscale_factor, usable_factor,
+    Applied, DevicePass, GroupHparams, NormSource, Placement, SgData, Shared, SkipReason, SpecKind, SpecRecord,
+    StepResult, SubGroup, clip_coefficient, grad_factor, speculation_stands, unscale_factor, usable_factor,
 };
-use crate::error::{Error, Result, Status};
+use crate::error::Result;
 use crate::kernels::{self, AdamBuffers, AdamHyper, Resolution, UpdateOptions};
 
 /// The step's verdict, as one sub-group sees it.
@@ -50,8 +47,9 @@ pub(crate) enum Action {
 }
 
 /// What a final pass did: drives the step result's counters and the trace label.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) enum Outcome {
+    #[default]
     Unchanged,
     Stepped,
     /// Stepped: the weights' copy written and published first, the master weights and
@@ -65,7 +63,7 @@ pub(crate) enum Outcome {
 }
 
 impl Outcome {
-    fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Outcome::Unchanged => "unchanged",
             Outcome::Stepped => "stepped",
@@ -78,7 +76,7 @@ impl Outcome {
         }
     }
 
-    fn count(self, result: &mut StepResult) {
+    pub(crate) fn count(self, result: &mut StepResult) {
         let counter = match self {
             Outcome::Unchanged => return,
             Outcome::Stepped | Outcome::SteppedStateAfter => &mut result.stepped,
@@ -173,28 +171,11 @@ fn resolve_elements(spec: &SpecRecord, resolution: Resolution, numel: usize) -> 
 }
 
 /// What one final pass did, and the state pass it left for later.
-struct FinalPass {
-    outcome: Outcome,
-    elements: u64,
-    state_after: Option<(AdamHyper, f32)>,
-}
-
-/// The step being finalized.
-pub(crate) struct StepInFlight {
-    pub result: StepResult,
-    pub groups: Vec<GroupHparams>,
-    /// Final tickets by sub-group id.
-    pub finals: std::collections::HashMap<u32, Ticket>,
-    /// Final passes still to run.
-    pub remaining: usize,
-    /// State passes still to run (the step ticket completes after them too).
-    pub settling: usize,
-    /// Elements of the final passes still to run, a prefix in forward order, that may write
-    /// the master weights and moments after publishing the weights' copy; `None`: all
-    /// (`policy.rs`).
-    pub state_after: Option<usize>,
-    step_ticket: Ticket,
-    pub prepared: Result<()>,
+#[derive(Default)]
+pub(crate) struct FinalPass {
+    pub outcome: Outcome,
+    pub elements: u64,
+    pub state_after: Option<(AdamHyper, f32)>,
 }
 
 /// The step's copy-ahead speculative passes ([`SpecKind::CopyAhead`]): how many were planned,
@@ -209,348 +190,222 @@ fn copy_ahead_progress(plan: &StepPlan) -> (usize, usize) {
     })
 }
 
-impl StepInFlight {
-    pub(crate) fn done(&self) -> bool {
-        self.remaining == 0 && self.settling == 0
+/// The step's verdict from the local sum of squares `local` (NaN where it could not be read):
+/// the norm, whether the step is skipped and with what factor, the loss scaler and the policy
+/// told of it, and the step's queued speculative steps cancelled. Returns the step's result so
+/// far and how many elements of its final passes may leave their state for after publication
+/// (`None`: all).
+pub(crate) fn decide_step(
+    shared: &Shared,
+    plan: &StepPlan,
+    local: f64,
+    prepare_elements: u64,
+) -> (StepResult, Option<usize>) {
+    let args = plan.args;
+    let mut result = StepResult {
+        serial: plan.serial,
+        loss_scale: plan.loss_scale,
+        speculative: plan.speculative,
+        late_gradients: plan.late_gradients,
+        forward_wait_s: plan.forward_wait_s,
+        final_pass_elements: prepare_elements,
+        ..StepResult::default()
+    };
+    result.global_norm = match args.norm {
+        NormSource::Local => local.sqrt(),
+        NormSource::Given(norm) => norm,
+    };
+    let clip = clip_coefficient(args.max_norm, result.global_norm);
+    result.skip_reason = if args.overflow {
+        SkipReason::Overflow
+    } else if !local.is_finite() {
+        SkipReason::NonFiniteGradient
+    } else if !result.global_norm.is_finite() {
+        SkipReason::NonFiniteNorm
+    } else if !usable_factor(grad_factor(clip, plan.loss_scale)) {
+        SkipReason::UnusableFactor
+    } else {
+        SkipReason::None
+    };
+    result.skipped = result.skip_reason != SkipReason::None;
+    result.clip_coef = if result.skipped { 1.0 } else { clip };
+    result.grad_factor = grad_factor(result.clip_coef, plan.loss_scale);
+    if let Some(scaler) = shared.scaler.lock().unwrap().as_mut() {
+        scaler.update(result.skipped);
+        result.next_loss_scale = scaler.scale;
+    } else {
+        result.next_loss_scale = plan.loss_scale;
     }
+    let unchanged = !result.skipped && result.grad_factor == unscale_factor(plan.loss_scale);
+    let (copies_planned, copies_begun) = copy_ahead_progress(plan);
+    let state_after = {
+        let mut policy = shared.policy.lock().unwrap();
+        policy.decided(unchanged);
+        policy.copy_ahead_decided(copies_planned, copies_begun);
+        policy.state_after_limit(plan.speculative > 0)
+    };
+    let subgroups: Vec<Arc<SubGroup>> = plan.subgroups.iter().map(|(sg, _)| sg.clone()).collect();
+    result.cancelled = shared.sched.finalize_all(plan.serial, &subgroups);
+    (result, state_after)
 }
 
-impl Worker {
-    pub(crate) fn decide(&mut self, plan: StepPlan) {
-        let decide = self.shared.tracer.span(Lane::CpuAdam, || format!("decide step {}", plan.serial));
-        let (prepared, prepare_elements) = match &plan.prepare {
-            Some(p) => {
-                let mut elements = 0;
-                (guarded(|| self.prepare(p, &mut elements)), elements)
-            }
-            None => match self.prepared.take() {
-                Some((serial, outcome, elements)) if serial == plan.serial => (outcome, elements),
-                _ => (Err(Error::new(Status::Panic, "the step's preparation is missing")), 0),
-            },
-        };
-        let local = if prepared.is_ok() {
-            guarded(|| self.local_sumsq(plan.subgroups.iter().map(|(sg, _)| sg), unscale_factor(plan.loss_scale)))
-        } else {
-            Ok(f64::NAN)
-        };
-        // A sum that could not be read (a failed gradient copy) fails the step, which is then
-        // skipped: no sub-group is stepped from a gradient that never arrived.
-        let (local, prepared) = match local {
-            Ok(local) => (local, prepared),
-            Err(e) => (f64::NAN, prepared.and(Err(e))),
-        };
-        let args = plan.args;
-        let mut result = StepResult {
-            serial: plan.serial,
-            loss_scale: plan.loss_scale,
-            speculative: plan.speculative,
-            late_gradients: plan.late_gradients,
-            forward_wait_s: plan.forward_wait_s,
-            final_pass_elements: prepare_elements,
-            ..StepResult::default()
-        };
-        result.global_norm = match args.norm {
-            NormSource::Local => local.sqrt(),
-            NormSource::Given(norm) => norm,
-        };
-        let clip = clip_coefficient(args.max_norm, result.global_norm);
-        result.skip_reason = if args.overflow {
-            SkipReason::Overflow
-        } else if !local.is_finite() {
-            SkipReason::NonFiniteGradient
-        } else if !result.global_norm.is_finite() {
-            SkipReason::NonFiniteNorm
-        } else if !usable_factor(grad_factor(clip, plan.loss_scale)) {
-            SkipReason::UnusableFactor
-        } else {
-            SkipReason::None
-        };
-        result.skipped = result.skip_reason != SkipReason::None;
-        result.clip_coef = if result.skipped { 1.0 } else { clip };
-        result.grad_factor = grad_factor(result.clip_coef, plan.loss_scale);
-        if let Some(scaler) = self.shared.scaler.lock().unwrap().as_mut() {
-            scaler.update(result.skipped);
-            result.next_loss_scale = scaler.scale;
-        } else {
-            result.next_loss_scale = plan.loss_scale;
-        }
-        let unchanged = !result.skipped && result.grad_factor == unscale_factor(plan.loss_scale);
-        let (copies_planned, copies_begun) = copy_ahead_progress(&plan);
-        let state_after = {
-            let mut policy = self.shared.policy.lock().unwrap();
-            policy.decided(unchanged);
-            policy.copy_ahead_decided(copies_planned, copies_begun);
-            policy.state_after_limit(plan.speculative > 0)
-        };
-        let subgroups: Vec<Arc<SubGroup>> = plan.subgroups.iter().map(|(sg, _)| sg.clone()).collect();
-        result.cancelled = self.shared.sched.finalize_all(plan.serial, &subgroups);
-        drop(
-            decide
-                .arg("norm", result.global_norm)
-                .arg("clip", result.clip_coef)
-                .arg("skipped", result.skipped)
-                .arg("cancelled", result.cancelled)
-                .arg("state after (elements)", state_after.map_or_else(|| "all".to_string(), |l| l.to_string())),
-        );
-        self.shared.complete(plan.decide_ticket, prepared.clone());
-        let step = StepInFlight {
-            result,
-            groups: plan.groups,
-            finals: plan.subgroups.iter().map(|(sg, t)| (sg.id, *t)).collect(),
-            remaining: plan.subgroups.len(),
-            settling: 0,
-            state_after,
-            step_ticket: plan.step_ticket,
-            prepared,
-        };
-        self.continue_step(step);
-    }
+/// The master weights and moments of a sub-group whose final pass wrote only the weights'
+/// copy: the second half of that step (`kernels::update_state`), from the buffers that
+/// pass read and left as they were.
+pub(crate) fn state_pass(shared: &Shared, sg: &SubGroup, hp: &AdamHyper, scale: f32) -> Result<()> {
+    let mut data = sg.data.lock().unwrap();
+    let pool = &shared.pool;
+    shared
+        .each_piece(sg, &mut data, 0..sg.numel, CopyTo::Nowhere, &mut |_, b| kernels::update_state(pool, hp, b, scale))
+}
 
-    pub(crate) fn finish(&mut self, step: StepInFlight) {
-        *self.shared.last_result.lock().unwrap() = Some((step.step_ticket, step.result));
-        self.shared.complete(step.step_ticket, step.prepared);
-    }
+/// Whether a step's master weights and moments can be written after its copy is
+/// published: there is a device to publish to and a copy to publish, and the gradient
+/// buffer is the session's (a caller-provided one may be rewritten once the weights are
+/// final).
+fn state_can_follow(shared: &Shared, sg: &SubGroup, data: &SgData) -> bool {
+    let transport = shared.transport().is_some();
+    transport && data.grad.as_ref().is_none_or(|g| g.is_owned()) && writes_copy(sg, data, transport)
+}
 
-    pub(crate) fn finalize(&mut self, serial: u64, sg: &Arc<SubGroup>) {
-        let mut step = self.step.take().expect("a decided step is being finalized");
-        debug_assert_eq!(step.result.serial, serial);
-        let Lifecycle::FinalQueued(pending_spec) = self.shared.sched.lifecycle(sg.id) else {
-            unreachable!("a final pass runs for a sub-group in FinalQueued")
-        };
-        let group = step.groups[sg.group as usize];
-        // A speculative step this final pass absorbs reports what its own pass would have.
-        let pending_spec = pending_spec.map(|t| {
-            let verdict = guarded(|| self.unrun_speculation_outcome(sg, &mut sg.data.lock().unwrap()));
-            (t, verdict)
-        });
-        let span = self.shared.tracer.span(Lane::CpuAdam, || format!("finalize sub-group {}", sg.id));
-        let start = Instant::now();
-        let mut done = FinalPass { outcome: Outcome::Unchanged, elements: 0, state_after: None };
-        let outcome = guarded(|| self.final_pass(sg, group, &mut step.state_after, &step.result, &mut done));
-        let FinalPass { outcome: what, elements, state_after } = done;
-        what.count(&mut step.result);
-        {
-            let mut policy = self.shared.policy.lock().unwrap();
-            // Update passes, all of them: a kept speculative step's final pass updates the
-            // elements its pass had not reached (all of them, where it was cancelled).
-            if matches!(what, Outcome::Stepped | Outcome::SteppedStateAfter | Outcome::Kept) && elements > 0 {
-                // With the state after, what the next forward waits for is the copy pass.
-                policy.pass_measured(elements as usize, start.elapsed());
-            }
-            if state_after.is_some() {
-                policy.state_deferred(sg.numel);
-            }
+/// Makes one sub-group exact with the step's verdict ([`decide`]) and publishes it.
+pub(crate) fn final_pass(
+    shared: &Shared,
+    sg: &SubGroup,
+    group: GroupHparams,
+    state_after: &mut Option<usize>,
+    result: &StepResult,
+    out: &mut FinalPass,
+) -> Result<()> {
+    let pool = &shared.pool;
+    let mut data = sg.data.lock().unwrap();
+    let n = sg.numel;
+    let hp = sg.hyper(group, data.work.step_count + 1);
+    let verdict = if result.skipped { Verdict::Skip } else { Verdict::Step { factor: result.grad_factor, hp } };
+    let applied = data.work.applied;
+    let stands = match applied {
+        // A pass that wrote something had checked.
+        Applied::Speculative(spec) if spec.done == 0 => {
+            speculation_stands(subgroup_sumsq(shared, sg, &mut data, unscale_factor(result.loss_scale))?)
         }
-        step.result.final_pass_elements += elements;
-        match state_after {
-            Some((hp, scale)) => {
-                // The copy was written, so the state follows even if staging failed. Before
-                // the final ticket completes: a hand-off released by it must see the state
-                // pending.
-                self.shared.sched.submit_state(serial, sg.clone(), hp, scale);
-                step.settling += 1;
-            }
-            None => self.shared.sched.set_lifecycle(sg.id, Lifecycle::Idle),
-        }
-        let final_ticket = step.finals[&sg.id];
-        drop(span.arg("outcome", what.label()).arg("ticket", final_ticket));
-        if let Some((t, verdict)) = pending_spec {
-            self.shared.complete(t, verdict);
-        }
-        self.shared.complete(final_ticket, outcome);
-        step.remaining -= 1;
-        self.continue_step(step);
+        _ => true,
+    };
+    data.work.applied = Applied::Nothing;
+    data.sumsq.fill(None);
+    let (action, outcome) = decide(applied, verdict, stands);
+    out.outcome = outcome;
+    let reads_gradient = match action {
+        Action::Leave | Action::RestoreCopy { .. } => result.skipped,
+        Action::Resolve { spec, resolution } => resolution != Resolution::Keep || spec.done < n,
+        Action::Update { .. } | Action::KeepCopy { .. } => true,
+    };
+    if reads_gradient {
+        // The gradient is read below, or (skipped) this step's copies end here: none may
+        // still land in the buffer when the next step's arrive.
+        drop(data);
+        gradient_ready(shared, sg)?;
+        data = sg.data.lock().unwrap();
     }
-
-    /// The master weights and moments of a sub-group whose final pass wrote only the weights'
-    /// copy: the second half of that step (`kernels::update_state`), from the buffers that
-    /// pass read and left as they were.
-    pub(crate) fn deferred_state(&mut self, sg: &Arc<SubGroup>, hp: &AdamHyper, scale: f32) {
-        let mut step = self.step.take().expect("a decided step is settling");
-        let span = self.shared.tracer.span(Lane::CpuAdam, || format!("state, sub-group {}", sg.id));
-        let start = Instant::now();
-        let outcome = guarded(|| {
-            let mut data = sg.data.lock().unwrap();
-            let pool = &self.shared.pool;
-            self.shared.each_piece(sg, &mut data, 0..sg.numel, CopyTo::Nowhere, &mut |_, b| {
-                kernels::update_state(pool, hp, b, scale)
-            })
-        });
-        if outcome.is_ok() {
-            self.shared.policy.lock().unwrap().state_pass_measured(sg.numel, start.elapsed());
-        }
-        self.shared.sched.settle(sg.id);
-        drop(span.arg("ok", outcome.is_ok()));
-        if let Err(e) = outcome {
-            // The state is not that of the step the published copy took: the step fails.
-            step.prepared = step.prepared.and(Err(e));
-        }
-        step.settling -= 1;
-        self.continue_step(step);
-    }
-
-    pub(crate) fn continue_step(&mut self, step: StepInFlight) {
-        if step.done() {
-            self.finish(step);
-        } else {
-            self.step = Some(step);
-        }
-    }
-
-    /// Whether a step's master weights and moments can be written after its copy is
-    /// published: there is a device to publish to and a copy to publish, and the gradient
-    /// buffer is the session's (a caller-provided one may be rewritten once the weights are
-    /// final).
-    fn state_can_follow(&self, sg: &SubGroup, data: &SgData) -> bool {
-        let transport = self.shared.transport().is_some();
-        transport && data.grad.as_ref().is_none_or(|g| g.is_owned()) && writes_copy(sg, data, transport)
-    }
-
-    /// Makes one sub-group exact with the step's verdict ([`decide`]) and publishes it.
-    fn final_pass(
-        &self,
-        sg: &SubGroup,
-        group: GroupHparams,
-        state_after: &mut Option<usize>,
-        result: &StepResult,
-        out: &mut FinalPass,
-    ) -> Result<()> {
-        let pool = &self.shared.pool;
-        let mut data = sg.data.lock().unwrap();
-        let n = sg.numel;
-        let hp = sg.hyper(group, data.work.step_count + 1);
-        let verdict = if result.skipped { Verdict::Skip } else { Verdict::Step { factor: result.grad_factor, hp } };
-        let applied = data.work.applied;
-        let stands = match applied {
-            // A pass that wrote something had checked.
-            Applied::Speculative(spec) if spec.done == 0 => {
-                speculation_stands(self.subgroup_sumsq(sg, &mut data, unscale_factor(result.loss_scale))?)
-            }
-            _ => true,
-        };
-        data.work.applied = Applied::Nothing;
-        data.sumsq.fill(None);
-        let (action, outcome) = decide(applied, verdict, stands);
-        out.outcome = outcome;
-        let reads_gradient = match action {
-            Action::Leave | Action::RestoreCopy { .. } => result.skipped,
-            Action::Resolve { spec, resolution } => resolution != Resolution::Keep || spec.done < n,
-            Action::Update { .. } | Action::KeepCopy { .. } => true,
-        };
-        if reads_gradient {
-            // The gradient is read below, or (skipped) this step's copies end here: none may
-            // still land in the buffer when the next step's arrive.
-            drop(data);
-            self.gradient_ready(sg)?;
-            data = sg.data.lock().unwrap();
-        }
-        if data.placement == Placement::Device {
-            let passes = device_passes(action);
-            let publish = !result.skipped;
-            // A speculative update that stands needs no pass, only its publication.
-            if passes.is_empty() && !publish {
-                return Ok(());
-            }
-            let transport = self.shared.transport().expect("device placement has a transport");
-            transport.device_step(sg.id, &passes, publish)?;
-            out.elements += (passes.len() * n) as u64;
-            if publish {
-                data.work.step_count += 1;
-                out.outcome = Outcome::SteppedOnDevice;
-            }
+    if data.placement == Placement::Device {
+        let passes = device_passes(action);
+        let publish = !result.skipped;
+        // A speculative update that stands needs no pass, only its publication.
+        if passes.is_empty() && !publish {
             return Ok(());
         }
-        match action {
-            Action::Leave => return Ok(()),
-            Action::Resolve { spec, resolution } => {
-                if reads_gradient {
-                    self.master_write(sg)?;
-                }
-                let (done, skipped) = (spec.done, resolution == Resolution::Rollback);
-                let resolve = |applied: bool| {
-                    move |_: Range<usize>, b: AdamBuffers<'_>| {
-                        kernels::resolve(pool, &spec.hp, spec.scale, resolution, applied, b)
-                    }
-                };
-                // Where the speculative update is applied, a step that stands is final as it is.
-                let kept = resolution == Resolution::Keep;
-                let (mut on_applied, mut on_rest) = (resolve(true), resolve(false));
-                let applied_part = if skipped {
-                    self.shared.each_piece(sg, &mut data, 0..done, CopyTo::Session, &mut on_applied)
-                } else {
-                    self.shared.write_and_publish(
-                        sg,
-                        &mut data,
-                        0..done,
-                        (!kept).then_some(&mut on_applied as &mut Pass<'_>),
-                    )
-                };
-                if let Err(e) = applied_part {
-                    data.work.applied = Applied::Speculative(spec);
-                    return Err(e);
-                }
-                out.elements += resolve_elements(&spec, resolution, n);
-                if skipped {
-                    // The model keeps its weights: those of a skipped step are never published.
-                    return self.shared.each_piece(sg, &mut data, done..n, CopyTo::Session, &mut on_rest);
-                }
-                self.shared.write_and_publish(sg, &mut data, done..n, Some(&mut on_rest))?;
+        let transport = shared.transport().expect("device placement has a transport");
+        transport.device_step(sg.id, &passes, publish)?;
+        out.elements += (passes.len() * n) as u64;
+        if publish {
+            data.work.step_count += 1;
+            out.outcome = Outcome::SteppedOnDevice;
+        }
+        return Ok(());
+    }
+    match action {
+        Action::Leave => return Ok(()),
+        Action::Resolve { spec, resolution } => {
+            if reads_gradient {
+                master_write(shared, sg)?;
             }
-            Action::RestoreCopy { done } => {
-                self.restore_copy(sg, &mut data, done)?;
-                out.elements += done as u64;
+            let (done, skipped) = (spec.done, resolution == Resolution::Rollback);
+            let resolve = |applied: bool| {
+                move |_: Range<usize>, b: AdamBuffers<'_>| {
+                    kernels::resolve(pool, &spec.hp, spec.scale, resolution, applied, b)
+                }
+            };
+            // Where the speculative update is applied, a step that stands is final as it is.
+            let kept = resolution == Resolution::Keep;
+            let (mut on_applied, mut on_rest) = (resolve(true), resolve(false));
+            let applied_part = if skipped {
+                shared.each_piece(sg, &mut data, 0..done, CopyTo::Session, &mut on_applied)
+            } else {
+                shared.write_and_publish(sg, &mut data, 0..done, (!kept).then_some(&mut on_applied as &mut Pass<'_>))
+            };
+            if let Err(e) = applied_part {
+                data.work.applied = Applied::Speculative(spec);
+                return Err(e);
+            }
+            out.elements += resolve_elements(&spec, resolution, n);
+            if skipped {
                 // The model keeps its weights: those of a skipped step are never published.
-                return Ok(());
+                return shared.each_piece(sg, &mut data, done..n, CopyTo::Session, &mut on_rest);
             }
-            Action::Update { factor, hp } => {
-                self.master_write(sg)?;
-                // The next forward waits for the weights' copy alone: the pass can write the
-                // copy, and the master weights and moments be written by a pass of their own
-                // after publication, where the CPU has time for it (the policy).
-                let defer = self.state_can_follow(sg, &data) && take_from_prefix(state_after, n);
-                let update = UpdateOptions { grad_scale: factor, ..Default::default() };
-                let mut pass = |_: Range<usize>, b: AdamBuffers<'_>| {
-                    if defer {
-                        kernels::update_copy(pool, &hp, b, factor)
-                    } else {
-                        kernels::update(pool, &hp, b, &update).map(drop)
-                    }
-                };
-                self.shared.write_and_publish(sg, &mut data, 0..n, Some(&mut pass))?;
-                out.elements += n as u64;
+            shared.write_and_publish(sg, &mut data, done..n, Some(&mut on_rest))?;
+        }
+        Action::RestoreCopy { done } => {
+            restore_copy(shared, sg, &mut data, done)?;
+            out.elements += done as u64;
+            // The model keeps its weights: those of a skipped step are never published.
+            return Ok(());
+        }
+        Action::Update { factor, hp } => {
+            master_write(shared, sg)?;
+            // The next forward waits for the weights' copy alone: the pass can write the
+            // copy, and the master weights and moments be written by a pass of their own
+            // after publication, where the CPU has time for it (the policy).
+            let defer = state_can_follow(shared, sg, &data) && take_from_prefix(state_after, n);
+            let update = UpdateOptions { grad_scale: factor, ..Default::default() };
+            let mut pass = |_: Range<usize>, b: AdamBuffers<'_>| {
                 if defer {
-                    out.state_after = Some((hp, factor));
-                    if out.outcome == Outcome::Stepped {
-                        out.outcome = Outcome::SteppedStateAfter;
-                    }
-                }
-            }
-            Action::KeepCopy { spec } => {
-                if spec.done < n {
-                    self.master_write(sg)?;
-                }
-                // The copy that stepped ahead is final where its pass got; the rest is written.
-                self.shared.write_and_publish(sg, &mut data, 0..spec.done, None)?;
-                let mut copy =
-                    |_: Range<usize>, b: AdamBuffers<'_>| kernels::update_copy(pool, &spec.hp, b, spec.scale);
-                self.shared.write_and_publish(sg, &mut data, spec.done..n, Some(&mut copy))?;
-                out.elements += (n - spec.done) as u64;
-                // The state pass is due either way: after publication where it can be.
-                if self.state_can_follow(sg, &data) {
-                    out.state_after = Some((spec.hp, spec.scale));
+                    kernels::update_copy(pool, &hp, b, factor)
                 } else {
-                    self.shared.each_piece(sg, &mut data, 0..n, CopyTo::Nowhere, &mut |_, b| {
-                        kernels::update_state(pool, &spec.hp, b, spec.scale)
-                    })?;
-                    out.elements += n as u64;
+                    kernels::update(pool, &hp, b, &update).map(drop)
+                }
+            };
+            shared.write_and_publish(sg, &mut data, 0..n, Some(&mut pass))?;
+            out.elements += n as u64;
+            if defer {
+                out.state_after = Some((hp, factor));
+                if out.outcome == Outcome::Stepped {
+                    out.outcome = Outcome::SteppedStateAfter;
                 }
             }
         }
-        data.work.step_count += 1;
-        match self.shared.transport() {
-            Some(t) => t.publish(sg.id),
-            None => Ok(()),
+        Action::KeepCopy { spec } => {
+            if spec.done < n {
+                master_write(shared, sg)?;
+            }
+            // The copy that stepped ahead is final where its pass got; the rest is written.
+            shared.write_and_publish(sg, &mut data, 0..spec.done, None)?;
+            let mut copy = |_: Range<usize>, b: AdamBuffers<'_>| kernels::update_copy(pool, &spec.hp, b, spec.scale);
+            shared.write_and_publish(sg, &mut data, spec.done..n, Some(&mut copy))?;
+            out.elements += (n - spec.done) as u64;
+            // The state pass is due either way: after publication where it can be.
+            if state_can_follow(shared, sg, &data) {
+                out.state_after = Some((spec.hp, spec.scale));
+            } else {
+                shared.each_piece(sg, &mut data, 0..n, CopyTo::Nowhere, &mut |_, b| {
+                    kernels::update_state(pool, &spec.hp, b, spec.scale)
+                })?;
+                out.elements += n as u64;
+            }
         }
+    }
+    data.work.step_count += 1;
+    match shared.transport() {
+        Some(t) => t.publish(sg.id),
+        None => Ok(()),
     }
 }
 

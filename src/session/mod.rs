@@ -24,10 +24,10 @@
 //! speculation and GPU split; [`state_after`]: which final passes publish the copy first),
 //! [`tickets`], [`checkpoint`].
 
+mod auto_budget;
 mod buffers;
 mod checkpoint;
 mod finalize;
-mod passes;
 mod plans;
 mod policy;
 mod protocol;
@@ -36,12 +36,15 @@ mod publish;
 mod registry;
 mod scaler;
 mod scheduler;
+mod speculation;
 mod state_after;
 mod subgroup;
+mod subgroup_ops;
 mod tickets;
 mod trace;
 mod transport;
 mod types;
+mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -250,7 +253,7 @@ impl Session {
                 if let Some(cores) = worker_shared.pool.cores() {
                     let _ = crate::kernels::pool::pin_current_thread_to(cores);
                 }
-                passes::run_thread(worker_shared)
+                worker::run_thread(worker_shared)
             })
             .map_err(|e| Error::new(Status::OutOfResources, format!("cannot start the CPU-Adam thread: {e}")))?;
         let loss_scale = options.loss_scaler.map_or(1.0, |s| s.init_scale);

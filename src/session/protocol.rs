@@ -5,9 +5,9 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::auto_budget::AUTO_BUDGET_AFTER;
 use super::buffers::HostBuf;
 use super::plans::{PrepareEntry, PreparePlan, StepPlan};
-use super::policy::AUTO_BUDGET_AFTER;
 use super::trace::Lane;
 use super::{
     Applied, HandOff, HandedSumsq, LateGrads, NormSource, Phase, Placement, STEP_LANE, Session, SessionOptions,

@@ -15,8 +15,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use super::auto_budget::AutoBudget;
 use super::buffers::HostBuf;
-use super::policy::AutoBudget;
 use super::{GradientHome, HostCopy, Session, SessionOptions, SubGroup, Tracking};
 use crate::error::{Error, Result, Status};
 use crate::kernels::DType;

@@ -3,10 +3,9 @@
 
 use core::arch::x86_64::*;
 
-use super::Simd;
-use crate::kernels::driver::{self, StepChunk, SumsqOut};
+use crate::kernels::driver;
 use crate::kernels::dtype::{BF16_NAN, DType, Elem};
-use crate::kernels::math::LaneOp;
+use crate::kernels::lanes::{LaneOp, Simd, StepChunk, SumsqOut};
 
 /// Proof that the running CPU has AVX2, FMA and F16C; only [`Avx2::detect`] makes one.
 #[derive(Clone, Copy, Debug)]

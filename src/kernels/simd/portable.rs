@@ -2,10 +2,10 @@
 //! multiply-add on every target (in software where the hardware has none), which is what
 //! keeps this path bit-identical to the vector ones.
 
-use super::{Simd, reduce_lanes};
-use crate::kernels::driver::{self, StepChunk, SumsqOut};
+use super::reduce_lanes;
+use crate::kernels::driver;
 use crate::kernels::dtype::Elem;
-use crate::kernels::math::LaneOp;
+use crate::kernels::lanes::{LaneOp, Simd, StepChunk, SumsqOut};
 
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Portable;
