@@ -281,10 +281,9 @@ impl Session {
     }
 
     /// Records that the caller wrote a slice's gradient (accumulated, for later
-    /// micro-steps) directly into its sub-group's caller-provided gradient buffer. Its sum of
-    /// squares is taken on the pool when the CPU-Adam thread first needs it (the speculative
-    /// step or the preparation), not on the calling thread: one thread reading a large
-    /// gradient would hold the next hand-off up for longer than the pool takes.
+    /// micro-steps) directly into its sub-group's caller-provided gradient buffer. At the last
+    /// micro-step its sum of squares is taken on the calling thread, unless the sub-group
+    /// speculates: then its speculative step takes it on the pool.
     pub fn grad_written(&self, slice: u32) -> Result<Option<Ticket>> {
         let mut t = self.lock();
         let (micro, micro_steps) = backward_phase(&t, "grad_written")?;
@@ -306,7 +305,19 @@ impl Session {
             )));
         }
         if micro + 1 == micro_steps {
-            sg.data.lock().unwrap().sumsq[index] = None;
+            // A sub-group that speculates has its sum taken on the pool by its speculative step,
+            // as soon as the CPU-Adam thread takes it; one that does not would have it taken at
+            // the decision, after backward, so it is taken here, beside the backward.
+            let group = t.reg.groups[sg.group as usize];
+            let speculates = self.shared.policy.lock().unwrap().should_speculate();
+            let mut data = sg.data.lock().unwrap();
+            data.sumsq[index] = if speculates && sg.speculation(group, &data) == Some(SpecKind::Full) {
+                None
+            } else {
+                let grad = data.grad.as_ref().expect("a lent gradient buffer");
+                let range = sg.slices[index].clone();
+                Some(HandedSumsq::Known(kernels::grad_sumsq_here(grad.range(range), unscale_factor(t.loss_scale))?))
+            };
         }
         Ok(self.mark_gradient(&mut t, slice, &sg, micro, micro_steps))
     }
