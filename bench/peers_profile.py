@@ -138,6 +138,7 @@ def main():
     ap.add_argument("--system", default="ours", help="a system of bench/peers.py (default ours)")
     ap.add_argument("--model", default="2.8b", help="a model of bench/peers.py (default 2.8b)")
     ap.add_argument("--batch", type=int, default=0, help="sequences a step (default: the model's)")
+    ap.add_argument("--micro-batches", type=int, default=1, help="backward passes a step (as bench/peers.py's)")
     ap.add_argument("--clip", type=float, default=0.0, help="max_grad_norm (default 0: no clipping)")
     ap.add_argument("--warmup", type=int, default=3, help="steps after settling, before the window (default 3)")
     ap.add_argument("--steps", type=int, default=2, help="steps recorded (default 2)")
@@ -154,7 +155,7 @@ def main():
     if args.system not in SYSTEMS or args.model not in MODELS:
         ap.error(f"--system is one of {', '.join(SYSTEMS)}; --model one of {', '.join(MODELS)}")
     ctx = Context(argparse.Namespace(model=args.model, batch=args.batch, device=args.device, cap_gib=0,
-                                     clips=[args.clip], no_settle=False))
+                                     clips=[args.clip], no_settle=False, micro_batches=args.micro_batches))
     trainer = SYSTEMS[args.system][1](ctx)
     trainer.set_clip(args.clip)
     trainer.before_phase(first=True)
