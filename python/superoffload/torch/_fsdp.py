@@ -121,7 +121,6 @@ class GradientTaker:
         self.accumulation_steps = accumulation_steps
         self._begin, self._written = begin, written
         self._by_sharded = infos_by_param
-        self._modules = modules
         self._hooked = set()
         self._hooks = []
         self._stream = torch.cuda.Stream(device) if self.cuda else None

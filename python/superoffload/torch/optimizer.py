@@ -61,11 +61,6 @@ from ._state_dict import StateDictMixin
 logger = logging.getLogger("superoffload")
 
 
-def dist_world(group):
-    import torch.distributed as dist
-    return dist.get_world_size(group)
-
-
 class SuperOffloadAdamW(StateDictMixin, Optimizer):
     """AdamW with its state in host memory, stepped by libsuperoffload (see the module docstring).
 
@@ -301,6 +296,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         self.distributed = on
         self._pg = None
         self._comm_device = None
+        self._ranks = 1  # of the group the sums of squares are all-reduced over (one needs no all-reduce)
         if not on:
             return
         if not (dist.is_available() and dist.is_initialized()):
@@ -316,6 +312,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
                 raise ValueError(f"SuperOffloadAdamW: expected one sharded mesh dimension, got placements {placements}")
             process_group = mesh.get_group(shard_dims[0]) if mesh.ndim > 1 else mesh.get_group()
         self._pg = process_group
+        self._ranks = dist.get_world_size(process_group)
         backend = dist.get_backend(process_group)
         self._comm_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
@@ -486,7 +483,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             if self.cuda:
                 self.session.set_compute_stream(self._stream())
             max_norm = self.max_grad_norm if max_grad_norm is None else float(max_grad_norm)
-            if self.distributed and dist_world(self._pg) > 1:
+            if self._ranks > 1:
                 self._ticket = self.session.step(max_norm, self._all_reduced_norm(), False)
             else:
                 self._ticket = self.session.step(max_norm)
