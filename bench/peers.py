@@ -45,6 +45,10 @@ script with --worker), without clipping and with clipping on every step (max_gra
                        shards in place during backward; on one rank the bf16 gradients are taken
                        before FSDP2 reduces them, and each layer's gather waits for its final pass
   ours-fsdp2-offload-bf16-moments  ours-fsdp2-offload with moment_dtype="bf16"
+  ours-fsdp2-bf16-offload  the same on bf16 shards (the model built in bf16): the session keeps
+                       f32 master weights and writes the shards FSDP2 gathers as the weights'
+                       copy, ahead of the rest of the step
+  ours-fsdp2-bf16-offload-bf16-moments  ours-fsdp2-bf16-offload with moment_dtype="bf16"
   ds-superoffload      DeepSpeed ZeRO-3 + offload_optimizer.super_offload, as DeepSpeed's
                        SuperOffload examples configure it (ratio 0.9, cpuadam_cores_perc 0.9,
                        sub_group_size = reduce_bucket_size = 4e8, overlap_comm off)

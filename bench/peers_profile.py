@@ -146,7 +146,10 @@ def main():
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT") or "bench-out", "profile"))
     args = ap.parse_args()
-    for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+    # One rank of its own: the FSDP2 systems initialise a process group.
+    from peers_runner import free_port
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", str(free_port()))):
         os.environ.setdefault(var, value)
 
     import torch

@@ -191,13 +191,15 @@ class TorchGpuAdamW(Trainer):
 
 
 class Ours(Trainer):
-    def __init__(self, ctx, options, sharded=False, offload=False):
+    def __init__(self, ctx, options, sharded=False, offload=None):
         from superoffload.torch import SuperOffloadAdamW
         super().__init__(ctx)
-        if offload:
-            # FSDP2's CPU offload: f32 shards on the host (the session's master weights), compute in
-            # the context's dtype, the gradients in it too (taken before FSDP2 would reduce them).
-            self.model = ctx.fully_shard_offloaded(ctx.build_model(dtype=torch.float32), reduce_dtype=None)
+        if offload is not None:
+            # FSDP2's CPU offload: shards of dtype `offload` on the host (f32: the session's master
+            # weights; bf16: the weights' copy the session writes beside its own f32 masters),
+            # compute in the context's dtype, the gradients in it too (taken before FSDP2 would
+            # reduce them).
+            self.model = ctx.fully_shard_offloaded(ctx.build_model(dtype=offload), reduce_dtype=None)
         else:
             self.model = ctx.build_model()
             if sharded:
@@ -413,13 +415,17 @@ SYSTEMS = {
     "torch-fsdp2-gpu-adamw": ("torch FSDP2, AdamW(fused) on the GPU", lambda ctx: TorchGpuAdamW(ctx, sharded=True)),
     "ours-fsdp2": ("ours under FSDP2, defaults", lambda ctx: Ours(ctx, {}, sharded=True)),
     "ours-fsdp2-offload": ("ours under FSDP2 CPUOffloadPolicy (f32 shards are the master weights)",
-                           lambda ctx: Ours(ctx, {}, offload=True)),
+                           lambda ctx: Ours(ctx, {}, offload=torch.float32)),
     "ours-fsdp2-offload-bf16-moments": ('ours under FSDP2 CPUOffloadPolicy, moment_dtype "bf16"',
-                                        lambda ctx: Ours(ctx, {"moment_dtype": "bf16"}, offload=True)),
+                                        lambda ctx: Ours(ctx, {"moment_dtype": "bf16"}, offload=torch.float32)),
+    "ours-fsdp2-bf16-offload": ("ours under FSDP2 CPUOffloadPolicy on bf16 shards (the weights' copy)",
+                                lambda ctx: Ours(ctx, {}, offload=ctx.dtype)),
+    "ours-fsdp2-bf16-offload-bf16-moments": ('ours under FSDP2 CPUOffloadPolicy on bf16 shards, moment_dtype "bf16"',
+                                             lambda ctx: Ours(ctx, {"moment_dtype": "bf16"}, offload=ctx.dtype)),
 }
 # The systems that run on more than one rank.
 FSDP2_SYSTEMS = ["torch-fsdp2-gpu-adamw", "ours-fsdp2", "torch-fsdp2-offload", "ours-fsdp2-offload",
-                 "ours-fsdp2-offload-bf16-moments"]
+                 "ours-fsdp2-offload-bf16-moments", "ours-fsdp2-bf16-offload", "ours-fsdp2-bf16-offload-bf16-moments"]
 
 
 def baseline_of(ranks):
@@ -434,4 +440,4 @@ RUN_ORDER = ["torch-gpu-adamw", "torch-fsdp2-gpu-adamw", "ours-offload-all", "ou
              "ours-bf16-moments", "ours-offload-all-bounded-copy", "ours-bf16-moments-bounded-copy", "ours-lean",
              "ours-bf16-moments-lean",
              "ds-zero3-offload", "torch-fsdp2-offload", "ours-fsdp2-offload", "ours-fsdp2-offload-bf16-moments",
-             "ds-superoffload"]
+             "ours-fsdp2-bf16-offload", "ours-fsdp2-bf16-offload-bf16-moments", "ds-superoffload"]

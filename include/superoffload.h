@@ -9,7 +9,7 @@
 
 /** Version of the header, from Cargo.toml. */
 #define SO_VERSION_MAJOR 0
-#define SO_VERSION_MINOR 5
+#define SO_VERSION_MINOR 6
 #define SO_VERSION_PATCH 0
 /** `(major << 16) | (minor << 8) | patch`. */
 #define SO_VERSION_NUMBER ((SO_VERSION_MAJOR << 16) | (SO_VERSION_MINOR << 8) | SO_VERSION_PATCH)
@@ -18,10 +18,10 @@
  *
  * The `so_*_default()` functions return their struct by value at the size this library was
  * built with, which no `struct_size` check can catch: a program must be built against the
- * header of the library it runs with. The library's SONAME, libsuperoffload.so.0.5 (major.minor
+ * header of the library it runs with. The library's SONAME, libsuperoffload.so.0.6 (major.minor
  * while the major version is 0), makes the dynamic loader refuse any other.
  */
-#define SO_ABI_VERSION 5
+#define SO_ABI_VERSION 6
 
 /** A CUDA stream: the same type as `cudaStream_t` and `CUstream` (no CUDA header needed). */
 typedef struct CUstream_st *so_cuda_stream_t;
@@ -874,6 +874,16 @@ typedef struct so_subgroup_desc {
    * the GPU, never to the host.
    */
   uint32_t placement;
+  /**
+   * NULL (the session allocates the copy, where it keeps one) or, in host sessions with a
+   * `copy_dtype`, a caller buffer of `numel` elements of `copy_dtype`, borrowed like
+   * `master`, where the session keeps the weights' copy: written from `master` at
+   * registration and by every pass that changes the weights (e.g. the low-precision
+   * shards a framework reads its weights from). The copy is final with the sub-group's
+   * final ticket; its master weights and moments may be written after it, so a caller
+   * gradient buffer (`grad`) must then be left alone until the step's ticket.
+   */
+  void *copy;
 } so_subgroup_desc;
 
 /**
@@ -1532,14 +1542,17 @@ struct so_subgroup_desc so_subgroup_desc_default(void);
  * @brief Registers a sub-group, between steps.
  *
  * The session allocates its moments (and its gradient buffer unless `desc->grad` is
- * given). `desc->master` (and `desc->grad`) are **borrowed** until the sub-group is
+ * given). `desc->master` (and `desc->grad`, `desc->exp_avg`, `desc->exp_avg_sq`,
+ * `desc->copy` where given) are **borrowed** until the sub-group is
  * removed or the session destroyed: the memory must stay valid, and the caller must not
  * access it from the moment a gradient hand-off completes the sub-group until that step's
  * ticket (`so_session_step`'s) is complete. Reading the master weights between steps, after
  * the step's ticket, is the normal use; in a host session (no CUDA transport) the
  * sub-group's final ticket (`so_session_final_ticket`) suffices. A CUDA session that
  * publishes a low-precision copy writes the copy first and the master weights and moments
- * after it, before the step's ticket completes.
+ * after it, before the step's ticket completes. A host session's copy (`desc->copy`) is
+ * final with the sub-group's final ticket, and may be written by a speculative step from
+ * the moment the sub-group's gradient is complete.
  * Sub-groups are finalized at `so_session_step` in the order they were registered:
  * register them in forward order.
  *
@@ -1548,13 +1561,14 @@ struct so_subgroup_desc so_subgroup_desc_default(void);
  *         for an unknown group; `SO_STATUS_ALIASING` for overlapping slices or buffers
  *         that overlap another sub-group's; `SO_STATUS_INVALID_ARGUMENT` for slices
  *         outside the sub-group, empty or duplicate names, a gradient buffer of the wrong
- *         dtype; `SO_STATUS_OUT_OF_RESOURCES` beyond the host-memory limit. Nothing is
+ *         dtype, a copy buffer without `copy_dtype`; `SO_STATUS_UNSUPPORTED` for a copy
+ *         buffer in a CUDA session; `SO_STATUS_OUT_OF_RESOURCES` beyond the host-memory limit. Nothing is
  *         registered on error.
  * @note Thread-safety: see `so_session`.
  *
  * # Safety
  * `session` is NULL or a live session handle; `desc` is NULL or points to a
- * `so_subgroup_desc` whose `master` (and `grad`, `exp_avg`, `exp_avg_sq` when not NULL)
+ * `so_subgroup_desc` whose `master` (and `grad`, `exp_avg`, `exp_avg_sq`, `copy` when not NULL)
  * holds `numel` elements of its dtype and stays valid, and is left alone while the session
  * may use it, as described above; whose `slices` holds `num_slices` entries, each `name`
  * NULL or NUL-terminated; `out_subgroup` is NULL or writable.

@@ -8,7 +8,7 @@ here fails CI. Enum classes drop the C prefix (`SO_STATUS_OK` -> `Status.OK`).
 import ctypes as C
 import enum
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 # `#define`d constants the package uses (`superoffload._header` checks their values).
 CONSTANTS = {
@@ -184,7 +184,7 @@ class SubgroupDesc(_Struct):
     _fields_ = [("struct_size", c_size_t), ("group", c_u32), ("master", c_void_p), ("master_dtype", c_u32),
                 ("numel", c_size_t), ("grad", c_void_p), ("slices", P(SliceDesc)), ("num_slices", c_size_t),
                 ("device_param", so_device_ptr), ("device_param_dtype", c_u32), ("exp_avg", c_void_p),
-                ("exp_avg_sq", c_void_p), ("placement", c_u32)]
+                ("exp_avg_sq", c_void_p), ("placement", c_u32), ("copy", c_void_p)]
 
 
 class StepArgs(_Struct):

@@ -21,6 +21,8 @@ come from an all-reduce of local_grad_sumsq over the shard group. Checks, on eve
 
 On one rank with the shards on the host the gradients are taken from FSDP2's unsharded
 parameters before any reduction (superoffload/torch/_fsdp.py); on more, from the reduced shards.
+With `--dtype bf16` on the CPU the shards are bf16: the session keeps f32 master weights and
+writes the shards as the weights' copy (checked equal to the masters rounded, after every run).
 Across world sizes the arithmetic differs (FSDP2 averages per-rank gradients), so the bound is
 the parity check's tolerance against the unsharded reference, on every world size.
 
@@ -105,6 +107,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8, help="global batch (divisible by the world size)")
     ap.add_argument("--clip", type=float, default=1.3)
     ap.add_argument("--tol", type=float, default=1e-3)
+    ap.add_argument("--dtype", choices=["auto", "f32", "bf16"], default="auto",
+                    help="the model's (and shards') dtype; auto: bf16 on CUDA, f32 on the CPU")
     ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "fsdp.json") if os.environ.get("OUT") else None)
     args = ap.parse_args()
     if "RANK" not in os.environ:  # plain python3: a world of one
@@ -116,7 +120,7 @@ def main():
         torch.cuda.set_device(local)
         torch.use_deterministic_algorithms(True, warn_only=True)
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype, torch.bfloat16 if cuda else torch.float32)
     dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": device} if cuda else {}))
     from torch.distributed.device_mesh import init_device_mesh
     import torch.distributed.checkpoint as dcp
@@ -140,7 +144,7 @@ def main():
         model = sharded(0, device, dtype, mesh)
         opt = make_opt(model, args.clip)
         if rank == 0:
-            print(f"world size {world}, backend {dist.get_backend()}, mode {'CUDA bf16' if cuda else 'host f32'}; "
+            print(f"world size {world}, backend {dist.get_backend()}, mode {'CUDA' if cuda else 'host'} {dtype}; "
                   f"distributed norm: {opt.distributed}; rank 0 steps {len(opt.subgroups())} sub-groups of "
                   f"{sum(s[2] for s in opt.subgroups())} local elements", flush=True)
         all_cores = [None] * world
@@ -160,6 +164,10 @@ def main():
                "mean_rel_norm_diff": f"{sum(dn) / len(dn):.3e}", "clipped_steps": sum(n > args.clip for n in na),
                "first_loss": round(la[0], 4), "last_loss": round(la[-1], 4)})
         report["losses"], report["ref_losses"], report["norms"] = la, lb, na
+        if not cuda and dtype != torch.float32:
+            opt.synchronize()
+            rounded = all(torch.equal(sg.copy, sg.master.to(dtype)) for sg in opt._subgroups)
+            check("shard_copies", rounded, {"shards_equal_rounded_masters": rounded})
         opt.close()
 
         # Half the steps, a checkpoint, the other half; then the same half from the checkpoint

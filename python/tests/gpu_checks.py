@@ -22,11 +22,12 @@ CUDA mode, SuperOffloadAdamW on a tiny GPT (python/tests/_models.py), determinis
   cuda_lean_memory     gradient_home="device" and host_copy="bounded" (the gradient kept on the GPU, the
                        copy written piece by piece as it is published): the bits of the full host buffers
                        with clipping on some steps, resume bit for bit, and no host bytes beyond the state
-  cuda_fsdp2_offload   FSDP2 with CPUOffloadPolicy (f32 host shards, bf16 compute, one rank): the same
-                       losses and master weights bit for bit as the CUDA mode on bf16 parameters with
-                       the same sub-groups, clipping every step (speculation off), unclipped
-                       (speculation on) and with accumulation_steps=2; 2 bytes a parameter of lent
-                       bf16 gradient buffers
+  cuda_fsdp2_offload   FSDP2 with CPUOffloadPolicy (f32 host shards, and bf16 host shards the session
+                       writes as the weights' copy; bf16 compute, one rank): the same losses and master
+                       weights bit for bit as the CUDA mode on bf16 parameters with the same
+                       sub-groups, clipping every step (speculation off), unclipped (speculation on)
+                       and with accumulation_steps=2; 2 bytes a parameter of lent bf16 gradient
+                       buffers; bf16 shards equal to the master weights rounded
 Hugging Face Trainer on a LlamaConfig-built model (f32 parameters, bf16 autocast, full_determinism):
   trainer_parity       SuperOffloadTrainer vs Trainer's AdamW, max_grad_norm active, >= 30 steps:
                        mean relative loss difference <= 1e-3
@@ -336,9 +337,13 @@ def torch_checks(dev):
         policies = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dt), offload_policy=CPUOffloadPolicy())
         hp = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
         outcomes = {}
-        for label, clip, spec, acc in (("clipped", CLIP, False, 1), ("unclipped", 0.0, True, 1),
-                                       ("accumulated", CLIP, False, 2)):
-            sharded = make_model(0, dev, dt).float()  # bf16 values: both start from the same masters
+        runs = [(f"{shards} {label}", shards, clip, spec, acc) for shards in ("f32", "bf16")
+                for label, clip, spec, acc in (("clipped", CLIP, False, 1), ("unclipped", 0.0, True, 1),
+                                               ("accumulated", CLIP, False, 2))]
+        for label, shards, clip, spec, acc in runs:
+            sharded = make_model(0, dev, dt)  # bf16 values: both start from the same masters
+            if shards == "f32":
+                sharded = sharded.float()
             for blk in sharded.blocks:
                 fully_shard(blk, **policies)
             fully_shard(sharded, **policies)
@@ -353,16 +358,18 @@ def torch_checks(dev):
             lb, _ = train(plain, ob, torch.optim.lr_scheduler.LambdaLR(ob, lr_lambda), data[:12], acc)
             oa.synchronize(host=True)
             ob.synchronize(host=True)
-            shards = {n: p.to_local() for n, p in sharded.named_parameters()}
+            local = {n: p.to_local().reshape(-1) for n, p in sharded.named_parameters()}
             masters = {sg.params[0].name: sg.master for sg in ob._subgroups}
-            same = all(torch.equal(shards[n].reshape(-1), masters[n]) for n in order)
+            ours = {sg.params[0].name: sg.master for sg in oa._subgroups} if shards == "bf16" else local
+            same = all(torch.equal(ours[n], masters[n]) for n in order)
+            rounded = all(torch.equal(local[n], masters[n].to(local[n].dtype)) for n in order)
             mem = oa.memory()
-            outcomes[label] = dict(losses_equal=la == lb, masters_equal=same, falls=la[-1] < la[0],
-                                   grad_bytes_per_param=mem["grad_bytes"] / mem["params"])
+            outcomes[label] = dict(losses_equal=la == lb, masters_equal=same, shards_rounded=rounded,
+                                   falls=la[-1] < la[0], grad_bytes_per_param=mem["grad_bytes"] / mem["params"])
             oa.close()
             ob.close()
-        ok = all(o["losses_equal"] and o["masters_equal"] and o["falls"] and o["grad_bytes_per_param"] == 2
-                 for o in outcomes.values())
+        ok = all(o["losses_equal"] and o["masters_equal"] and o["shards_rounded"] and o["falls"]
+                 and o["grad_bytes_per_param"] == 2 for o in outcomes.values())
         check("cuda_fsdp2_offload", ok, **outcomes)
 
     for name, fn in (("cuda_fsdp2_offload", fsdp2_offload), ("cuda_state_dict_read", state_dict_read), ("cuda_budget_fraction", budget_under_fraction), ("cuda_parity", parity), ("cuda_speculation", speculation), ("cuda_resume", resume_check),

@@ -15,7 +15,7 @@ use super::{
     StepResult, SubGroup, clip_coefficient, grad_factor, speculation_stands, unscale_factor, usable_factor,
 };
 use crate::error::Result;
-use crate::kernels::{self, AdamBuffers, AdamHyper, Resolution, UpdateOptions};
+use crate::kernels::{self, AdamBuffers, AdamHyper, DType, Resolution, UpdateOptions};
 
 /// The step's verdict, as one sub-group sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -259,13 +259,16 @@ pub(crate) fn state_pass(shared: &Shared, sg: &SubGroup, hp: &AdamHyper, scale: 
         .each_piece(sg, &mut data, 0..sg.numel, CopyTo::Nowhere, &mut |_, b| kernels::update_state(pool, hp, b, scale))
 }
 
-/// Whether a step's master weights and moments can be written after its copy is
-/// published: there is a device to publish to and a copy to publish, and the gradient
-/// buffer is the session's (a caller-provided one may be rewritten once the weights are
-/// final).
+/// Whether a step's master weights and moments can be written after its copy is final:
+/// there is a device to publish to and a copy to publish, and the gradient buffer is the
+/// session's (a caller-provided one may be rewritten once the weights are final); or, in a
+/// host session, the copy is the caller's (what the caller reads its weights from), whose
+/// gradient buffer is read until the step's ticket (`so_subgroup_desc.copy`).
 fn state_can_follow(shared: &Shared, sg: &SubGroup, data: &SgData) -> bool {
-    let transport = shared.transport().is_some();
-    transport && data.grad.as_ref().is_none_or(|g| g.is_owned()) && writes_copy(sg, data, transport)
+    match shared.transport() {
+        Some(_) => data.grad.as_ref().is_none_or(|g| g.is_owned()) && writes_copy(sg, data, true),
+        None => data.master.dtype() == DType::F32 && data.copy.as_ref().is_some_and(|c| !c.is_owned()),
+    }
 }
 
 /// Makes one sub-group exact with the step's verdict ([`decide`]) and publishes it.

@@ -307,7 +307,8 @@ impl Session {
         if micro + 1 == micro_steps {
             // A sub-group that speculates has its sum taken on the pool by its speculative step,
             // as soon as the CPU-Adam thread takes it; one that does not would have it taken at
-            // the decision, after backward, so it is taken here, beside the backward.
+            // the decision, after backward, so it is taken here, beside the backward, on the
+            // pool: one thread alone fell behind a fast backward (the same bits either way).
             let group = t.reg.groups[sg.group as usize];
             let speculates = self.shared.policy.lock().unwrap().should_speculate();
             let mut data = sg.data.lock().unwrap();
@@ -316,7 +317,8 @@ impl Session {
             } else {
                 let grad = data.grad.as_ref().expect("a lent gradient buffer");
                 let range = sg.slices[index].clone();
-                Some(HandedSumsq::Known(kernels::grad_sumsq_here(grad.range(range), unscale_factor(t.loss_scale))?))
+                let sumsq = kernels::grad_sumsq(&self.shared.pool, grad.range(range), unscale_factor(t.loss_scale))?;
+                Some(HandedSumsq::Known(sumsq))
             };
         }
         Ok(self.mark_gradient(&mut t, slice, &sg, micro, micro_steps))

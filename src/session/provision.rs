@@ -161,6 +161,8 @@ pub(crate) struct SgNeed {
     pub numel: usize,
     /// The caller lent its gradient buffer: nothing to decide for the gradient.
     pub caller_gradient: bool,
+    /// The caller lent the buffer of its weights' copy: no host bytes for it.
+    pub caller_copy: bool,
 }
 
 /// What the session can measure and spend when it provisions.
@@ -218,7 +220,7 @@ pub(crate) fn plan(options: &SessionOptions, transport: bool, needs: &[SgNeed], 
         if !n.caller_gradient && !out.device_gradient[i] && !auto_gradient {
             host += n.numel * grad_size;
         }
-        if out.full_copy[i] && !auto_copy {
+        if out.full_copy[i] && !auto_copy && !n.caller_copy {
             host += n.numel * copy_size;
         }
     }
@@ -332,7 +334,10 @@ impl Session {
     pub(crate) fn provide(&self, in_use: usize, sgs: &[Arc<SubGroup>]) -> Result<Vec<(usize, Vec<usize>)>> {
         let needs: Vec<SgNeed> = sgs
             .iter()
-            .map(|sg| SgNeed { numel: sg.numel, caller_gradient: sg.data.lock().unwrap().grad.is_some() })
+            .map(|sg| {
+                let data = sg.data.lock().unwrap();
+                SgNeed { numel: sg.numel, caller_gradient: data.grad.is_some(), caller_copy: data.copy.is_some() }
+            })
             .collect();
         let (host, reserve, host_bound) = self.host_room(in_use);
         let room = Room { host, host_bound, reserve, device: self.device_room() };
@@ -403,7 +408,10 @@ impl Session {
                     data.grad = Some(grad);
                 }
             }
-            if let Some(dtype) = o.copy_dtype.filter(|_| full_copy) {
+            if data.copy.as_ref().is_some_and(|c| !c.is_owned()) {
+                // The caller's copy buffer: the weights as registered.
+                data.copy_from_master(&self.shared.pool)?;
+            } else if let Some(dtype) = o.copy_dtype.filter(|_| full_copy) {
                 let mut copy = HostBuf::zeros(dtype, sg.numel, "a master-weight copy")?;
                 crate::kernels::convert(&self.shared.pool, copy.floats_mut(), data.master.floats())?;
                 pins.extend(self.pin_buffer(&mut copy)?);
@@ -426,7 +434,9 @@ impl Session {
     fn take_back(&self, sg: &SubGroup, pins: Vec<usize>) {
         self.unpin_all(pins.into_iter());
         let mut data = sg.data.lock().unwrap();
-        data.copy = None;
+        if data.copy.as_ref().is_some_and(HostBuf::is_owned) {
+            data.copy = None;
+        }
         if data.grad.as_ref().is_some_and(HostBuf::is_owned) {
             data.grad = None;
         }
@@ -463,7 +473,7 @@ mod tests {
     }
 
     fn needs(count: usize, numel: usize) -> Vec<SgNeed> {
-        vec![SgNeed { numel, caller_gradient: false }; count]
+        vec![SgNeed { numel, caller_gradient: false, caller_copy: false }; count]
     }
 
     /// Bytes per parameter on each side, for every choice: the gradient (2 with bf16) and the
@@ -560,7 +570,7 @@ mod tests {
         );
         assert!(plan(&device, false, &needs(2, n), room(None, None)).is_err(), "a host session has no device");
         assert!(plan(&device, true, &needs(2, n), room(None, None)).is_ok(), "a device that does not say");
-        let lent = [SgNeed { numel: n, caller_gradient: true }];
+        let lent = [SgNeed { numel: n, caller_gradient: true, caller_copy: false }];
         let p = plan(&device, true, &lent, room(Some(0), Some(0))).unwrap();
         assert_eq!(p.device_gradient, vec![false], "a lent gradient buffer stays where it is");
     }

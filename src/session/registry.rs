@@ -163,12 +163,23 @@ impl Session {
         let grad = caller_buffer(desc.grad, "gradient", o.accum_dtype)?;
         let exp_avg = caller_buffer(desc.exp_avg, "exp_avg", o.moment_dtype)?;
         let exp_avg_sq = caller_buffer(desc.exp_avg_sq, "exp_avg_sq", o.moment_dtype)?;
+        let copy = match (desc.copy, o.copy_dtype) {
+            (None, _) => None,
+            (Some(_), _) if transport.is_some() => {
+                return Err(Error::unsupported("a caller copy buffer needs a host session (a CUDA session publishes)"));
+            }
+            (Some(_), None) => {
+                return Err(Error::invalid("a copy buffer is set but the session keeps no copy (copy_dtype)"));
+            }
+            (Some(b), Some(dtype)) => caller_buffer(Some(b), "copy", dtype)?,
+        };
         check_slices(&desc.slices, numel, &t.reg.names)?;
         let labelled: Vec<(&str, Range<usize>)> = [
             ("master buffer", Some(&master)),
             ("gradient buffer", grad.as_ref()),
             ("exp_avg buffer", exp_avg.as_ref()),
             ("exp_avg_sq buffer", exp_avg_sq.as_ref()),
+            ("copy buffer", copy.as_ref()),
         ]
         .into_iter()
         .filter_map(|(name, b)| b.map(|b| (name, b.addr_range())))
@@ -192,7 +203,7 @@ impl Session {
             exp_avg: allocate(exp_avg, o.moment_dtype, "sub-group state")?,
             exp_avg_sq: allocate(exp_avg_sq, o.moment_dtype, "sub-group state")?,
             grad,
-            copy: None,
+            copy,
             master,
             work: SgWork::default(),
             sumsq: vec![None; ranges.len()],

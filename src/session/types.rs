@@ -178,6 +178,9 @@ pub struct SubGroupDesc {
     /// Caller-provided moment buffers in `moment_dtype` (else the session allocates them).
     pub exp_avg: Option<Borrowed>,
     pub exp_avg_sq: Option<Borrowed>,
+    /// A caller-provided buffer in `copy_dtype` where a host session keeps the weights' copy
+    /// (else the session allocates one).
+    pub copy: Option<Borrowed>,
     pub slices: Vec<SliceDesc>,
     /// With a transport: the model's parameter the weights are published to.
     pub device: Option<DeviceParam>,
@@ -193,6 +196,7 @@ impl SubGroupDesc {
             grad: None,
             exp_avg: None,
             exp_avg_sq: None,
+            copy: None,
             slices,
             device: None,
             placement: Placement::Host,

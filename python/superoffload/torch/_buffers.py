@@ -84,18 +84,20 @@ def arena_numel(subgroups):
     return sum(round_up(sg.numel, page_el) for sg in subgroups) + page_el
 
 
-def session_host_bytes(subgroups, *, cuda, accum_dtype, copy_dtype, host_copy, gradient_home, grads_lent=False):
+def session_host_bytes(subgroups, *, cuda, accum_dtype, copy_dtype, host_copy, gradient_home, grads_lent=False,
+                       copies_lent=False):
     """Host bytes the session must allocate for the offloaded sub-groups, and the options that
     lower them: a host session's gradient buffers (unless this layer lends them: `grads_lent`)
-    and copies; in CUDA mode the host gradients and copies asked for explicitly (the automatic
-    choices fit in what the limit leaves)."""
+    and copies (unless they are the caller's low-precision shards: `copies_lent`); in CUDA mode
+    the host gradients and copies asked for explicitly (the automatic choices fit in what the
+    limit leaves)."""
     numel = sum(sg.numel for sg in subgroups if not sg.device_placed)
     per_param, lower = 0, []
     if (not cuda and not grads_lent) or gradient_home == "host":
         per_param += element_size(accum_dtype)
         if cuda:
             lower.append('gradient_home="device"')
-    if copy_dtype != "none" and (host_copy == "full" or not cuda):
+    if copy_dtype != "none" and (host_copy == "full" or not cuda) and not copies_lent:
         per_param += element_size(copy_dtype)
         lower.append('host_copy="bounded"' if cuda else 'copy_dtype="none"')
     return numel * per_param, lower
@@ -135,12 +137,13 @@ def check_host_memory(subgroups, *, masters, moment_dtype, session_bytes, sessio
 
 @torch.no_grad()
 def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, masters, pool, touch, grad_dtype=None,
-             pinned_grads=False):
+             pinned_grads=False, shard_copies=False):
     """Allocates and fills every laid out sub-group's buffers, registers it with the session and
-    re-points the parameters; returns the master arena (None without `masters`: host FSDP shards
-    are their own masters). `touch`: first-touch the host buffers with `pool` (NUMA placement).
-    `grad_dtype`: lend the session a gradient buffer of that dtype per sub-group (pinned with
-    `pinned_grads`), which each slice's `grad_buffer` views."""
+    re-points the parameters; returns the master arena (None without `masters`: host FSDP f32
+    shards are their own masters). `touch`: first-touch the host buffers with `pool` (NUMA
+    placement). `grad_dtype`: lend the session a gradient buffer of that dtype per sub-group
+    (pinned with `pinned_grads`), which each slice's `grad_buffer` views. `shard_copies`: host
+    FSDP with low-precision shards, which the session keeps as its weights' copy."""
     cuda = device.type == "cuda"
     page_el = PAGE_BYTES // 4
     arena = None
@@ -184,6 +187,9 @@ def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, mas
                     view.copy_(info.param.data.reshape(-1))
                     info.param.data = view.view(info.param.shape)
             keep.append(sg.device_param)
+        elif shard_copies:
+            sg.copy = _contiguous_shard(sg.params[0])
+            keep.append(sg.copy)
         elif masters:
             for info in sg.params:  # host mode: the parameter is its master slice
                 info.param.data = sg.master[sg.span(info)].view(info.param.shape)
@@ -193,7 +199,7 @@ def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, mas
             grad=sg.grad.data_ptr() if sg.grad is not None else 0,
             device_param=sg.device_param.data_ptr() if sg.device_param is not None else 0,
             device_param_dtype=DTYPE_NAMES[param_dtype], keep=keep, exp_avg=sg.exp_avg.data_ptr(),
-            exp_avg_sq=sg.exp_avg_sq.data_ptr(),
+            exp_avg_sq=sg.exp_avg_sq.data_ptr(), **({"copy": sg.copy.data_ptr()} if sg.copy is not None else {}),
             placement=int(_abi.Placement.DEVICE if sg.device_placed else _abi.Placement.HOST))
         for info, sid in zip(sg.params, slice_ids):
             info.sg, info.slice = sg.id, sid

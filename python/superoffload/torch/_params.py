@@ -50,12 +50,12 @@ class SubGroup:
     """Consecutive parameters of one param group and the buffers the session steps them in."""
 
     __slots__ = ("id", "group", "params", "numel", "device_placed", "master", "device_param", "exp_avg",
-                 "exp_avg_sq", "grad")
+                 "exp_avg_sq", "grad", "copy")
 
     def __init__(self, group, device_placed):
         self.group, self.device_placed = group, device_placed
         self.params, self.numel = [], 0
-        self.id = self.master = self.device_param = self.exp_avg = self.exp_avg_sq = self.grad = None
+        self.id = self.master = self.device_param = self.exp_avg = self.exp_avg_sq = self.grad = self.copy = None
 
     def span(self, info):
         return slice(info.offset, info.offset + info.numel)
@@ -139,10 +139,10 @@ def common_placement(infos):
         raise ValueError("SuperOffloadAdamW: trainable parameters must share one of float32, bfloat16, float16; "
                          f"got {sorted(map(str, dtypes))} (cast the model first)")
     dtype = dtypes.pop()
-    if device.type == "cpu" and dtype != torch.float32:
+    fsdp = any(i.dtensor for i in infos)
+    if device.type == "cpu" and dtype != torch.float32 and not fsdp:
         raise ValueError("SuperOffloadAdamW: host mode (CPU parameters) needs float32 parameters: the parameters "
                          f"are the master weights there; got {dtype}")
-    fsdp = any(i.dtensor for i in infos)
     if fsdp and not all(i.dtensor for i in infos):
         raise ValueError("SuperOffloadAdamW: some parameters are DTensors (FSDP2) and some are not; apply "
                          "fully_shard to the root module too so every parameter is sharded")

@@ -89,9 +89,10 @@ class StateDictMixin:
         shard = t.view(local(info.param).shape)
         if not info.dtensor:
             return shard
-        if copy:
-            # A view of a mapped file cannot be pickled inside a DTensor (torch.save refuses its
-            # storage): the rank-local shard is copied.
+        if copy or shard.storage_offset() != 0:
+            # A view of a mapped file, or one that starts inside its storage (a slice of the master
+            # arena), cannot be pickled inside a DTensor (torch.save refuses its storage): the
+            # rank-local shard is copied.
             shard = shard.clone()
         p = info.param
         return DTensor.from_local(shard, device_mesh=p.device_mesh, placements=p.placements, run_check=False,
@@ -169,6 +170,9 @@ class StateDictMixin:
             self._sync_groups()
             return
         plan = self._load_plan(saved_state)  # everything checked before anything changes
+        # The latest step's passes (a state pass after the copy among them) must not write the
+        # buffers after they are loaded.
+        self.synchronize()
         if self.cuda:
             torch.cuda.synchronize(self.device)
         _set_group_hparams(self.param_groups, groups)
@@ -242,6 +246,8 @@ class StateDictMixin:
                 self.session.set_step_count(sg.id, step)
             if self.cuda:  # publish the loaded masters into the model's parameters
                 sg.device_param.copy_(sg.master.to(self.device, non_blocking=False).to(self.param_dtype))
+            elif sg.copy is not None:  # host FSDP's low-precision shards are the weights' copy
+                sg.copy.copy_(sg.master.to(self.param_dtype))
 
     def _load_through_file(self, plan, so):
         """Writes the state as a checkpoint file and has the session load it (CUDA: the session

@@ -23,7 +23,10 @@ Modes (picked from where the parameters are):
   which the library updates in place (`so_session_grad_copy`).
 - FSDP2 (`fully_shard`): parameters are DTensors; each rank's session steps its local shards
   (one sub-group per parameter, FSDP owns the storage); the global norm and the overflow verdict
-  come from an all-reduce of `local_grad_sumsq` over the shard group.
+  come from an all-reduce of `local_grad_sumsq` over the shard group. With the shards on the host
+  (`CPUOffloadPolicy`), f32 shards are the master weights themselves; bf16 or f16 shards are the
+  weights' copy, which the session writes beside f32 master weights of its own (the copy first:
+  the next forward's gathers wait for it alone, the master weights and moments follow).
 
 GPU-resident parameters (CUDA mode, `gpu_fraction > 0`; SuperOffload's `ratio < 1`): the first
 parameters in forward order, up to that fraction of the elements, keep f32 master weights and
@@ -213,15 +216,26 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             raise ValueError("SuperOffloadAdamW: gpu_budget_bytes needs CUDA parameters")
 
         dt = take_dtype or DTYPE_NAMES[self.param_dtype]
+        # Host FSDP2 with bf16 or f16 shards: the session keeps f32 master weights and writes the
+        # shards FSDP2 gathers as the weights' copy (half the bytes of f32 shards cross the link,
+        # and the copy can step ahead of the rest).
+        self._shard_copies = self.fsdp and not self.cuda and self.param_dtype != torch.float32
+        if self._shard_copies:
+            shard_dtype = DTYPE_NAMES[self.param_dtype]
+            if copy_dtype not in ("auto", shard_dtype):
+                raise ValueError(f"SuperOffloadAdamW: the {shard_dtype} FSDP2 shards are the weights' copy; "
+                                 f"copy_dtype={copy_dtype!r} cannot differ")
+            copy_dtype = shard_dtype
         if copy_dtype == "auto":
             copy_dtype = dt if self.cuda and dt != "f32" else "none"
         device_placed = {id(i) for i in self._device_infos}
         self._subgroups = _params.partition(infos, 0 if self.fsdp else int(sub_group_numel), device_placed)
         _buffers.layout(self._subgroups, cuda=self.cuda, param_dtype=self.param_dtype, align_bytes=align_bytes)
-        masters = not (self.fsdp and not self.cuda)  # host FSDP: the f32 shards themselves are the masters
+        # Host FSDP with f32 shards: the shards themselves are the masters.
+        masters = not (self.fsdp and not self.cuda) or self._shard_copies
         session_bytes, session_lower = _buffers.session_host_bytes(
             self._subgroups, cuda=self.cuda, accum_dtype=dt, copy_dtype=copy_dtype, host_copy=host_copy_name,
-            gradient_home=gradient_home_name, grads_lent=take_dtype is not None)
+            gradient_home=gradient_home_name, grads_lent=take_dtype is not None, copies_lent=self._shard_copies)
         # Checked before anything is allocated; the session then keeps its own buffers within what
         # the lent master weights and moments leave of the limit (its 0 would mean no limit).
         lent = _buffers.check_host_memory(self._subgroups, masters=masters, moment_dtype=moment_dtype,
@@ -252,7 +266,8 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         self._master_arena = _buffers.register(
             self.session, self._subgroups, device=self.device, param_dtype=self.param_dtype,
             moment_dtype=moment_dtype, fsdp=self.fsdp, masters=masters, pool=self._pool, touch=bool(first_touch),
-            grad_dtype=take_dtype, pinned_grads=compute is not None and compute.type == "cuda")
+            grad_dtype=take_dtype, pinned_grads=compute is not None and compute.type == "cuda",
+            shard_copies=self._shard_copies)
         self._all_sgs = [sg.id for sg in self._subgroups]
         if take_dtype:
             self._taker = _fsdp.GradientTaker(self._fsdp_modules, self._by_param, self.accumulation_steps,
@@ -422,6 +437,11 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             todo = sorted(self._pending)
             self._pending.clear()
             self._wait_subgroups(todo)
+        if self._shard_copies and self._taker is not None and self._ticket is not None:
+            # The master weights and moments follow the shards of the previous step and read its
+            # gradients, which this step's copies are about to overwrite: they end with its ticket.
+            with self._times.timed("wait_s"):
+                self.session.wait(self._ticket)
         self._sync_groups()
         if self._budget_unmeasured:
             self._limit_budget_to_fraction()
@@ -555,7 +575,10 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
     def reload_from_params(self):
         """Copies the model's current parameter values into the master weights (CUDA mode: after
         the parameters were changed behind the optimizer's back, e.g. by model.load_state_dict(),
-        which calls this by itself when the optimizer was given `model`). Between steps only."""
+        which calls this by itself when the optimizer was given `model`). Between steps only.
+        Low-precision parameters change only the master weights they no longer round to: an f32
+        master weight that still rounds to its parameter keeps its bits (so loading a model's
+        state beside the optimizer's, in either order, keeps the optimizer's master weights)."""
         self._check_idle("reload_from_params")
         if self._ticket is not None:
             self.session.wait(self._ticket)  # the step ticket: every sub-group is final
@@ -566,7 +589,12 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
                     dst = sg.master[sg.span(info)]
                     if src.device.type == "cpu" and src.data_ptr() == dst.data_ptr():
                         continue  # host mode: the parameter is its master
-                    dst.copy_(src)
+                    if src.dtype == dst.dtype:
+                        dst.copy_(src)
+                        continue
+                    src = src.to(dst.device)
+                    changed = src != dst.to(src.dtype)
+                    dst[changed] = src[changed].to(dst.dtype)
 
     @contextlib.contextmanager
     def _host_authoritative(self, sg):

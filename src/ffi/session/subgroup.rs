@@ -4,7 +4,7 @@
 use std::ffi::{c_char, c_void};
 
 use super::{session_ref, so_session};
-use crate::error::{Result, Status};
+use crate::error::{Error, Result, Status};
 use crate::ffi::args::{
     RawBuf, c_str, check_out_struct, non_null, read_struct, required_array, with_struct_size, write_out,
 };
@@ -78,6 +78,14 @@ pub struct so_subgroup_desc {
     /// receives them back when the sub-group moves to the host); its gradient is copied on
     /// the GPU, never to the host.
     pub placement: u32,
+    /// NULL (the session allocates the copy, where it keeps one) or, in host sessions with a
+    /// `copy_dtype`, a caller buffer of `numel` elements of `copy_dtype`, borrowed like
+    /// `master`, where the session keeps the weights' copy: written from `master` at
+    /// registration and by every pass that changes the weights (e.g. the low-precision
+    /// shards a framework reads its weights from). The copy is final with the sub-group's
+    /// final ticket; its master weights and moments may be written after it, so a caller
+    /// gradient buffer (`grad`) must then be left alone until the step's ticket.
+    pub copy: *mut c_void,
 }
 
 impl so_subgroup_desc {
@@ -105,6 +113,11 @@ impl so_subgroup_desc {
         let grad = optional("desc->grad", self.grad, options.accum_dtype)?;
         let exp_avg = optional("desc->exp_avg", self.exp_avg, options.moment_dtype)?;
         let exp_avg_sq = optional("desc->exp_avg_sq", self.exp_avg_sq, options.moment_dtype)?;
+        let copy = match options.copy_dtype {
+            Some(dtype) => optional("desc->copy", self.copy, dtype)?,
+            None if self.copy.is_null() => None,
+            None => return Err(Error::invalid("desc->copy is set but the session keeps no copy (copy_dtype NONE)")),
+        };
         let placement = Placement::from_c(self.placement, field("placement"))?;
         let device = match self.device_param {
             0 => None,
@@ -120,7 +133,7 @@ impl so_subgroup_desc {
             // SAFETY: each name is NULL or NUL-terminated (the caller's contract).
             .map(|(i, s)| unsafe { s.to_core(&format!("desc->slices[{i}]")) })
             .collect::<Result<Vec<_>>>()?;
-        Ok(SubGroupDesc { group: self.group, master, grad, exp_avg, exp_avg_sq, slices, device, placement })
+        Ok(SubGroupDesc { group: self.group, master, grad, exp_avg, exp_avg_sq, copy, slices, device, placement })
     }
 }
 
@@ -183,6 +196,7 @@ pub extern "C" fn so_subgroup_desc_default() -> so_subgroup_desc {
             exp_avg: std::ptr::null_mut(),
             exp_avg_sq: std::ptr::null_mut(),
             placement: so_placement::Host as u32,
+            copy: std::ptr::null_mut(),
         })
     })
 }
@@ -190,14 +204,17 @@ pub extern "C" fn so_subgroup_desc_default() -> so_subgroup_desc {
 /// @brief Registers a sub-group, between steps.
 ///
 /// The session allocates its moments (and its gradient buffer unless `desc->grad` is
-/// given). `desc->master` (and `desc->grad`) are **borrowed** until the sub-group is
+/// given). `desc->master` (and `desc->grad`, `desc->exp_avg`, `desc->exp_avg_sq`,
+/// `desc->copy` where given) are **borrowed** until the sub-group is
 /// removed or the session destroyed: the memory must stay valid, and the caller must not
 /// access it from the moment a gradient hand-off completes the sub-group until that step's
 /// ticket (`so_session_step`'s) is complete. Reading the master weights between steps, after
 /// the step's ticket, is the normal use; in a host session (no CUDA transport) the
 /// sub-group's final ticket (`so_session_final_ticket`) suffices. A CUDA session that
 /// publishes a low-precision copy writes the copy first and the master weights and moments
-/// after it, before the step's ticket completes.
+/// after it, before the step's ticket completes. A host session's copy (`desc->copy`) is
+/// final with the sub-group's final ticket, and may be written by a speculative step from
+/// the moment the sub-group's gradient is complete.
 /// Sub-groups are finalized at `so_session_step` in the order they were registered:
 /// register them in forward order.
 ///
@@ -206,13 +223,14 @@ pub extern "C" fn so_subgroup_desc_default() -> so_subgroup_desc {
 ///         for an unknown group; `SO_STATUS_ALIASING` for overlapping slices or buffers
 ///         that overlap another sub-group's; `SO_STATUS_INVALID_ARGUMENT` for slices
 ///         outside the sub-group, empty or duplicate names, a gradient buffer of the wrong
-///         dtype; `SO_STATUS_OUT_OF_RESOURCES` beyond the host-memory limit. Nothing is
+///         dtype, a copy buffer without `copy_dtype`; `SO_STATUS_UNSUPPORTED` for a copy
+///         buffer in a CUDA session; `SO_STATUS_OUT_OF_RESOURCES` beyond the host-memory limit. Nothing is
 ///         registered on error.
 /// @note Thread-safety: see `so_session`.
 ///
 /// # Safety
 /// `session` is NULL or a live session handle; `desc` is NULL or points to a
-/// `so_subgroup_desc` whose `master` (and `grad`, `exp_avg`, `exp_avg_sq` when not NULL)
+/// `so_subgroup_desc` whose `master` (and `grad`, `exp_avg`, `exp_avg_sq`, `copy` when not NULL)
 /// holds `numel` elements of its dtype and stays valid, and is left alone while the session
 /// may use it, as described above; whose `slices` holds `num_slices` entries, each `name`
 /// NULL or NUL-terminated; `out_subgroup` is NULL or writable.
