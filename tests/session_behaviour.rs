@@ -469,3 +469,64 @@ fn the_timeline_records_hand_offs_steps_and_finalization() {
     assert_eq!(text.matches('{').count(), text.matches('}').count());
     m.session.trace(false);
 }
+
+/// A host session that keeps its weights' copy in the caller's buffer (`SubGroupDesc::copy`)
+/// steps the same bits as one that keeps its own, with bf16 moments (the copy steps ahead)
+/// and clipping on some steps; the lent copy is the master weights rounded, from registration
+/// on, whenever the step's ticket is complete. Without a copy dtype a lent copy is refused.
+#[test]
+fn a_lent_copy_holds_the_masters_rounded() {
+    let n = 3000;
+    let mk = |lent: bool| {
+        let s = Session::new(SessionOptions {
+            pool: Some(Arc::new(pool(Isa::best(), 2))),
+            grad_dtype: DType::Bf16,
+            moment_dtype: DType::Bf16,
+            copy_dtype: Some(DType::Bf16),
+            speculation: Speculation::On,
+            ..SessionOptions::default()
+        })
+        .unwrap();
+        s.add_group(GroupHparams::default()).unwrap();
+        let master = Box::leak((0..n).map(|i| ((i % 17) as f32 - 8.0) * 0.01).collect::<Vec<f32>>().into_boxed_slice());
+        let copy = Box::leak(vec![bf16::ZERO; n].into_boxed_slice());
+        // SAFETY: both are leaked, so valid for the rest of the process; the test reads them only
+        // after a step's ticket.
+        let m = unsafe { Borrowed::new("m", master.as_mut_ptr().cast(), n, DType::F32) }.unwrap();
+        // SAFETY: as for `m`.
+        let c = lent.then(|| unsafe { Borrowed::new("c", copy.as_mut_ptr().cast(), n, DType::Bf16) }.unwrap());
+        let slices = vec![SliceDesc { name: "w".into(), offset: 0, numel: n }];
+        s.add_subgroup(SubGroupDesc { copy: c, ..SubGroupDesc::new(0, m, slices) }).unwrap();
+        (s, master, copy)
+    };
+    let rounded = |master: &[f32], copy: &[bf16]| master.iter().zip(copy).all(|(m, c)| bf16::from_f32(*m) == *c);
+    let (own, m1, _) = mk(false);
+    let (lent, m2, copy) = mk(true);
+    assert!(rounded(m2, copy), "written at registration");
+    for step in 0..6 {
+        let g: Vec<bf16> = (0..n).map(|i| bf16::from_f32(((i * 7 + step) % 13) as f32 * 1e-2 - 0.06)).collect();
+        for s in [&own, &lent] {
+            s.begin_step(None, 1).unwrap();
+            s.grad_copy(0, Floats::Bf16(&g)).unwrap();
+            let max_norm = if step % 2 == 1 { 0.1 } else { 0.0 };
+            let t = s.step(StepArgs { max_norm, norm: NormSource::Local, overflow: false }).unwrap();
+            s.wait(t, None).unwrap();
+        }
+        assert!(m1.iter().zip(m2.iter()).all(|(a, b)| a.to_bits() == b.to_bits()), "step {step}");
+        assert!(rounded(m2, copy), "step {step}");
+    }
+
+    let plain =
+        Session::new(SessionOptions { pool: Some(Arc::new(pool(Isa::best(), 1))), ..SessionOptions::default() })
+            .unwrap();
+    plain.add_group(GroupHparams::default()).unwrap();
+    let master = Box::leak(vec![0.0f32; 8].into_boxed_slice());
+    let copy = Box::leak(vec![bf16::ZERO; 8].into_boxed_slice());
+    // SAFETY: leaked, valid for the rest of the process.
+    let m = unsafe { Borrowed::new("m", master.as_mut_ptr().cast(), 8, DType::F32) }.unwrap();
+    // SAFETY: as for `m`.
+    let c = unsafe { Borrowed::new("c", copy.as_mut_ptr().cast(), 8, DType::Bf16) }.unwrap();
+    let slices = vec![SliceDesc { name: "w".into(), offset: 0, numel: 8 }];
+    let err = plain.add_subgroup(SubGroupDesc { copy: Some(c), ..SubGroupDesc::new(0, m, slices) }).unwrap_err();
+    assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
+}
