@@ -139,20 +139,20 @@ impl GradientCopies {
             }
         }
         if on_device.is_some()
-            && let Some(stepped) = &dev.stepped
+            && let Some(stepped) = dev.stepped()
         {
             stepped.wait_in(self.side.0)?;
         }
         let handed = match h.sumsq_scale {
             Some(scale) => {
                 let sumsq = SumsqSource { src, numel: h.range.len(), dtype, scale, copy: on_device.unwrap_or(0) };
-                self.queue_sumsq(kernels, &mut dev.partials, h.slice, sumsq)?;
+                self.queue_sumsq(kernels, dev.partials_mut(), h.slice, sumsq)?;
                 Some(HandedSumsq::Deferred)
             }
             None => None,
         };
         if h.sumsq_scale.is_some() {
-            dev.partials.set_ready(h.slice, self.events.record(self.side.0)?);
+            dev.partials_mut().set_ready(h.slice, self.events.record(self.side.0)?);
         }
         if side_used {
             // The copy stream ends every sequence: `record_stream` on it covers the reads of
@@ -162,7 +162,7 @@ impl GradientCopies {
         if let Some((dst, bytes)) = host {
             self.copy_pieces(dst, src, bytes)?;
         }
-        dev.copies.push(self.events.record(self.d2h[0].0)?);
+        dev.copy_queued(self.events.record(self.d2h[0].0)?);
         Ok(handed)
     }
 

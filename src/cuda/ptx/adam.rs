@@ -2,8 +2,7 @@
 //! rescale of one, each the CPU kernels' operation sequence exactly (bit-identical results).
 
 use super::pieces::{
-    Bf16, GridStride, bf16_from_bits, bf16_quiet_nan, bf16_round_nearest_even, f16_quiet_nan, grid_stride, nan_test,
-    slot_element,
+    Bf16, GridStride, bf16_from_bits, bf16_quiet_nan, bf16_round_nearest_even, f16_quiet_nan, nan_test,
 };
 use super::writer::{Ptx, ptx};
 
@@ -128,23 +127,15 @@ fn batch_loads(out: &mut Ptx) {
          // loads all {SLOTS} before it steps the first: one element's loads per thread left HBM idle
          // while its divisions ran. Each element is stepped alone, in the same sequence as before."
     );
-    let grid = GridStride {
-        special: ["%r5", "%r6", "%r7", "%r8"],
-        thread_wide: "%rd8",
-        first: "%rd7",
-        stride: "%rd9",
-        batch_stride: "%rd30",
-        batch: SLOTS,
-        stride_note: "S",
-    };
-    grid_stride(out, &grid);
+    // The batch's first element in %rd7, S in %rd9, the next batch %rd30 on.
+    let grid = GridStride::start(out, ["%rd7", "%rd9", "%rd30"], ["%r5", "%r6", "%r7", "%r8", "%rd8"], SLOTS, "S");
     out.lines(
         "ad_batch:
          setp.ge.u64 %p8, %rd7, %rd6;
          @%p8 bra ad_done;",
     );
     for slot in 0..SLOTS {
-        let element = slot_element(out, slot, grid.first, "%rd21", grid.stride);
+        let element = grid.element(out, slot, "%rd21");
         // %p18: in range; %p19, %p20: with an f32, a 16-bit gradient; %p21, %p22: with f32,
         // bf16 moments.
         ptx!(
