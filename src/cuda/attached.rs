@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::device_state::{DeviceState, Param};
-use super::driver::{self, CUdeviceptr, CUstream, Kernels, Raw};
+use super::driver::{self, CUdeviceptr, CUstream, Kernel, Kernels, Raw};
 use super::events::{Event, EventPool};
 use super::memory::{DeviceBuffer, HostRegistration};
 use super::partials::SumsqPartials;
@@ -71,7 +71,7 @@ impl SgDevice {
     }
 
     pub(super) fn param(&self) -> Param {
-        Param { ptr: self.param, dtype: self.param_dtype, numel: self.numel }
+        Param::new(self.param, self.param_dtype, self.numel)
     }
 
     /// The address of the parameter's element `offset`.
@@ -163,8 +163,8 @@ impl SgDevice {
         let (dst, n) = (self.param, self.numel);
         match (src_dtype, self.param_dtype) {
             (s, p) if s == p => driver::memcpy_dtod_async(dst, src, n * s.size(), stream),
-            (DType::F32, DType::Bf16) => kernels.convert(kernels.to_bf16, src, dst, n, stream),
-            (DType::F32, DType::F16) => kernels.convert(kernels.to_f16, src, dst, n, stream),
+            (DType::F32, DType::Bf16) => kernels.convert(Kernel::ToBf16, src, dst, n, stream),
+            (DType::F32, DType::F16) => kernels.convert(Kernel::ToF16, src, dst, n, stream),
             (s, p) => {
                 Err(Error::unsupported(format!("cannot publish {} weights into {} parameters", s.name(), p.name())))
             }

@@ -365,7 +365,7 @@ impl Policy {
     pub(crate) fn placement_refused(&mut self, placed: usize, bytes: usize) {
         self.placed = placed;
         if let Some(b) = self.auto_budget.as_mut() {
-            b.budget = bytes;
+            b.end_at(bytes);
         }
     }
 }

@@ -214,20 +214,15 @@ fn stores(out: &mut Ptx) {
          // moments back
          @%p3 bra ad_s32;",
     );
+    // Per moment: its value, the registers of its bf16 conversion (`Bf16`), its address.
     let moments = [
-        (
-            "%f18",
-            Bf16 { bits: "%r12", lsb: "%r13", rounded: "%r14", abs: "%r15", nan: "%p9", wide: "%r14", half: "%h4" },
-        ),
-        (
-            "%f21",
-            Bf16 { bits: "%r16", lsb: "%r17", rounded: "%r18", abs: "%r19", nan: "%p10", wide: "%r18", half: "%h5" },
-        ),
+        ("%f18", ["%r12", "%r13", "%r14", "%r15", "%p9", "%h4"], "%rd14"),
+        ("%f21", ["%r16", "%r17", "%r18", "%r19", "%p10", "%h5"], "%rd15"),
     ];
-    for ((value, bf16), address) in moments.iter().zip(["%rd14", "%rd15"]) {
-        ptx!(out, "mov.b32 {}, {value};", bf16.bits);
-        bf16_from_bits(out, bf16);
-        ptx!(out, "st.global.u16 [{address}], {};", bf16.half);
+    for (value, [bits, lsb, rounded, abs, nan, half], address) in moments {
+        ptx!(out, "mov.b32 {bits}, {value};");
+        bf16_from_bits(out, &Bf16 { bits, lsb, rounded, abs, nan, wide: rounded, half });
+        ptx!(out, "st.global.u16 [{address}], {half};");
     }
     out.lines(
         "bra.uni ad_sdone;
