@@ -21,6 +21,7 @@ use super::types::{NormSource, Placement, SessionOptions, StepArgs};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, DType, Floats};
 
+/// Where the caller's side of a step stands.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Phase {
     /// Between steps.
@@ -77,16 +78,18 @@ impl Protocol {
         self.slices_done.push(0);
     }
 
-    /// Refuses, saying `what` is done only between steps, while a step is in progress.
-    pub(crate) fn between_steps(&self, what: &str) -> Result<()> {
-        if self.phase == Phase::Idle { Ok(()) } else { Err(state_error(what)) }
+    /// Refuses with `message` (what is done only between steps) while a step is in progress.
+    pub(crate) fn between_steps(&self, message: &str) -> Result<()> {
+        if self.phase == Phase::Idle { Ok(()) } else { Err(state_error(message)) }
     }
 
-    /// The ticket of the latest decision (0 before the first `step()`).
+    /// The ticket of the latest decision, or of the preparation `local_grad_sumsq` queued
+    /// before it (0 before either).
     pub(crate) fn decide_ticket(&self) -> Ticket {
         self.decide_ticket
     }
 
+    /// The backward's micro-step and micro-step count, or why `what` cannot be called now.
     fn backward(&self, what: &str) -> Result<(u32, u32)> {
         match self.phase {
             Phase::Backward { micro, micro_steps } => Ok((micro, micro_steps)),

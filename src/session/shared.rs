@@ -17,8 +17,10 @@ use super::types::{SessionOptions, StepResult};
 use crate::error::Result;
 use crate::kernels::Pool;
 
+/// The session's parts that every component is given, each a component or a lock of its own.
 pub(crate) struct Shared {
-    /// As the session was created with (first: its pool reference goes before `pool`'s).
+    /// As the session was created with. Declared first, so dropped first: a pool they lend
+    /// goes with `pool`, before the other parts.
     pub options: SessionOptions,
     pub pool: Arc<Pool>,
     pub tickets: Tickets,
