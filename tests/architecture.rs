@@ -1,5 +1,6 @@
-//! The shape of `src/`, read from the sources: the module graph has no cycle, no file grows
-//! past a reader's patience, and ARCHITECTURE.md names the files as they are.
+//! The shape of `src/`, read from the sources: the module graph has no cycle, no struct's
+//! restricted fields are read from another file, no file grows past a reader's patience, and
+//! ARCHITECTURE.md names the files as they are.
 //!
 //! A module is a file (`mod.rs` stands for its directory). Its dependencies are the paths
 //! it names through `crate::`, `super::`, `self::` or a child module, in `use` declarations
@@ -12,37 +13,13 @@ use std::path::{Path, PathBuf};
 
 const MAX_LINES: usize = 650;
 
-/// Cycles not yet taken apart, each as the sorted names of its modules (issue 43): both run
-/// through a `mod.rs` that defines what its children use and imports from them. The test
+/// Cycles not yet taken apart, each as the sorted names of its modules (issue 43). The test
 /// fails on any other, and on one listed here that is gone.
-const KNOWN_CYCLES: &[&[&str]] = &[
-    &[
-        "ffi::cuda",
-        "ffi::session",
-        "ffi::session::checkpoint",
-        "ffi::session::group",
-        "ffi::session::step",
-        "ffi::session::subgroup",
-        "ffi::tickets",
-    ],
-    &[
-        "session",
-        "session::finalize",
-        "session::plans",
-        "session::policy",
-        "session::provision",
-        "session::publish",
-        "session::registry",
-        "session::scaler",
-        "session::scheduler",
-        "session::speculation",
-        "session::subgroup",
-        "session::subgroup_ops",
-        "session::transport",
-        "session::types",
-        "session::worker",
-    ],
-];
+const KNOWN_CYCLES: &[&[&str]] = &[];
+
+/// Structs whose `pub(crate)` or `pub(super)` fields other files may read: values whose fields
+/// are what they say (a measured budget), changed only by their own file's methods.
+const RECORDS: &[&str] = &["AutoBudget"];
 
 /// Files over [`MAX_LINES`] not yet split (issue 43).
 const KNOWN_LONG: &[&str] = &[];
@@ -535,6 +512,151 @@ fn the_reader_sees_the_imports() {
     assert!(kernels_driver.contains(&vec!["kernels".to_owned(), "lanes".to_owned()]), "{kernels_driver:?}");
     let cuda_transport = edges("cuda::transport");
     assert!(cuda_transport.contains(&vec!["session".to_owned(), "transport".to_owned()]), "{cuda_transport:?}");
+}
+
+/// The tokens of a file outside its unit-test modules (`#[cfg(test)] mod name { ... }`).
+fn non_test_tokens(text: &str) -> Vec<Tok> {
+    let toks = tokens(text);
+    let cfg_test = [Tok::Punct('#'), Tok::Punct('['), Tok::Ident("cfg".into()), Tok::Punct('(')];
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < toks.len() {
+        let test_module = toks[i..].starts_with(&cfg_test)
+            && ident(toks.get(i + 4)) == Some("test")
+            && ident(toks.get(i + 7)) == Some("mod")
+            && toks.get(i + 9) == Some(&Tok::Punct('{'));
+        if !test_module {
+            out.push(toks[i].clone());
+            i += 1;
+            continue;
+        }
+        let mut depth = 0;
+        i += 9;
+        while i < toks.len() {
+            match toks[i] {
+                Tok::Punct('{') => depth += 1,
+                Tok::Punct('}') => depth -= 1,
+                _ => {}
+            }
+            i += 1;
+            if depth == 0 {
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// How far a field is visible beyond its struct's file.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Reach {
+    /// Private, or `pub` (then its struct's own visibility bounds it: a record's field).
+    Unrestricted,
+    /// `pub(super)`: the parent module and everything beneath it.
+    Parent,
+    /// `pub(crate)`.
+    Crate,
+}
+
+/// The named-field structs of `toks`: each struct's name and its fields, with how far each
+/// is visible as `pub(super)` or `pub(crate)` makes it.
+fn struct_fields(toks: &[Tok]) -> Vec<(String, Vec<(String, Reach)>)> {
+    let mut out = Vec::new();
+    for (i, t) in toks.iter().enumerate() {
+        let (Tok::Ident(kw), Some(name)) = (t, ident(toks.get(i + 1))) else { continue };
+        if kw != "struct" {
+            continue;
+        }
+        // The body: the first `{` before any `(` or `;` (tuple and unit structs have none).
+        let Some(open) = toks[i + 2..]
+            .iter()
+            .position(|t| matches!(t, Tok::Punct('{' | '(' | ';')))
+            .map(|p| i + 2 + p)
+            .filter(|&p| toks[p] == Tok::Punct('{'))
+        else {
+            continue;
+        };
+        let mut fields = Vec::new();
+        let mut depth = 0;
+        for j in open..toks.len() {
+            match &toks[j] {
+                Tok::Punct('{' | '(' | '[' | '<') => depth += 1,
+                Tok::Punct('>') if toks[j - 1] == Tok::Punct('-') => {}
+                Tok::Punct('}' | ')' | ']' | '>') => depth -= 1,
+                // A field: a name followed by `:` at the body's own depth.
+                Tok::Ident(field) if depth == 1 && toks.get(j + 1) == Some(&Tok::Punct(':')) => {
+                    let restricted = j >= 4 && toks[j - 4] == Tok::Ident("pub".into());
+                    let reach = match ident(toks.get(j - 2)) {
+                        Some("super") if restricted => Reach::Parent,
+                        Some("crate") if restricted => Reach::Crate,
+                        _ => Reach::Unrestricted,
+                    };
+                    fields.push((field.clone(), reach));
+                }
+                _ => {}
+            }
+            if depth == 0 {
+                break;
+            }
+        }
+        out.push((name.to_owned(), fields));
+    }
+    out
+}
+
+/// A component's fields are its own file's: one declared `pub(crate)` or `pub(super)` must
+/// not be read (or written) from another file, unless its struct is one of the [`RECORDS`].
+///
+/// The heuristic: a file within a field's reach reads struct `S`'s field `f` where it names
+/// `S` and has `.f` not followed by `(` (a method) or `::` (a turbofish), and declares no
+/// field `f` of its own (which `.f` could be as well). A file that reaches a field through a
+/// value whose type it never names is missed; struct literals (`S { f: .. }`, named
+/// arguments) are not reads.
+#[test]
+fn no_restricted_field_is_read_from_another_file() {
+    let files: Vec<(String, ModPath, Vec<Tok>)> =
+        source_files().into_iter().map(|f| (f.rel, f.module, non_test_tokens(&f.text))).collect();
+    let mut reads = Vec::new();
+    for (home, home_module, toks) in &files {
+        let parent = &home_module[..home_module.len().saturating_sub(1)];
+        for (name, fields) in struct_fields(toks) {
+            if RECORDS.contains(&name.as_str()) {
+                continue;
+            }
+            for (rel, module, other) in files.iter().filter(|(rel, _, _)| rel != home) {
+                let restricted: BTreeSet<&str> = fields
+                    .iter()
+                    .filter(|(_, reach)| match reach {
+                        Reach::Unrestricted => false,
+                        Reach::Parent => module.starts_with(parent),
+                        Reach::Crate => true,
+                    })
+                    .map(|(f, _)| f.as_str())
+                    .collect();
+                if restricted.is_empty() || !other.contains(&Tok::Ident(name.clone())) {
+                    continue;
+                }
+                let own: BTreeSet<String> =
+                    struct_fields(other).into_iter().flat_map(|(_, f)| f.into_iter().map(|(f, _)| f)).collect();
+                for w in other.windows(4) {
+                    let [before, Tok::Punct('.'), Tok::Ident(field), after] = w else { continue };
+                    if *before != Tok::Punct('.')
+                        && !matches!(after, Tok::Punct('(') | Tok::PathSep)
+                        && restricted.contains(field.as_str())
+                        && !own.contains(field)
+                    {
+                        reads.push(format!("{rel} reads {name}::{field} (declared in {home})"));
+                    }
+                }
+            }
+        }
+    }
+    reads.dedup();
+    assert!(
+        reads.is_empty(),
+        "restricted fields read from another file (give the struct methods, or move the code into its file):\n  {}",
+        reads.join("\n  ")
+    );
 }
 
 #[test]

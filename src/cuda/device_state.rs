@@ -1,7 +1,7 @@
 //! Device-resident state: the master weights, moments and gradient of a device-placed
 //! sub-group, their copies to and from the host, and the GPU Adam step over them.
 
-use super::driver::{self, CUdeviceptr, CUresult, CUstream, Kernels, dtype_code};
+use super::driver::{self, CUdeviceptr, CUresult, CUstream, Kernel, Kernels, dtype_code};
 use super::faults::{self, Verdict};
 use super::memory::{DeviceBuffer, floats_mut_ptr};
 use crate::error::{Error, Result};
@@ -20,9 +20,16 @@ pub(crate) struct DeviceState {
 /// Where the model's parameter of a device step is: the kernel writes the stepped weights
 /// there (converted to its dtype).
 pub(crate) struct Param {
-    pub(crate) ptr: CUdeviceptr,
-    pub(crate) dtype: DType,
-    pub(crate) numel: usize,
+    ptr: CUdeviceptr,
+    dtype: DType,
+    numel: usize,
+}
+
+impl Param {
+    /// The parameter at `ptr`: `numel` elements of `dtype`.
+    pub(crate) fn new(ptr: CUdeviceptr, dtype: DType, numel: usize) -> Param {
+        Param { ptr, dtype, numel }
+    }
 }
 
 impl DeviceState {
@@ -110,7 +117,7 @@ impl DeviceState {
         // Each thread steps four elements a batch (ptx.rs).
         let blocks = param.numel.div_ceil(256 * 4).clamp(1, 132 * 16) as u32;
         kernels.launch(
-            kernels.adam,
+            Kernel::Adam,
             blocks,
             256,
             stream,

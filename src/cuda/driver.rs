@@ -252,13 +252,26 @@ impl KernelArg for f32 {
     }
 }
 
+/// The kernels of the PTX module (`ptx.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kernel {
+    /// `so_f32_to_bf16`.
+    ToBf16,
+    /// `so_f32_to_f16`.
+    ToF16,
+    /// `so_sumsq_partials`.
+    Sumsq,
+    /// `so_adam_step`.
+    Adam,
+}
+
 /// The loaded PTX module and its kernels (`ptx.rs`).
 pub(crate) struct Kernels {
     module: sys::CUmodule,
-    pub(crate) to_bf16: sys::CUfunction,
-    pub(crate) to_f16: sys::CUfunction,
-    pub(crate) sumsq: sys::CUfunction,
-    pub(crate) adam: sys::CUfunction,
+    to_bf16: sys::CUfunction,
+    to_f16: sys::CUfunction,
+    sumsq: sys::CUfunction,
+    adam: sys::CUfunction,
 }
 
 // SAFETY: module and function handles may be used from any thread with the context current.
@@ -285,15 +298,25 @@ impl Kernels {
         })
     }
 
-    /// Launches `f` on `stream` with `args` (which must match the kernel's parameters).
+    fn function(&self, kernel: Kernel) -> sys::CUfunction {
+        match kernel {
+            Kernel::ToBf16 => self.to_bf16,
+            Kernel::ToF16 => self.to_f16,
+            Kernel::Sumsq => self.sumsq,
+            Kernel::Adam => self.adam,
+        }
+    }
+
+    /// Launches `kernel` on `stream` with `args` (which must match the kernel's parameters).
     pub(crate) fn launch(
         &self,
-        f: sys::CUfunction,
+        kernel: Kernel,
         blocks: u32,
         threads: u32,
         stream: CUstream,
         args: &mut [&mut dyn KernelArg],
     ) -> Result<()> {
+        let f = self.function(kernel);
         let mut params: Vec<*mut c_void> = args.iter_mut().map(|a| a.ptr()).collect();
         // SAFETY: `params` points to live values of the kernel's parameter types for the call.
         check(
@@ -302,10 +325,11 @@ impl Kernels {
         )
     }
 
-    /// Converts `n` f32 at `src` into 16-bit values at `dst` on `stream`.
+    /// Converts `n` f32 at `src` into 16-bit values at `dst` on `stream` (`kernel`: one of
+    /// the conversions).
     pub(crate) fn convert(
         &self,
-        f: sys::CUfunction,
+        kernel: Kernel,
         src: CUdeviceptr,
         dst: CUdeviceptr,
         n: usize,
@@ -313,7 +337,7 @@ impl Kernels {
     ) -> Result<()> {
         let blocks = n.div_ceil(256 * 4).clamp(1, 8192) as u32;
         let (mut src, mut dst, mut n) = (src, dst, n as u64);
-        self.launch(f, blocks, 256, stream, &mut [&mut src, &mut dst, &mut n])
+        self.launch(kernel, blocks, 256, stream, &mut [&mut src, &mut dst, &mut n])
     }
 }
 

@@ -16,11 +16,21 @@ pub(crate) enum Verdict {
 /// `=no-final-wait` (the first copy stream does not wait for the last piece).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub(crate) struct CopyFaults {
-    pub(crate) drop_last_piece: bool,
-    pub(crate) no_final_wait: bool,
+    drop_last_piece: bool,
+    no_final_wait: bool,
 }
 
 impl CopyFaults {
+    /// Whether piece `i` of a copy in `pieces` pieces is left out: the last of several.
+    pub(crate) fn drops_piece(&self, i: usize, pieces: usize) -> bool {
+        self.drop_last_piece && pieces > 1 && i == pieces - 1
+    }
+
+    /// Whether the first copy stream leaves out its wait for the last piece.
+    pub(crate) fn skips_final_wait(&self) -> bool {
+        self.no_final_wait
+    }
+
     #[cfg(feature = "fault-injection")]
     pub(crate) fn from_env() -> CopyFaults {
         match std::env::var("SUPEROFFLOAD_DEBUG_COPY").as_deref() {

@@ -8,7 +8,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use super::attached::SgDevice;
-use super::driver::{self, CUdeviceptr, CUstream, Kernels, Raw, dtype_code};
+use super::driver::{self, CUdeviceptr, CUstream, Kernel, Kernels, Raw, dtype_code};
 use super::events::{Event, EventPool};
 use super::faults::CopyFaults;
 use super::memory::floats_mut_ptr;
@@ -139,20 +139,20 @@ impl GradientCopies {
             }
         }
         if on_device.is_some()
-            && let Some(stepped) = &dev.stepped
+            && let Some(stepped) = dev.stepped()
         {
             stepped.wait_in(self.side.0)?;
         }
         let handed = match h.sumsq_scale {
             Some(scale) => {
                 let sumsq = SumsqSource { src, numel: h.range.len(), dtype, scale, copy: on_device.unwrap_or(0) };
-                self.queue_sumsq(kernels, &mut dev.partials, h.slice, sumsq)?;
+                self.queue_sumsq(kernels, dev.partials_mut(), h.slice, sumsq)?;
                 Some(HandedSumsq::Deferred)
             }
             None => None,
         };
         if h.sumsq_scale.is_some() {
-            dev.partials.set_ready(h.slice, self.events.record(self.side.0)?);
+            dev.partials_mut().set_ready(h.slice, self.events.record(self.side.0)?);
         }
         if side_used {
             // The copy stream ends every sequence: `record_stream` on it covers the reads of
@@ -162,7 +162,7 @@ impl GradientCopies {
         if let Some((dst, bytes)) = host {
             self.copy_pieces(dst, src, bytes)?;
         }
-        dev.copies.push(self.events.record(self.d2h[0].0)?);
+        dev.copy_queued(self.events.record(self.d2h[0].0)?);
         Ok(handed)
     }
 
@@ -219,7 +219,7 @@ impl GradientCopies {
         let (mut out, mut blocks) = (out, count as u64);
         let threads = count * 8;
         kernels.launch(
-            kernels.sumsq,
+            Kernel::Sumsq,
             threads.div_ceil(SUMSQ_THREADS) as u32,
             SUMSQ_THREADS as u32,
             self.side.0,
@@ -240,8 +240,7 @@ impl GradientCopies {
             }
             let offset = i * self.piece_bytes;
             let len = self.piece_bytes.min(bytes - offset);
-            let dropped = self.faults.drop_last_piece && pieces > 1 && i == pieces - 1;
-            if !dropped {
+            if !self.faults.drops_piece(i, pieces) {
                 // The session keeps `dst` alive and untouched until `gradient_ready` has
                 // waited for this copy.
                 driver::memcpy_dtoh_async(dst.wrapping_add(offset), src + offset as u64, len, stream)?;
@@ -249,7 +248,7 @@ impl GradientCopies {
             previous = Some(self.events.record(stream)?);
         }
         let last = previous.expect("at least one piece");
-        if pieces > 1 && !self.faults.no_final_wait {
+        if pieces > 1 && !self.faults.skips_final_wait() {
             last.wait_in(self.d2h[0].0)?;
         }
         Ok(())

@@ -17,7 +17,7 @@ use super::device_state::DeviceState;
 use super::driver::{self, CUdeviceptr, CUstream, Context, Kernels, Raw};
 use super::events::{self, Event, EventPool, WaitTimes};
 use super::gradients::GradientCopies;
-use super::memory::{DeviceBuffer, HostRegistration, floats_ptr};
+use super::memory::{HostRegistration, floats_ptr};
 use super::partials::SumsqPartials;
 use super::slots::{SLOTS, Slots};
 use crate::error::{Error, Result, Status};
@@ -116,7 +116,7 @@ impl CudaTransport {
     /// Host bytes this transport page-locked: the session's buffers and its own slots.
     pub fn pinned_bytes(&self) -> usize {
         let slots = self.publish_slots.lock().unwrap().bytes() + self.gradients.slot_bytes();
-        slots + self.state.lock().unwrap().pins.values().map(HostRegistration::pinned_bytes).sum::<usize>()
+        slots + self.state.lock().unwrap().pinned_bytes()
     }
 
     /// Queues the copy of a device gradient into the host place the session gave it (or, for
@@ -150,7 +150,7 @@ impl CudaTransport {
     /// GPU never sees weights change under it.
     pub fn set_compute_stream(&self, stream: CUstream) -> Result<()> {
         driver::refuse_capturing(stream)?;
-        self.state.lock().unwrap().compute = Some(Raw(stream));
+        self.state.lock().unwrap().set_compute_stream(stream);
         Ok(())
     }
 
@@ -175,7 +175,7 @@ impl CudaTransport {
         let subgroup = host_wait();
         {
             let state = self.state.lock().unwrap();
-            match subgroup.and_then(|sg| state.subgroups.get(&sg)).and_then(|d| d.published.as_ref()) {
+            match subgroup.and_then(|sg| state.get(sg)).and_then(SgDevice::published) {
                 Some(published) => published.wait_in(stream)?,
                 None => self.events.record(self.h2d.0)?.wait_in(stream)?,
             }
@@ -196,8 +196,7 @@ impl CudaTransport {
     fn publish_copy(&self, sg: u32, offset: usize, src: *const u8, bytes: usize) -> Result<Event> {
         let mut state = self.state.lock().unwrap();
         state.publication_follows_backward(self.h2d.0)?;
-        let d = state.attached(sg)?;
-        let dst = d.param + (offset * d.param_dtype.size()) as CUdeviceptr;
+        let dst = state.attached(sg)?.param_at(offset);
         driver::memcpy_htod_async(dst, src, bytes, self.h2d.0)?;
         self.events.record(self.h2d.0)
     }
@@ -220,19 +219,6 @@ impl CudaTransport {
     fn download(&self, dev: &DeviceState, host: &mut HostState<'_>) -> Result<()> {
         dev.download(host, self.h2d.0)?;
         self.noted(driver::stream_synchronize(self.h2d.0))
-    }
-
-    /// Publishes weights at `src` into the model's parameter of `dev`.
-    fn publish_from(&self, dev: &SgDevice, src: CUdeviceptr, src_dtype: DType) -> Result<()> {
-        let stream = self.h2d.0;
-        match (src_dtype, dev.param_dtype) {
-            (s, p) if s == p => driver::memcpy_dtod_async(dev.param, src, dev.numel * s.size(), stream),
-            (DType::F32, DType::Bf16) => self.kernels.convert(self.kernels.to_bf16, src, dev.param, dev.numel, stream),
-            (DType::F32, DType::F16) => self.kernels.convert(self.kernels.to_f16, src, dev.param, dev.numel, stream),
-            (s, p) => {
-                Err(Error::unsupported(format!("cannot publish {} weights into {} parameters", s.name(), p.name())))
-            }
-        }
     }
 }
 
@@ -266,13 +252,12 @@ impl Transport for CudaTransport {
     fn pin(&self, ptr: *mut u8, bytes: usize) -> Result<()> {
         self.enter()?;
         let registration = HostRegistration::register(ptr, bytes)?;
-        // A range pinned twice keeps its first registration (the second found it registered).
-        self.state.lock().unwrap().pins.entry(ptr as usize).or_insert(registration);
+        self.state.lock().unwrap().keep_pin(ptr as usize, registration);
         Ok(())
     }
 
     fn unpin(&self, ptr: *mut u8) {
-        let removed = self.state.lock().unwrap().pins.remove(&(ptr as usize));
+        let removed = self.state.lock().unwrap().take_pin(ptr as usize);
         if removed.is_some() {
             // Dropping the registration unregisters the range if it was ours.
             let _ = self.ctx.bind();
@@ -305,26 +290,13 @@ impl Transport for CudaTransport {
         // Each owner releases what it took if a later one fails.
         let partials = SumsqPartials::new(slices)?;
         let on_device = (placement == Placement::Device).then(|| self.uploaded(numel, &mut state)).transpose()?;
-        let dev = SgDevice {
-            param: device.ptr,
-            param_dtype: device.dtype,
-            numel,
-            partials,
-            copies: Vec::new(),
-            publishing: None,
-            published: None,
-            stepped: None,
-            device: on_device,
-            keeps_gradient: false,
-            kept: None,
-        };
-        self.state.lock().unwrap().subgroups.insert(sg, dev);
+        self.state.lock().unwrap().attach(sg, SgDevice::new(device, numel, partials, on_device));
         Ok(())
     }
 
     fn detach(&self, sg: u32) {
         let _ = self.ctx.bind();
-        let removed = self.state.lock().unwrap().subgroups.remove(&sg);
+        let removed = self.state.lock().unwrap().detach(sg);
         if let Some(mut d) = removed {
             let _ = self.wait_and_free(d.take_events());
             let [_, second_copy, side] = self.gradients.streams();
@@ -339,7 +311,7 @@ impl Transport for CudaTransport {
         self.enter()?;
         let copies = {
             let mut state = self.state.lock().unwrap();
-            state.subgroups.get_mut(&sg).map(|d| std::mem::take(&mut d.copies)).unwrap_or_default()
+            state.get_mut(sg).map(SgDevice::take_copies).unwrap_or_default()
         };
         self.wait_and_free(copies)
     }
@@ -349,24 +321,22 @@ impl Transport for CudaTransport {
             return true;
         }
         let state = self.state.lock().unwrap();
-        let Some(d) = state.subgroups.get(&sg) else { return true };
-        // Newest first: a gradient still in flight is then usually found by one query.
-        d.copies.iter().rev().chain(d.partials.pending()).all(|e| e.done().unwrap_or(true))
+        state.get(sg).is_none_or(SgDevice::gradient_landed)
     }
 
     /// The sum of squares of a slice whose hand-off deferred it, once its partials landed.
     fn gradient_sumsq(&self, sg: u32, slice: usize) -> Result<f64> {
         self.enter()?;
-        let ready = self.state.lock().unwrap().attached_mut(sg)?.partials.take_ready(slice).ok_or_else(|| {
+        let ready = self.state.lock().unwrap().attached_mut(sg)?.partials_mut().take_ready(slice).ok_or_else(|| {
             Error::new(Status::Panic, format!("sub-group {sg} slice {slice}: no sum of squares queued"))
         })?;
         self.wait_and_free(vec![ready])?;
-        Ok(self.state.lock().unwrap().attached(sg)?.partials.slice_sum(slice))
+        Ok(self.state.lock().unwrap().attached(sg)?.partials().slice_sum(slice))
     }
 
     fn master_write(&self, sg: u32) -> Result<()> {
         self.enter()?;
-        let publishing = self.state.lock().unwrap().subgroups.get_mut(&sg).and_then(|d| d.publishing.take());
+        let publishing = self.state.lock().unwrap().get_mut(sg).and_then(SgDevice::take_publishing);
         self.wait_and_free(publishing.into_iter().collect())
     }
 
@@ -380,8 +350,8 @@ impl Transport for CudaTransport {
         // The session leaves `src` (its pinned copy or master weights) unchanged until
         // `master_write`, which waits for this copy.
         let copied = self.publish_copy(sg, offset, floats_ptr(&src), src.len() * src.dtype().size())?;
-        if let Some(d) = self.state.lock().unwrap().subgroups.get_mut(&sg) {
-            d.publishing = Some(copied);
+        if let Some(d) = self.state.lock().unwrap().get_mut(sg) {
+            d.set_publishing(copied);
         }
         Ok(())
     }
@@ -413,17 +383,13 @@ impl Transport for CudaTransport {
         self.enter()?;
         let mut state = self.state.lock().unwrap();
         state.publication_follows_backward(self.h2d.0)?;
-        let d = state.attached_mut(sg)?;
-        d.published = Some(self.events.record(self.h2d.0)?);
+        state.attached_mut(sg)?.set_published(self.events.record(self.h2d.0)?);
         Ok(())
     }
 
     fn before_step(&self) -> Result<()> {
         self.enter()?;
-        let mut state = self.state.lock().unwrap();
-        let Some(compute) = state.compute else { return Ok(()) };
-        state.backward_queued = Some(self.events.record(compute.0)?);
-        Ok(())
+        self.state.lock().unwrap().backward_queued(&self.events)
     }
 
     fn exposed_wait_s(&self) -> f64 {
@@ -439,11 +405,7 @@ impl Transport for CudaTransport {
 
     fn device_step(&self, sg: u32, passes: &[DevicePass], publish: bool) -> Result<()> {
         self.enter()?;
-        let copies = {
-            let mut state = self.state.lock().unwrap();
-            let d = state.attached_mut(sg)?;
-            std::mem::take(&mut d.copies)
-        };
+        let copies = self.state.lock().unwrap().attached_mut(sg)?.take_copies();
         let mut state = self.state.lock().unwrap();
         for e in &copies {
             e.wait_in(self.h2d.0)?;
@@ -452,7 +414,7 @@ impl Transport for CudaTransport {
             state.publication_follows_backward(self.h2d.0)?;
         }
         let d = state.attached_mut(sg)?;
-        let dev = d.device.as_ref().ok_or_else(not_device_placed)?;
+        let dev = d.device().ok_or_else(not_device_placed)?;
         for (i, pass) in passes.iter().enumerate() {
             // Only the last pass writes the model's parameter, and only when it is published.
             let publish_here = publish && i + 1 == passes.len();
@@ -461,24 +423,18 @@ impl Transport for CudaTransport {
         if publish && passes.is_empty() {
             // The speculative update stands: its master weights, rounded as the step kernel
             // rounds them, are the parameter.
-            self.publish_from(d, dev.master(), DType::F32)?;
+            d.publish_from(&self.kernels, dev.master(), DType::F32, self.h2d.0)?;
         }
-        d.stepped = Some(self.events.record(self.h2d.0)?);
+        d.set_stepped(self.events.record(self.h2d.0)?);
         if publish {
-            d.published = Some(self.events.record(self.h2d.0)?);
+            d.set_published(self.events.record(self.h2d.0)?);
         }
         Ok(())
     }
 
     fn keep_gradient_on_device(&self, sg: u32) -> Result<()> {
         self.enter()?;
-        let mut state = self.state.lock().unwrap();
-        let d = state.attached_mut(sg)?;
-        if d.device.is_none() && d.kept.is_none() {
-            d.kept = Some(DeviceBuffer::alloc(d.numel * self.gradients.accum_dtype().size())?);
-        }
-        d.keeps_gradient = true;
-        Ok(())
+        self.state.lock().unwrap().attached_mut(sg)?.keep_gradient(self.gradients.accum_dtype())
     }
 
     fn gradient_pieces(
@@ -507,11 +463,11 @@ impl Transport for CudaTransport {
         let d = state.attached_mut(sg)?;
         let size = self.gradients.accum_dtype().size();
         let dst = d.device_gradient_at(range.start * size).ok_or_else(not_device_placed)?;
-        if let Some(stepped) = &d.stepped {
+        if let Some(stepped) = d.stepped() {
             stepped.wait_in(self.gradients.side_stream())?;
         }
         driver::memset_async(dst, range.len() * size, self.gradients.side_stream())?;
-        d.copies.push(self.events.record(self.gradients.side_stream())?);
+        d.copy_queued(self.events.record(self.gradients.side_stream())?);
         Ok(())
     }
 
@@ -519,22 +475,16 @@ impl Transport for CudaTransport {
         self.enter()?;
         let mut state = self.state.lock().unwrap();
         let d = state.attached_mut(sg)?;
-        match (placement, &d.device) {
+        match (placement, d.device()) {
             (Placement::Device, None) => {
-                d.device = Some(self.uploaded(d.numel, &mut host)?);
-                // Its state's gradient replaces the one kept for it (every pass that read that
-                // one waited for its copies).
-                d.kept = None;
+                let uploaded = self.uploaded(d.numel(), &mut host)?;
+                d.placed_on_device(uploaded);
             }
             (Placement::Host, Some(dev)) => {
                 // The kept gradient first, and the device state freed only once the host holds it.
-                let kept = d
-                    .keeps_gradient
-                    .then(|| DeviceBuffer::alloc(d.numel * self.gradients.accum_dtype().size()))
-                    .transpose()?;
+                let kept = d.gradient_buffer_to_keep(self.gradients.accum_dtype())?;
                 self.download(dev, &mut host)?;
-                d.kept = kept;
-                d.device = None;
+                d.placed_on_host(kept);
             }
             _ => {}
         }
@@ -544,8 +494,7 @@ impl Transport for CudaTransport {
     fn download_state(&self, sg: u32, mut host: HostState<'_>) -> Result<()> {
         self.enter()?;
         let state = self.state.lock().unwrap();
-        let d = state.attached(sg)?;
-        match &d.device {
+        match state.attached(sg)?.device() {
             Some(dev) => self.download(dev, &mut host),
             None => Ok(()),
         }
@@ -556,14 +505,13 @@ impl Transport for CudaTransport {
         let mut state = self.state.lock().unwrap();
         state.publication_follows_backward(self.h2d.0)?;
         let d = state.attached(sg)?;
-        let dev = d.device.as_ref().ok_or_else(not_device_placed)?;
+        let dev = d.device().ok_or_else(not_device_placed)?;
         self.upload(dev, &mut host)?;
-        self.publish_from(d, dev.master(), DType::F32)
+        d.publish_from(&self.kernels, dev.master(), DType::F32, self.h2d.0)
     }
 
     fn device_bytes(&self) -> usize {
-        let state = self.state.lock().unwrap();
-        state.subgroups.values().map(SgDevice::bytes).sum::<usize>()
+        self.state.lock().unwrap().device_bytes()
     }
 
     fn device_memory(&self) -> Result<(usize, usize)> {

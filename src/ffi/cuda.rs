@@ -8,6 +8,8 @@ use super::convert::{Field, FromC, abi_struct};
 use super::handle::into_handle;
 use super::session::{session_options, session_ref, so_session, so_session_options};
 use super::tickets::so_ticket;
+// The Rust API has named it here since before it moved to `types.rs`.
+pub use super::types::so_device_ptr;
 use crate::cuda::{self, CudaOptions};
 use crate::error::Status;
 use crate::kernels::DType;
@@ -20,9 +22,6 @@ pub type so_cuda_stream_t = *mut CUstream_st;
 pub struct CUstream_st {
     _private: [u8; 0],
 }
-
-/// A device address (`CUdeviceptr`, or a `void*` from `cudaMalloc` cast to an integer).
-pub type so_device_ptr = u64;
 
 /// How a CUDA session moves data. Initialise with `so_cuda_options_default()`.
 #[repr(C)]

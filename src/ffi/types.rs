@@ -1,11 +1,16 @@
-//! The enums of the interface. Each crosses the ABI as `uint32_t` (never as a Rust enum, so
-//! that an unknown code is refused instead of being undefined behaviour) and is mapped to its
-//! core type by [`abi_enum!`]; the structs live with the functions that take them.
+//! The enums of the interface, and `so_device_ptr`, the device address a sub-group's
+//! description and the CUDA exports share. Each enum crosses the ABI as `uint32_t` (never as a
+//! Rust enum, so that an unknown code is refused instead of being undefined behaviour) and is
+//! mapped to its core type by [`abi_enum!`]; the structs live with the functions that take
+//! them.
 
 use super::convert::{Field, FromC, abi_enum};
 use crate::error::{Error, Result};
 use crate::kernels::{AdamMode, DType, Isa};
 use crate::session::{GradientHome, HostCopy, Placement, SkipReason, Speculation};
+
+/// A device address (`CUdeviceptr`, or a `void*` from `cudaMalloc` cast to an integer).
+pub type so_device_ptr = u64;
 
 /// Element type of a buffer. Fields and arguments of type `uint32_t` named `*_dtype`
 /// take these values.

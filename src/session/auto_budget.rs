@@ -44,6 +44,12 @@ impl AutoBudget {
         let headroom = HEADROOM_MIN_BYTES.max((usable as f64 * HEADROOM_FRACTION) as usize);
         AutoBudget { free, total, limit, headroom, budget: free.saturating_sub(headroom) }
     }
+
+    /// The device refused a placement: the budget ends at `bytes`, what the sub-groups placed
+    /// before it hold.
+    pub(crate) fn end_at(&mut self, bytes: usize) {
+        self.budget = bytes;
+    }
 }
 
 #[cfg(test)]

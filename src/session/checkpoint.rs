@@ -13,8 +13,14 @@ use std::path::Path;
 
 use safetensors::tensor::{Dtype, SafeTensors, View};
 
+use super::factors::check_loss_scale;
+use super::policy::parse_history;
+use super::publish::write_and_publish;
+use super::registry::Registry;
 use super::scaler::{LossScaler, LossScalerOptions};
-use super::{GroupHparams, Phase, Placement, Session, SgData, SgWork};
+use super::shared::Shared;
+use super::subgroup::{SgData, SgWork};
+use super::types::{GroupHparams, Placement};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{AdamMode, DType};
 
@@ -98,313 +104,293 @@ fn put(meta: &mut HashMap<String, String>, key: impl Into<String>, value: impl T
     meta.insert(key.into(), value.to_string());
 }
 
-impl Session {
-    /// Writes a checkpoint of everything needed to resume bit for bit. Waits for in-flight
-    /// work; only between steps.
-    pub fn save(&self, path: &Path) -> Result<()> {
-        let t = self.lock();
-        if t.phase != Phase::Idle {
-            return Err(super::state_error("checkpoints are taken between steps (after step(), before begin_step)"));
-        }
-        self.shared.tickets.drain();
-        let tracks: Vec<_> = t.reg.live().collect();
-        let mut data: Vec<std::sync::MutexGuard<'_, SgData>> =
-            tracks.iter().map(|tr| tr.sg.data.lock().unwrap()).collect();
-        for (track, d) in tracks.iter().zip(data.iter_mut()) {
-            self.sync_device_state(track.sg.id, d)?;
-        }
-
-        let mut meta = HashMap::new();
-        put(&mut meta, "format", FORMAT);
-        put(&mut meta, "format_version", FORMAT_VERSION);
-        put(&mut meta, "library_version", env!("CARGO_PKG_VERSION"));
-        put(&mut meta, "mode", mode_name(self.options.mode));
-        put(&mut meta, "bias_correction", self.options.bias_correction);
-        put(&mut meta, "moment_dtype", self.options.moment_dtype.name());
-        put(&mut meta, "groups", t.reg.groups.len());
-        for (i, g) in t.reg.groups.iter().enumerate() {
-            for (field, value) in
-                [("lr", g.lr), ("beta1", g.beta1), ("beta2", g.beta2), ("eps", g.eps), ("weight_decay", g.weight_decay)]
-            {
-                // Rust prints the shortest decimal that parses back to the same f64.
-                put(&mut meta, format!("group.{i}.{field}"), value);
-            }
-        }
-        if let Some(s) = *self.shared.scaler.lock().unwrap() {
-            let o = s.options;
-            put(&mut meta, "loss_scaler", "dynamic");
-            for (field, value) in [
-                ("scale", s.scale.to_string()),
-                ("growth_tracker", s.growth_tracker.to_string()),
-                ("hysteresis_left", s.hysteresis_left.to_string()),
-                ("init_scale", o.init_scale.to_string()),
-                ("growth_factor", o.growth_factor.to_string()),
-                ("backoff_factor", o.backoff_factor.to_string()),
-                ("growth_interval", o.growth_interval.to_string()),
-                ("hysteresis", o.hysteresis.to_string()),
-                ("min_scale", o.min_scale.to_string()),
-            ] {
-                put(&mut meta, format!("loss_scaler.{field}"), value);
-            }
-        } else {
-            put(&mut meta, "loss_scaler", "none");
-        }
-        // What `Speculation::Auto` decides next depends on it, and the decision fixes bits.
-        put(&mut meta, "speculation_history", self.shared.policy.lock().unwrap().history());
-
-        let mut tensors: Vec<(String, TensorBytes<'_>)> = Vec::new();
-        for (track, d) in tracks.iter().zip(&data) {
-            for i in track.slices.clone() {
-                let slice = &t.reg.slices[i];
-                put(&mut meta, format!("slice.{}.group", slice.name), track.sg.group);
-                put(&mut meta, format!("slice.{}.step", slice.name), d.work.step_count);
-                for (prefix, buf) in [("master", &d.master), ("exp_avg", &d.exp_avg), ("exp_avg_sq", &d.exp_avg_sq)] {
-                    let size = buf.dtype().size();
-                    tensors.push((
-                        format!("{prefix}/{}", slice.name),
-                        TensorBytes {
-                            dtype: st_dtype(buf.dtype()),
-                            shape: [slice.range.len()],
-                            bytes: &buf.as_bytes()[slice.range.start * size..slice.range.end * size],
-                        },
-                    ));
-                }
-            }
-        }
-        tensors.sort_by(|a, b| a.0.cmp(&b.0));
-        let sum = checkpoint_checksum(tensors.iter().map(|(n, t)| (n.as_str(), t.bytes)), &meta);
-        put(&mut meta, "checksum", format!("{sum:016x}"));
-
-        let tmp = path.with_file_name(format!(
-            ".{}.tmp-{}",
-            path.file_name().map_or("checkpoint".into(), |n| n.to_string_lossy()),
-            std::process::id()
-        ));
-        let written =
-            safetensors::tensor::serialize_to_file(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(meta), &tmp)
-                .map_err(|e| Error::new(Status::Io, format!("cannot write {}: {e}", tmp.display())))
-                .and_then(|()| {
-                    let file = std::fs::File::open(&tmp).map_err(|e| io(&tmp, "cannot reopen", e))?;
-                    file.sync_all().map_err(|e| io(&tmp, "cannot fsync", e))?;
-                    std::fs::rename(&tmp, path).map_err(|e| io(path, "cannot rename the checkpoint to", e))
-                });
-        if written.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        written?;
-        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        if let Ok(dir) = std::fs::File::open(dir) {
-            let _ = dir.sync_all();
-        }
-        Ok(())
+/// Writes a checkpoint of everything needed to resume bit for bit, after the work in flight
+/// (the caller checked that no step is in progress).
+pub(crate) fn save(path: &Path, reg: &Registry, shared: &Shared) -> Result<()> {
+    shared.tickets.drain();
+    let tracks: Vec<_> = reg.live().collect();
+    let mut data: Vec<std::sync::MutexGuard<'_, SgData>> =
+        tracks.iter().map(|tr| tr.sg().data.lock().unwrap()).collect();
+    for (track, d) in tracks.iter().zip(data.iter_mut()) {
+        d.download_device_state(track.sg().id, shared.transport())?;
     }
 
-    /// Loads a checkpoint into this session: every registered slice must be in it (with
-    /// its dtype and size) and vice versa; the sub-group partition may differ. On any
-    /// mismatch or corruption nothing changes. With a transport, the loaded weights are also
-    /// published to the model. Waits for in-flight work; only between steps.
-    pub fn load(&self, path: &Path) -> Result<()> {
-        let mut t = self.lock();
-        if t.phase != Phase::Idle {
-            return Err(super::state_error("checkpoints are loaded between steps"));
+    let mut meta = HashMap::new();
+    put(&mut meta, "format", FORMAT);
+    put(&mut meta, "format_version", FORMAT_VERSION);
+    put(&mut meta, "library_version", env!("CARGO_PKG_VERSION"));
+    put(&mut meta, "mode", mode_name(shared.options.mode));
+    put(&mut meta, "bias_correction", shared.options.bias_correction);
+    put(&mut meta, "moment_dtype", shared.options.moment_dtype.name());
+    put(&mut meta, "groups", reg.groups().len());
+    for (i, g) in reg.groups().iter().enumerate() {
+        for (field, value) in
+            [("lr", g.lr), ("beta1", g.beta1), ("beta2", g.beta2), ("eps", g.eps), ("weight_decay", g.weight_decay)]
+        {
+            // Rust prints the shortest decimal that parses back to the same f64.
+            put(&mut meta, format!("group.{i}.{field}"), value);
         }
-        self.shared.tickets.drain();
-        let mapped = Mapped::open(path)?;
-        let bytes = mapped.bytes();
-        let (_, header) = SafeTensors::read_metadata(bytes)
-            .map_err(|e| bad(format!("{}: not a readable safetensors file: {e}", path.display())))?;
-        let file = SafeTensors::deserialize(bytes)
-            .map_err(|e| bad(format!("{}: truncated or corrupt safetensors data: {e}", path.display())))?;
-        let meta = header.metadata().clone().unwrap_or_default();
-        // Absent in checkpoints of 0.2.0: the history starts anew.
-        let history = meta.get("speculation_history").map_or(Ok(String::new()), |h| {
-            super::policy::parse_history(h).map(|_| h.clone()).map_err(|e| bad(e.message))
-        })?;
-        let get = |key: &str| {
-            meta.get(key).map(String::as_str).ok_or_else(|| bad(format!("checkpoint metadata lacks {key:?}")))
-        };
-        let parse = |key: &str| -> Result<f64> {
-            get(key)?.parse::<f64>().map_err(|_| bad(format!("checkpoint metadata {key:?} is not a number")))
-        };
-        if get("format")? != FORMAT || get("format_version")? != FORMAT_VERSION {
-            return Err(bad(format!(
-                "{} is not a superoffload checkpoint of format version {FORMAT_VERSION}",
-                path.display()
-            )));
-        }
-        for (key, ours) in [
-            ("mode", mode_name(self.options.mode).to_string()),
-            ("bias_correction", self.options.bias_correction.to_string()),
-            ("moment_dtype", self.options.moment_dtype.name().to_string()),
+    }
+    if let Some(s) = *shared.scaler.lock().unwrap() {
+        let o = s.options;
+        put(&mut meta, "loss_scaler", "dynamic");
+        for (field, value) in [
+            ("scale", s.scale.to_string()),
+            ("growth_tracker", s.growth_tracker.to_string()),
+            ("hysteresis_left", s.hysteresis_left.to_string()),
+            ("init_scale", o.init_scale.to_string()),
+            ("growth_factor", o.growth_factor.to_string()),
+            ("backoff_factor", o.backoff_factor.to_string()),
+            ("growth_interval", o.growth_interval.to_string()),
+            ("hysteresis", o.hysteresis.to_string()),
+            ("min_scale", o.min_scale.to_string()),
         ] {
-            let theirs = get(key)?;
-            if theirs != ours {
-                return Err(bad(format!("the checkpoint was saved with {key} = {theirs}; this session has {ours}")));
+            put(&mut meta, format!("loss_scaler.{field}"), value);
+        }
+    } else {
+        put(&mut meta, "loss_scaler", "none");
+    }
+    // What `Speculation::Auto` decides next depends on it, and the decision fixes bits.
+    put(&mut meta, "speculation_history", shared.policy.lock().unwrap().history());
+
+    let mut tensors: Vec<(String, TensorBytes<'_>)> = Vec::new();
+    for (track, d) in tracks.iter().zip(&data) {
+        for (_, slice) in reg.slices_of(track) {
+            put(&mut meta, format!("slice.{}.group", slice.name), track.sg().group);
+            put(&mut meta, format!("slice.{}.step", slice.name), d.work.step_count);
+            for (prefix, buf) in [("master", &d.master), ("exp_avg", &d.exp_avg), ("exp_avg_sq", &d.exp_avg_sq)] {
+                let size = buf.dtype().size();
+                tensors.push((
+                    format!("{prefix}/{}", slice.name),
+                    TensorBytes {
+                        dtype: st_dtype(buf.dtype()),
+                        shape: [slice.range.len()],
+                        bytes: &buf.as_bytes()[slice.range.start * size..slice.range.end * size],
+                    },
+                ));
             }
         }
+    }
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let sum = checkpoint_checksum(tensors.iter().map(|(n, t)| (n.as_str(), t.bytes)), &meta);
+    put(&mut meta, "checksum", format!("{sum:016x}"));
 
-        let mut names: Vec<String> = file.names().into_iter().map(String::from).collect();
-        names.sort();
-        let views: Vec<_> = names.iter().map(|n| file.tensor(n).expect("listed")).collect();
-        let sum = checkpoint_checksum(names.iter().zip(&views).map(|(n, v)| (n.as_str(), v.data())), &meta);
-        if get("checksum")? != format!("{sum:016x}") {
-            return Err(bad(format!("{}: checksum mismatch, the data is corrupt", path.display())));
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp-{}",
+        path.file_name().map_or("checkpoint".into(), |n| n.to_string_lossy()),
+        std::process::id()
+    ));
+    let written =
+        safetensors::tensor::serialize_to_file(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(meta), &tmp)
+            .map_err(|e| Error::new(Status::Io, format!("cannot write {}: {e}", tmp.display())))
+            .and_then(|()| {
+                let file = std::fs::File::open(&tmp).map_err(|e| io(&tmp, "cannot reopen", e))?;
+                file.sync_all().map_err(|e| io(&tmp, "cannot fsync", e))?;
+                std::fs::rename(&tmp, path).map_err(|e| io(path, "cannot rename the checkpoint to", e))
+            });
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written?;
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if let Ok(dir) = std::fs::File::open(dir) {
+        let _ = dir.sync_all();
+    }
+    Ok(())
+}
+
+/// Loads a checkpoint into the session's registry and shared parts, after the work in flight
+/// (the caller checked that no step is in progress); on any mismatch or corruption nothing
+/// changes.
+pub(crate) fn load(path: &Path, reg: &mut Registry, shared: &Shared) -> Result<()> {
+    shared.tickets.drain();
+    let mapped = Mapped::open(path)?;
+    let bytes = mapped.bytes();
+    let (_, header) = SafeTensors::read_metadata(bytes)
+        .map_err(|e| bad(format!("{}: not a readable safetensors file: {e}", path.display())))?;
+    let file = SafeTensors::deserialize(bytes)
+        .map_err(|e| bad(format!("{}: truncated or corrupt safetensors data: {e}", path.display())))?;
+    let meta = header.metadata().clone().unwrap_or_default();
+    // Absent in checkpoints of 0.2.0: the history starts anew.
+    let history = meta
+        .get("speculation_history")
+        .map_or(Ok(String::new()), |h| parse_history(h).map(|_| h.clone()).map_err(|e| bad(e.message)))?;
+    let get =
+        |key: &str| meta.get(key).map(String::as_str).ok_or_else(|| bad(format!("checkpoint metadata lacks {key:?}")));
+    let parse = |key: &str| -> Result<f64> {
+        get(key)?.parse::<f64>().map_err(|_| bad(format!("checkpoint metadata {key:?} is not a number")))
+    };
+    if get("format")? != FORMAT || get("format_version")? != FORMAT_VERSION {
+        return Err(bad(format!(
+            "{} is not a superoffload checkpoint of format version {FORMAT_VERSION}",
+            path.display()
+        )));
+    }
+    for (key, ours) in [
+        ("mode", mode_name(shared.options.mode).to_string()),
+        ("bias_correction", shared.options.bias_correction.to_string()),
+        ("moment_dtype", shared.options.moment_dtype.name().to_string()),
+    ] {
+        let theirs = get(key)?;
+        if theirs != ours {
+            return Err(bad(format!("the checkpoint was saved with {key} = {theirs}; this session has {ours}")));
         }
+    }
 
-        let groups: usize = get("groups")?.parse().map_err(|_| bad("bad group count"))?;
-        if groups != t.reg.groups.len() {
+    let mut names: Vec<String> = file.names().into_iter().map(String::from).collect();
+    names.sort();
+    let views: Vec<_> = names.iter().map(|n| file.tensor(n).expect("listed")).collect();
+    let sum = checkpoint_checksum(names.iter().zip(&views).map(|(n, v)| (n.as_str(), v.data())), &meta);
+    if get("checksum")? != format!("{sum:016x}") {
+        return Err(bad(format!("{}: checksum mismatch, the data is corrupt", path.display())));
+    }
+
+    let groups: usize = get("groups")?.parse().map_err(|_| bad("bad group count"))?;
+    if groups != reg.groups().len() {
+        return Err(bad(format!("the checkpoint has {groups} param groups; this session has {}", reg.groups().len())));
+    }
+    let mut new_groups = Vec::with_capacity(groups);
+    for i in 0..groups {
+        let f = |field: &str| parse(&format!("group.{i}.{field}"));
+        let g = GroupHparams {
+            lr: f("lr")?,
+            beta1: f("beta1")?,
+            beta2: f("beta2")?,
+            eps: f("eps")?,
+            weight_decay: f("weight_decay")?,
+        };
+        g.validate().map_err(|e| bad(format!("group {i}: {}", e.message)))?;
+        new_groups.push(g);
+    }
+    let scaler = match (get("loss_scaler")?, shared.options.loss_scaler.is_some()) {
+        ("none", false) => None,
+        ("dynamic", true) => {
+            let f = |field: &str| parse(&format!("loss_scaler.{field}"));
+            let options = LossScalerOptions {
+                init_scale: f("init_scale")? as f32,
+                growth_factor: f("growth_factor")? as f32,
+                backoff_factor: f("backoff_factor")? as f32,
+                growth_interval: f("growth_interval")? as u32,
+                hysteresis: f("hysteresis")? as u32,
+                min_scale: f("min_scale")? as f32,
+            };
+            options.validate().map_err(|e| bad(e.message))?;
+            let scale = f("scale")? as f32;
+            check_loss_scale("loss scaler scale", scale).map_err(|e| bad(e.message))?;
+            Some(LossScaler {
+                options,
+                scale,
+                growth_tracker: f("growth_tracker")? as u32,
+                hysteresis_left: f("hysteresis_left")? as u32,
+            })
+        }
+        (theirs, ours) => {
             return Err(bad(format!(
-                "the checkpoint has {groups} param groups; this session has {}",
-                t.reg.groups.len()
+                "the checkpoint's loss scaler is {theirs:?}; this session {} a built-in loss scaler",
+                if ours { "has" } else { "has no" }
             )));
         }
-        let mut new_groups = Vec::with_capacity(groups);
-        for i in 0..groups {
-            let f = |field: &str| parse(&format!("group.{i}.{field}"));
-            let g = GroupHparams {
-                lr: f("lr")?,
-                beta1: f("beta1")?,
-                beta2: f("beta2")?,
-                eps: f("eps")?,
-                weight_decay: f("weight_decay")?,
-            };
-            super::validate_group(&g).map_err(|e| bad(format!("group {i}: {}", e.message)))?;
-            new_groups.push(g);
-        }
-        let scaler = match (get("loss_scaler")?, self.options.loss_scaler.is_some()) {
-            ("none", false) => None,
-            ("dynamic", true) => {
-                let f = |field: &str| parse(&format!("loss_scaler.{field}"));
-                let options = LossScalerOptions {
-                    init_scale: f("init_scale")? as f32,
-                    growth_factor: f("growth_factor")? as f32,
-                    backoff_factor: f("backoff_factor")? as f32,
-                    growth_interval: f("growth_interval")? as u32,
-                    hysteresis: f("hysteresis")? as u32,
-                    min_scale: f("min_scale")? as f32,
-                };
-                options.validate().map_err(|e| bad(e.message))?;
-                let scale = f("scale")? as f32;
-                super::check_loss_scale("loss scaler scale", scale).map_err(|e| bad(e.message))?;
-                Some(LossScaler {
-                    options,
-                    scale,
-                    growth_tracker: f("growth_tracker")? as u32,
-                    hysteresis_left: f("hysteresis_left")? as u32,
-                })
+    };
+
+    // Match every slice and every sub-group's step count before touching anything.
+    let tracks: Vec<_> = reg.live().collect();
+    let mut plan = Vec::new();
+    let mut expected_tensors = 0;
+    for track in &tracks {
+        let data = track.sg().data.lock().unwrap();
+        let mut step = None;
+        for (_, slice) in reg.slices_of(track) {
+            if !meta.contains_key(&format!("slice.{}.group", slice.name)) {
+                return Err(bad(format!("the checkpoint lacks slice {:?}, which this session registers", slice.name)));
             }
-            (theirs, ours) => {
+            let group = parse(&format!("slice.{}.group", slice.name))?;
+            if group != track.sg().group as f64 {
                 return Err(bad(format!(
-                    "the checkpoint's loss scaler is {theirs:?}; this session {} a built-in loss scaler",
-                    if ours { "has" } else { "has no" }
+                    "slice {:?} is in group {group} in the checkpoint and in group {} here",
+                    slice.name,
+                    track.sg().group
                 )));
             }
-        };
-
-        // Match every slice and every sub-group's step count before touching anything.
-        let tracks: Vec<_> = t.reg.live().collect();
-        let mut plan = Vec::new();
-        let mut expected_tensors = 0;
-        for track in &tracks {
-            let data = track.sg.data.lock().unwrap();
-            let mut step = None;
-            for i in track.slices.clone() {
-                let slice = &t.reg.slices[i];
-                if !meta.contains_key(&format!("slice.{}.group", slice.name)) {
+            let count =
+                get(&format!("slice.{}.step", slice.name))?.parse::<u64>().map_err(|_| bad("bad step count"))?;
+            if *step.get_or_insert(count) != count {
+                return Err(bad(format!(
+                    "sub-group {}'s slices have different step counts in the checkpoint; slices stepped \
+                     separately cannot share a sub-group",
+                    track.sg().id
+                )));
+            }
+            for (prefix, buf) in
+                [("master", &data.master), ("exp_avg", &data.exp_avg), ("exp_avg_sq", &data.exp_avg_sq)]
+            {
+                let name = format!("{prefix}/{}", slice.name);
+                let view = file.tensor(&name).map_err(|_| bad(format!("the checkpoint lacks tensor {name:?}")))?;
+                if view.dtype() != st_dtype(buf.dtype()) || view.shape() != [slice.range.len()] {
                     return Err(bad(format!(
-                        "the checkpoint lacks slice {:?}, which this session registers",
-                        slice.name
+                        "tensor {name:?} is {:?}{:?} in the checkpoint; this session needs {:?}[{}]",
+                        view.dtype(),
+                        view.shape(),
+                        st_dtype(buf.dtype()),
+                        slice.range.len()
                     )));
                 }
-                let group = parse(&format!("slice.{}.group", slice.name))?;
-                if group != track.sg.group as f64 {
-                    return Err(bad(format!(
-                        "slice {:?} is in group {group} in the checkpoint and in group {} here",
-                        slice.name, track.sg.group
-                    )));
-                }
-                let count =
-                    get(&format!("slice.{}.step", slice.name))?.parse::<u64>().map_err(|_| bad("bad step count"))?;
-                if *step.get_or_insert(count) != count {
-                    return Err(bad(format!(
-                        "sub-group {}'s slices have different step counts in the checkpoint; slices stepped \
-                         separately cannot share a sub-group",
-                        track.sg.id
-                    )));
-                }
-                for (prefix, buf) in
-                    [("master", &data.master), ("exp_avg", &data.exp_avg), ("exp_avg_sq", &data.exp_avg_sq)]
-                {
-                    let name = format!("{prefix}/{}", slice.name);
-                    let view = file.tensor(&name).map_err(|_| bad(format!("the checkpoint lacks tensor {name:?}")))?;
-                    if view.dtype() != st_dtype(buf.dtype()) || view.shape() != [slice.range.len()] {
-                        return Err(bad(format!(
-                            "tensor {name:?} is {:?}{:?} in the checkpoint; this session needs {:?}[{}]",
-                            view.dtype(),
-                            view.shape(),
-                            st_dtype(buf.dtype()),
-                            slice.range.len()
-                        )));
-                    }
-                    expected_tensors += 1;
-                }
-            }
-            plan.push((track.sg.clone(), step.unwrap_or(0)));
-        }
-        if expected_tensors != names.len() {
-            return Err(bad(format!(
-                "the checkpoint holds {} tensors but this session's slices account for {expected_tensors}: \
-                 it has slices this session does not register",
-                names.len()
-            )));
-        }
-
-        // Apply. What the caller's stream queued may still read the old weights: publication
-        // of the loaded ones follows it.
-        let transport = self.shared.transport();
-        if let Some(transport) = transport {
-            transport.before_step()?;
-        }
-        for (track, (sg, step)) in tracks.iter().zip(&plan) {
-            let mut data = sg.data.lock().unwrap();
-            if let (Some(transport), Placement::Host) = (transport, data.placement) {
-                // The latest publication may still be reading the host weights.
-                transport.master_write(sg.id)?;
-            }
-            for i in track.slices.clone() {
-                let slice = &t.reg.slices[i];
-                let range = slice.range.clone();
-                for (prefix, which) in [("master", 0), ("exp_avg", 1), ("exp_avg_sq", 2)] {
-                    let view = file.tensor(&format!("{prefix}/{}", slice.name)).expect("checked");
-                    let buf = match which {
-                        0 => &mut data.master,
-                        1 => &mut data.exp_avg,
-                        _ => &mut data.exp_avg_sq,
-                    };
-                    buf.write_bytes(range.clone(), view.data());
-                }
-            }
-            data.work = SgWork { step_count: *step, ..Default::default() };
-            data.copy_from_master(&self.shared.pool)?;
-            let d = &mut *data;
-            // The model's device copy of the weights follows the loaded master weights.
-            match (transport, d.placement) {
-                (Some(transport), Placement::Device) => transport.load_state(sg.id, d.host_state())?,
-                (Some(transport), Placement::Host) => {
-                    self.shared.write_and_publish(sg, d, 0..sg.numel, None)?;
-                    transport.publish(sg.id)?;
-                }
-                (None, _) => {}
+                expected_tensors += 1;
             }
         }
-        if let Some(transport) = transport {
-            transport.after_load()?;
-        }
-        t.reg.groups = new_groups;
-        *self.shared.scaler.lock().unwrap() = scaler;
-        self.shared.policy.lock().unwrap().restore_history(&history)?;
-        Ok(())
+        plan.push((track.sg().clone(), step.unwrap_or(0)));
     }
+    if expected_tensors != names.len() {
+        return Err(bad(format!(
+            "the checkpoint holds {} tensors but this session's slices account for {expected_tensors}: \
+             it has slices this session does not register",
+            names.len()
+        )));
+    }
+
+    // Apply. What the caller's stream queued may still read the old weights: publication
+    // of the loaded ones follows it.
+    let transport = shared.transport();
+    if let Some(transport) = transport {
+        transport.before_step()?;
+    }
+    for (track, (sg, step)) in tracks.iter().zip(&plan) {
+        let mut data = sg.data.lock().unwrap();
+        if let (Some(transport), Placement::Host) = (transport, data.placement) {
+            // The latest publication may still be reading the host weights.
+            transport.master_write(sg.id)?;
+        }
+        for (_, slice) in reg.slices_of(track) {
+            let range = slice.range.clone();
+            for (prefix, which) in [("master", 0), ("exp_avg", 1), ("exp_avg_sq", 2)] {
+                let view = file.tensor(&format!("{prefix}/{}", slice.name)).expect("checked");
+                let buf = match which {
+                    0 => &mut data.master,
+                    1 => &mut data.exp_avg,
+                    _ => &mut data.exp_avg_sq,
+                };
+                buf.write_bytes(range.clone(), view.data());
+            }
+        }
+        data.work = SgWork { step_count: *step, ..Default::default() };
+        data.copy_from_master(&shared.pool)?;
+        let d = &mut *data;
+        // The model's device copy of the weights follows the loaded master weights.
+        match (transport, d.placement) {
+            (Some(transport), Placement::Device) => transport.load_state(sg.id, d.host_state())?,
+            (Some(transport), Placement::Host) => {
+                write_and_publish(shared, sg, d, 0..sg.numel, None)?;
+                transport.publish(sg.id)?;
+            }
+            (None, _) => {}
+        }
+    }
+    if let Some(transport) = transport {
+        transport.after_load()?;
+    }
+    reg.replace_groups(new_groups);
+    *shared.scaler.lock().unwrap() = scaler;
+    shared.policy.lock().unwrap().restore_history(&history)?;
+    Ok(())
 }
 
 /// A checkpoint file mapped read-only: loading needs no more memory than the state it
@@ -443,28 +429,5 @@ impl Drop for Mapped {
     fn drop(&mut self) {
         // SAFETY: the mapping `open` made.
         unsafe { libc::munmap(self.ptr, self.len) };
-    }
-}
-
-impl Session {
-    /// The factor history [`Speculation::Auto`](super::Speculation::Auto) decides from, for a
-    /// state dict that is not a checkpoint file: bit `i` of the first value is 1 when the
-    /// `i`-th of the last steps (oldest first; the second value counts them, at most 8) kept
-    /// its speculative factor (not clipped, not skipped). A checkpoint file keeps it by itself.
-    pub fn speculation_history(&self) -> (u32, u32) {
-        let _t = self.lock();
-        // The latest step's decision is part of it.
-        self.shared.tickets.drain();
-        self.shared.policy.lock().unwrap().history_bits()
-    }
-
-    /// Restores what [`Session::speculation_history`] returned, between steps. Refuses more
-    /// steps than the history keeps, or bits beyond them, and then changes nothing.
-    pub fn set_speculation_history(&self, bits: u32, steps: u32) -> Result<()> {
-        let t = self.lock();
-        if t.phase != Phase::Idle {
-            return Err(super::state_error("the speculation history is restored between steps"));
-        }
-        self.shared.policy.lock().unwrap().restore_history_bits(bits, steps)
     }
 }

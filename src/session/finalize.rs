@@ -6,14 +6,15 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use super::factors::{clip_coefficient, grad_factor, unscale_factor, usable_factor};
 use super::plans::StepPlan;
-use super::publish::{CopyTo, Pass, writes_copy};
+use super::publish::{CopyTo, Pass, each_piece, write_and_publish, writes_copy};
+use super::shared::Shared;
 use super::state_after::take_from_prefix;
+use super::subgroup::{Applied, SgData, SpecKind, SpecRecord, SubGroup, speculation_stands};
 use super::subgroup_ops::{gradient_ready, master_write, restore_copy, subgroup_sumsq};
-use super::{
-    Applied, DevicePass, GroupHparams, NormSource, Placement, SgData, Shared, SkipReason, SpecKind, SpecRecord,
-    StepResult, SubGroup, clip_coefficient, grad_factor, speculation_stands, unscale_factor, usable_factor,
-};
+use super::transport::DevicePass;
+use super::types::{GroupHparams, NormSource, Placement, SkipReason, StepResult};
 use crate::error::Result;
 use crate::kernels::{self, AdamBuffers, AdamHyper, DType, Resolution, UpdateOptions};
 
@@ -255,8 +256,9 @@ pub(crate) fn decide_step(
 pub(crate) fn state_pass(shared: &Shared, sg: &SubGroup, hp: &AdamHyper, scale: f32) -> Result<()> {
     let mut data = sg.data.lock().unwrap();
     let pool = &shared.pool;
-    shared
-        .each_piece(sg, &mut data, 0..sg.numel, CopyTo::Nowhere, &mut |_, b| kernels::update_state(pool, hp, b, scale))
+    each_piece(shared, sg, &mut data, 0..sg.numel, CopyTo::Nowhere, &mut |_, b| {
+        kernels::update_state(pool, hp, b, scale)
+    })
 }
 
 /// Whether a step's master weights and moments can be written after its copy is final:
@@ -341,9 +343,9 @@ pub(crate) fn final_pass(
             let kept = resolution == Resolution::Keep;
             let (mut on_applied, mut on_rest) = (resolve(true), resolve(false));
             let applied_part = if skipped {
-                shared.each_piece(sg, &mut data, 0..done, CopyTo::Session, &mut on_applied)
+                each_piece(shared, sg, &mut data, 0..done, CopyTo::Session, &mut on_applied)
             } else {
-                shared.write_and_publish(sg, &mut data, 0..done, (!kept).then_some(&mut on_applied as &mut Pass<'_>))
+                write_and_publish(shared, sg, &mut data, 0..done, (!kept).then_some(&mut on_applied as &mut Pass<'_>))
             };
             if let Err(e) = applied_part {
                 data.work.applied = Applied::Speculative(spec);
@@ -352,9 +354,9 @@ pub(crate) fn final_pass(
             out.elements += resolve_elements(&spec, resolution, n);
             if skipped {
                 // The model keeps its weights: those of a skipped step are never published.
-                return shared.each_piece(sg, &mut data, done..n, CopyTo::Session, &mut on_rest);
+                return each_piece(shared, sg, &mut data, done..n, CopyTo::Session, &mut on_rest);
             }
-            shared.write_and_publish(sg, &mut data, done..n, Some(&mut on_rest))?;
+            write_and_publish(shared, sg, &mut data, done..n, Some(&mut on_rest))?;
         }
         Action::RestoreCopy { done } => {
             restore_copy(shared, sg, &mut data, done)?;
@@ -376,7 +378,7 @@ pub(crate) fn final_pass(
                     kernels::update(pool, &hp, b, &update).map(drop)
                 }
             };
-            shared.write_and_publish(sg, &mut data, 0..n, Some(&mut pass))?;
+            write_and_publish(shared, sg, &mut data, 0..n, Some(&mut pass))?;
             out.elements += n as u64;
             if defer {
                 out.state_after = Some((hp, factor));
@@ -390,15 +392,15 @@ pub(crate) fn final_pass(
                 master_write(shared, sg)?;
             }
             // The copy that stepped ahead is final where its pass got; the rest is written.
-            shared.write_and_publish(sg, &mut data, 0..spec.done, None)?;
+            write_and_publish(shared, sg, &mut data, 0..spec.done, None)?;
             let mut copy = |_: Range<usize>, b: AdamBuffers<'_>| kernels::update_copy(pool, &spec.hp, b, spec.scale);
-            shared.write_and_publish(sg, &mut data, spec.done..n, Some(&mut copy))?;
+            write_and_publish(shared, sg, &mut data, spec.done..n, Some(&mut copy))?;
             out.elements += (n - spec.done) as u64;
             // The state pass is due either way: after publication where it can be.
             if state_can_follow(shared, sg, &data) {
                 out.state_after = Some((spec.hp, spec.scale));
             } else {
-                shared.each_piece(sg, &mut data, 0..n, CopyTo::Nowhere, &mut |_, b| {
+                each_piece(shared, sg, &mut data, 0..n, CopyTo::Nowhere, &mut |_, b| {
                     kernels::update_state(pool, &spec.hp, b, spec.scale)
                 })?;
                 out.elements += n as u64;

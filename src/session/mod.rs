@@ -18,15 +18,20 @@
 //!    that had not started, then finalizes the sub-groups in forward order, each with one
 //!    exact pass where possible, publishing each as soon as its own pass ends.
 //!
-//! The layout: [`registry`] (groups, slices, sub-groups, memory), [`provision`] (the buffers
-//! beside the state, from the memory measured), [`protocol`] (the caller's side of a step), [`scheduler`] (the CPU-Adam thread, job priorities and each sub-group's
-//! lifecycle), [`passes`] (the optimizer passes a job runs; [`publish`]: the weights to the device), [`policy`] (automatic
-//! speculation and GPU split; [`state_after`]: which final passes publish the copy first),
-//! [`tickets`], [`checkpoint`].
+//! The layout: this file is the façade, [`Session`], which holds the session's parts and
+//! hands each call to the one that does it: [`registry`] (groups, slices, sub-groups, memory;
+//! [`provision`]: the buffers beside the state, from the memory measured), [`protocol`] (the
+//! caller's side of a step), [`checkpoint`]. Beneath them [`shared`] (the options and what
+//! the CPU-Adam thread shares with the callers), [`worker`] (the CPU-Adam thread, over
+//! [`speculation`] and [`finalize`]; [`scheduler`]: job priorities and each sub-group's
+//! lifecycle; [`publish`]: the weights to the device), [`policy`] (automatic speculation and
+//! GPU split; [`state_after`]: which final passes publish the copy first), [`tickets`], and
+//! the vocabulary every part speaks: [`types`], [`subgroup`], [`transport`], [`factors`].
 
 mod auto_budget;
 mod buffers;
 mod checkpoint;
+mod factors;
 mod finalize;
 mod plans;
 mod policy;
@@ -36,6 +41,7 @@ mod publish;
 mod registry;
 mod scaler;
 mod scheduler;
+mod shared;
 mod speculation;
 mod state_after;
 mod subgroup;
@@ -46,12 +52,14 @@ mod transport;
 mod types;
 mod worker;
 
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 pub use buffers::Borrowed;
+pub use factors::{clip_coefficient, grad_factor, unscale_factor, usable_factor};
 pub use provision::{HostMemory, MemoryBound};
 pub use registry::SubGroupState;
 pub use scaler::{LossScaler, LossScalerOptions};
@@ -63,106 +71,19 @@ pub use types::{
 };
 
 use crate::error::{Error, Result, Status};
-use crate::kernels::{AdamHyper, DType, Floats, Pool, PoolOptions};
+use crate::kernels::{DType, Floats, Pool, PoolOptions};
+use policy::Policy;
+use protocol::Protocol;
 use registry::Registry;
 use scheduler::Scheduler;
-pub(crate) use subgroup::{Applied, LateGrads, SgData, SgWork, SpecKind, SpecRecord, SubGroup, speculation_stands};
+use shared::Shared;
 use tickets::Tickets;
-use trace::Lane;
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) enum Phase {
-    /// Between steps.
-    Idle,
-    /// Gradients arriving.
-    Backward { micro: u32, micro_steps: u32 },
-    /// `local_grad_sumsq` ran the preparation; only `step()` may follow.
-    Prepared,
-}
+use trace::{Lane, Tracer};
 
 /// Everything under the session's caller lock: the registry and the step in progress.
-pub(crate) struct Tracking {
-    pub reg: Registry,
-    pub phase: Phase,
-    serial: u64,
-    loss_scale: f32,
-    /// Per slice: micro-step index + 1 of its latest gradient this step, 0 for none.
-    slice_seen: Vec<u32>,
-    /// Per sub-group: slices with a gradient in the last micro-step.
-    slices_done: Vec<usize>,
-    speculative: u32,
-    late_gradients: u32,
-    decide_ticket: Ticket,
-    /// The callers' ticket-wait total at the previous `step()`.
-    wait_mark_ns: u64,
-}
-
-impl Tracking {
-    pub(crate) fn new(loss_scale: f32) -> Tracking {
-        Tracking {
-            reg: Registry::default(),
-            phase: Phase::Idle,
-            serial: 0,
-            loss_scale,
-            slice_seen: Vec::new(),
-            slices_done: Vec::new(),
-            speculative: 0,
-            late_gradients: 0,
-            decide_ticket: 0,
-            wait_mark_ns: 0,
-        }
-    }
-
-    /// A sub-group with `slices` slices was registered.
-    pub(crate) fn subgroup_added(&mut self, slices: usize) {
-        self.slice_seen.resize(self.slice_seen.len() + slices, 0);
-        self.slices_done.push(0);
-    }
-}
-
-/// What the CPU-Adam thread shares with the session's callers.
-pub(crate) struct Shared {
-    pub pool: Arc<Pool>,
-    pub tickets: Tickets,
-    pub scaler: Mutex<Option<LossScaler>>,
-    pub last_result: Mutex<Option<(Ticket, StepResult)>>,
-    /// The latest preparation's (serial, local sum of squares), for `local_grad_sumsq`.
-    pub prepared: Mutex<Option<(u64, f64)>>,
-    pub transport: Option<Arc<dyn Transport>>,
-    pub tracer: trace::Tracer,
-    pub sched: Scheduler,
-    pub policy: Mutex<policy::Policy>,
-    /// Nanoseconds callers spent waiting on tickets (the host-mode exposed time).
-    pub caller_wait_ns: AtomicU64,
-    /// The ticket the latest `step()` returned (0 before the first).
-    pub step_ticket: AtomicU64,
-}
-
-impl Shared {
-    pub(crate) fn transport(&self) -> Option<&dyn Transport> {
-        self.transport.as_deref()
-    }
-
-    /// Whether sub-group `sg`'s gradient has landed ([`Transport::gradient_landed`]).
-    pub(crate) fn gradient_landed(&self, sg: u32) -> bool {
-        self.transport().is_none_or(|t| t.gradient_landed(sg))
-    }
-
-    /// Completes a ticket: the transport hears of it first, then the host side.
-    pub(crate) fn complete(&self, ticket: Ticket, outcome: Result<()>) {
-        if let (Some(t), Some(lane)) = (self.transport(), self.tickets.pending_lane(ticket)) {
-            t.ticket_done(lane, ticket);
-        }
-        self.tickets.complete(ticket, outcome);
-    }
-
-    /// Waits for a ticket on behalf of a caller, counting the time as exposed.
-    pub(crate) fn caller_wait(&self, ticket: Ticket, timeout: Option<Duration>, all: bool) -> Result<()> {
-        let start = std::time::Instant::now();
-        let outcome = self.tickets.wait(ticket, timeout, all);
-        self.caller_wait_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        outcome
-    }
+struct Tracking {
+    reg: Registry,
+    protocol: Protocol,
 }
 
 /// An offload session.
@@ -171,30 +92,9 @@ impl Shared {
 /// on an internal lock held for the duration of each call (a gradient hand-off holds it
 /// while it copies).
 pub struct Session {
-    options: SessionOptions,
     shared: Arc<Shared>,
     tracking: Mutex<Tracking>,
     worker: Option<JoinHandle<()>>,
-}
-
-fn state_error(message: impl Into<String>) -> Error {
-    Error::new(Status::InvalidState, message)
-}
-
-fn validate_group(g: &GroupHparams) -> Result<()> {
-    AdamHyper {
-        lr: g.lr,
-        beta1: g.beta1,
-        beta2: g.beta2,
-        eps: g.eps,
-        weight_decay: g.weight_decay,
-        ..Default::default()
-    }
-    .validate()
-}
-
-fn unknown(what: &str, id: u32) -> Error {
-    Error::new(Status::NotFound, format!("no {what} has id {id}"))
 }
 
 impl Session {
@@ -231,6 +131,7 @@ impl Session {
             }
             (None, None) => Pool::default_pool()?,
         };
+        let loss_scale = options.loss_scaler.map_or(1.0, |s| s.init_scale);
         let shared = Arc::new(Shared {
             pool,
             tickets: Tickets::default(),
@@ -238,11 +139,12 @@ impl Session {
             last_result: Mutex::new(None),
             prepared: Mutex::new(None),
             transport,
-            tracer: trace::Tracer::new(),
+            tracer: Tracer::new(),
             sched: Scheduler::default(),
-            policy: Mutex::new(policy::Policy::new(options.speculation)),
+            policy: Mutex::new(Policy::new(options.speculation)),
             caller_wait_ns: AtomicU64::new(0),
             step_ticket: AtomicU64::new(0),
+            options,
         });
         let worker_shared = shared.clone();
         let worker = std::thread::Builder::new()
@@ -256,12 +158,12 @@ impl Session {
                 worker::run_thread(worker_shared)
             })
             .map_err(|e| Error::new(Status::OutOfResources, format!("cannot start the CPU-Adam thread: {e}")))?;
-        let loss_scale = options.loss_scaler.map_or(1.0, |s| s.init_scale);
-        Ok(Session { options, shared, tracking: Mutex::new(Tracking::new(loss_scale)), worker: Some(worker) })
+        let tracking = Tracking { reg: Registry::default(), protocol: Protocol::new(loss_scale) };
+        Ok(Session { shared, tracking: Mutex::new(tracking), worker: Some(worker) })
     }
 
     pub fn options(&self) -> &SessionOptions {
-        &self.options
+        &self.shared.options
     }
 
     pub fn pool(&self) -> &Arc<Pool> {
@@ -275,6 +177,221 @@ impl Session {
 
     fn lock(&self) -> MutexGuard<'_, Tracking> {
         self.tracking.lock().unwrap()
+    }
+
+    // ----- groups and sub-groups (`registry.rs`) ------------------------------------------
+
+    pub fn add_group(&self, hparams: GroupHparams) -> Result<u32> {
+        hparams.validate()?;
+        Ok(self.lock().reg.add_group(hparams))
+    }
+
+    /// New hyperparameters for a group: speculative steps submitted from now on, and every
+    /// sub-group's final step at the next `step()`, use them.
+    pub fn set_group_hparams(&self, group: u32, hparams: GroupHparams) -> Result<()> {
+        hparams.validate()?;
+        self.lock().reg.set_group(group, hparams)
+    }
+
+    pub fn group_hparams(&self, group: u32) -> Result<GroupHparams> {
+        self.lock().reg.group(group)
+    }
+
+    /// Registers a sub-group (between steps). Sub-groups are finalized at `step()` in the
+    /// order they were registered: register them in forward order.
+    pub fn add_subgroup(&self, desc: SubGroupDesc) -> Result<u32> {
+        let mut guard = self.lock();
+        let t = &mut *guard;
+        t.protocol.between_steps("sub-groups can only be added between steps (before begin_step or after step)")?;
+        let slices = desc.slices.len();
+        let id = t.reg.add_subgroup(desc, &self.shared)?;
+        t.protocol.subgroup_added(slices);
+        Ok(id)
+    }
+
+    /// Unregisters a sub-group (between steps), after its outstanding work; its borrowed
+    /// buffers are no longer used when this returns.
+    pub fn remove_subgroup(&self, sg: u32) -> Result<()> {
+        let mut t = self.lock();
+        t.protocol.between_steps("sub-groups can only be removed between steps")?;
+        t.reg.remove_subgroup(sg, &self.shared)
+    }
+
+    /// The slice id of a name.
+    pub fn slice_id(&self, name: &str) -> Result<u32> {
+        self.lock().reg.slice_id(name)
+    }
+
+    /// Host bytes the session allocated (moments, gradient buffers, copies, late gradients).
+    pub fn host_bytes(&self) -> usize {
+        self.lock().reg.host_bytes()
+    }
+
+    /// Device bytes the transport allocated (0 in host mode).
+    pub fn device_bytes(&self) -> usize {
+        self.shared.transport().map_or(0, |t| t.device_bytes())
+    }
+
+    /// The ticket that completes when the sub-group's latest step is final (0 before its
+    /// first `step()`).
+    pub fn final_ticket(&self, sg: u32) -> Result<Ticket> {
+        self.lock().reg.final_ticket(sg)
+    }
+
+    /// The sub-group whose latest final ticket `ticket` is, if any: a wait for it needs that
+    /// sub-group's publication alone.
+    pub fn final_ticket_of(&self, ticket: Ticket) -> Option<u32> {
+        self.lock().reg.final_ticket_of(ticket)
+    }
+
+    /// Steps the sub-group has taken (skipped steps do not count). Read it after the
+    /// sub-group's final ticket for the count after a step.
+    pub fn step_count(&self, sg: u32) -> Result<u64> {
+        self.lock().reg.step_count(sg)
+    }
+
+    /// Sets a sub-group's step count (between steps), e.g. after writing its state from a
+    /// torch-style optimizer state dict.
+    pub fn set_step_count(&self, sg: u32, count: u64) -> Result<()> {
+        let t = self.lock();
+        t.protocol.between_steps("step counts are set between steps")?;
+        t.reg.set_step_count(sg, count, &self.shared)
+    }
+
+    /// Copies of a sub-group's moments, as f32 (waits for its outstanding work first).
+    pub fn moments(&self, sg: u32) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.lock().reg.moments(sg, &self.shared)
+    }
+
+    /// A sub-group's state buffers (see [`SubGroupState`]), after its outstanding work.
+    pub fn subgroup_state(&self, sg: u32) -> Result<SubGroupState> {
+        self.lock().reg.subgroup_state(sg, &self.shared)
+    }
+
+    /// Moves a sub-group's master weights and moments to `placement` (between steps), bit
+    /// for bit; its host buffers hold the state whenever it is on the host.
+    pub fn set_placement(&self, sg: u32, placement: Placement) -> Result<()> {
+        let t = self.lock();
+        t.protocol.between_steps("placement changes between steps")?;
+        t.reg.place(sg, placement, &self.shared)
+    }
+
+    /// Sub-groups placed on the device.
+    pub fn device_subgroups(&self) -> u32 {
+        self.lock().reg.device_subgroups()
+    }
+
+    // ----- the step (`protocol.rs`) -------------------------------------------------------
+
+    /// Starts an optimizer step whose backward uses `loss_scale` (`None`: the built-in
+    /// scaler's current scale, or 1 without one) and `micro_steps` micro-steps.
+    ///
+    /// With the built-in scaler this waits for the previous step's decision, which sets
+    /// the scale. With `gpu_budget_bytes`, the automatic split is applied here once enough
+    /// steps were measured (and the automatic budget chosen, once the warm-up steps ran).
+    pub fn begin_step(&self, loss_scale: Option<f32>, micro_steps: u32) -> Result<()> {
+        let mut guard = self.lock();
+        let t = &mut *guard;
+        t.protocol.begin_step(&mut t.reg, &self.shared, loss_scale, micro_steps)
+    }
+
+    /// Limits the free device memory the automatic budget counts on to `limit` bytes (`None`:
+    /// the device's free memory, the default), for a caller whose allocator works under a cap
+    /// the device does not show, such as PyTorch's per-process memory fraction: give the cap
+    /// less what the caller's allocator and this session hold on the device. It takes effect
+    /// when the budget is measured, after the warm-up steps; a chosen budget stays.
+    pub fn limit_device_memory(&self, limit: Option<usize>) {
+        self.shared.policy.lock().unwrap().limit_device_memory(limit);
+    }
+
+    /// Fixes how many elements of a step that does not speculate publish the weights' copy
+    /// before writing the master weights and moments (a prefix of the final passes in forward
+    /// order; `None`: all), in place of the measured choice (`state_after.rs`), so that tests
+    /// can compare layouts. The layout changes which passes run, never the bits.
+    #[cfg(feature = "fault-injection")]
+    pub fn force_state_after(&self, limit: Option<usize>) {
+        self.shared.policy.lock().unwrap().force_state_after(limit);
+    }
+
+    /// The budget of the automatic split in bytes: `gpu_budget_bytes` as given, or the one
+    /// the automatic budget chose (`None` until the warm-up steps have run).
+    pub fn gpu_budget(&self) -> Option<usize> {
+        match self.shared.options.gpu_budget_bytes {
+            SessionOptions::GPU_BUDGET_AUTO => self.shared.policy.lock().unwrap().auto_budget().map(|b| b.budget),
+            bytes => Some(bytes),
+        }
+    }
+
+    /// The built-in loss scaler's current scale (after the latest step's verdict, which this
+    /// waits for), or 1 without a scaler: what `begin_step(None, ..)` will use.
+    pub fn loss_scale(&self) -> f32 {
+        let decide = self.lock().protocol.decide_ticket();
+        self.shared.loss_scale_after(decide)
+    }
+
+    pub fn next_micro_step(&self) -> Result<()> {
+        self.lock().protocol.next_micro_step()
+    }
+
+    /// Copies (micro-step 1) or adds (later micro-steps, repeated hooks) a slice's gradient
+    /// into its sub-group's gradient buffer, in the accumulation dtype, taking its sum of
+    /// squares in the same pass at the last micro-step. Returns the ticket of the speculative
+    /// step queued if this completed the sub-group. A gradient for a sub-group that already
+    /// completed is kept aside; the sub-group is redone at `step()`.
+    pub fn grad_copy(&self, slice: u32, src: Floats<'_>) -> Result<Option<Ticket>> {
+        protocol::check_gradient_dtype(&self.shared.options, src.dtype())?;
+        self.hand_off(slice, src.len(), "grad_copy", |h| protocol::copy_gradient(h, src))
+    }
+
+    /// A gradient arrives that `deliver` writes (or starts writing: a transport may copy
+    /// asynchronously, as long as its `gradient_ready` waits for the copy) into the place
+    /// the session gives it, returning its sum of squares when asked for one (or
+    /// [`HandedSumsq::Deferred`]). Completion and tickets as [`Session::grad_copy`].
+    pub fn hand_off(
+        &self,
+        slice: u32,
+        numel: usize,
+        what: &str,
+        deliver: impl FnOnce(HandOff<'_>) -> Result<Option<HandedSumsq>>,
+    ) -> Result<Option<Ticket>> {
+        let mut guard = self.lock();
+        let t = &mut *guard;
+        t.protocol.hand_off(&mut t.reg, &self.shared, slice, numel, what, deliver)
+    }
+
+    /// Records that the caller wrote a slice's gradient (accumulated, for later
+    /// micro-steps) directly into its sub-group's caller-provided gradient buffer. At the last
+    /// micro-step its sum of squares is taken on the calling thread, unless the sub-group
+    /// speculates: then its speculative step takes it on the pool.
+    pub fn grad_written(&self, slice: u32) -> Result<Option<Ticket>> {
+        let mut guard = self.lock();
+        let t = &mut *guard;
+        t.protocol.grad_written(&t.reg, &self.shared, slice)
+    }
+
+    /// The sum of squares of this step's unscaled gradient over every sub-group (zeros for
+    /// slices without a gradient, late gradients merged), for an all-reduce across ranks.
+    /// Ends the backward (gradients after this are refused). Not finite iff a gradient
+    /// element is inf or NaN. Waits only for the sums of squares (and late-gradient merges),
+    /// never for a speculative pass.
+    pub fn local_grad_sumsq(&self, timeout: Option<Duration>) -> Result<f64> {
+        let (serial, ticket) = {
+            let mut guard = self.lock();
+            let t = &mut *guard;
+            t.protocol.prepare(&t.reg, &self.shared)?
+        };
+        protocol::local_sumsq(&self.shared, serial, ticket, timeout)
+    }
+
+    /// Ends the step: the CPU-Adam thread takes the norm (or the given one), decides whether
+    /// to skip, clips, cancels speculative steps that have not started and makes every
+    /// sub-group exact in forward order. Returns at once with the ticket that completes when
+    /// every sub-group is final.
+    pub fn step(&self, args: StepArgs) -> Result<Ticket> {
+        protocol::check_step_args(&args)?;
+        let mut guard = self.lock();
+        let t = &mut *guard;
+        t.protocol.step(&mut t.reg, &self.shared, args)
     }
 
     /// The result of the step whose ticket `step()` returned (the latest step's only),
@@ -341,60 +458,53 @@ impl Session {
         self.shared.tickets.last_issued()
     }
 
+    // ----- checkpoints (`checkpoint.rs`) and the trace ---------------------------------------
+
+    /// Writes a checkpoint of everything needed to resume bit for bit. Waits for in-flight
+    /// work; only between steps.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let t = self.lock();
+        t.protocol.between_steps("checkpoints are taken between steps (after step(), before begin_step)")?;
+        checkpoint::save(path, &t.reg, &self.shared)
+    }
+
+    /// Loads a checkpoint into this session: every registered slice must be in it (with
+    /// its dtype and size) and vice versa; the sub-group partition may differ. On any
+    /// mismatch or corruption nothing changes. With a transport, the loaded weights are also
+    /// published to the model. Waits for in-flight work; only between steps.
+    pub fn load(&self, path: &Path) -> Result<()> {
+        let mut t = self.lock();
+        t.protocol.between_steps("checkpoints are loaded between steps")?;
+        checkpoint::load(path, &mut t.reg, &self.shared)
+    }
+
+    /// The factor history [`Speculation::Auto`] decides from, for a state dict that is not a
+    /// checkpoint file: bit `i` of the first value is 1 when the `i`-th of the last steps
+    /// (oldest first; the second value counts them, at most 8) kept its speculative factor
+    /// (not clipped, not skipped). A checkpoint file keeps it by itself.
+    pub fn speculation_history(&self) -> (u32, u32) {
+        let _t = self.lock();
+        // The latest step's decision is part of it.
+        self.shared.tickets.drain();
+        self.shared.policy.lock().unwrap().history_bits()
+    }
+
+    /// Restores what [`Session::speculation_history`] returned, between steps. Refuses more
+    /// steps than the history keeps, or bits beyond them, and then changes nothing.
+    pub fn set_speculation_history(&self, bits: u32, steps: u32) -> Result<()> {
+        let t = self.lock();
+        t.protocol.between_steps("the speculation history is restored between steps")?;
+        self.shared.policy.lock().unwrap().restore_history_bits(bits, steps)
+    }
+
     /// Starts recording a timeline (clearing an earlier one), or stops.
     pub fn trace(&self, enable: bool) {
         self.shared.tracer.set_enabled(enable);
     }
 
     /// Writes the recorded timeline as Chrome trace JSON (open it in Perfetto).
-    pub fn save_trace(&self, path: &std::path::Path) -> Result<()> {
+    pub fn save_trace(&self, path: &Path) -> Result<()> {
         self.shared.tracer.write(path)
-    }
-}
-
-/// torch's `clip_grad_norm_` coefficient: `min(1, max_norm / (norm + 1e-6))`, 1 when
-/// `max_norm` is 0.
-pub fn clip_coefficient(max_norm: f64, norm: f64) -> f64 {
-    if max_norm > 0.0 { (max_norm / (norm + 1e-6)).min(1.0) } else { 1.0 }
-}
-
-/// The factor every gradient of a step is finally multiplied by: `clip / loss_scale`,
-/// computed in f64 and rounded once. With `clip == 1` it is the unscale factor `1 / S` of the
-/// speculative steps exactly, which is what lets a speculative step be kept.
-pub fn grad_factor(clip: f64, loss_scale: f32) -> f32 {
-    (clip / loss_scale as f64) as f32
-}
-
-/// The factor of a speculative step, and of every sum of squares taken at hand-over: the
-/// unscaled gradient, `grad_factor(1, loss_scale)`.
-pub fn unscale_factor(loss_scale: f32) -> f32 {
-    grad_factor(1.0, loss_scale)
-}
-
-/// Whether a gradient factor can be stepped with: finite and > 0 in f32 (the kernels refuse
-/// anything else).
-pub fn usable_factor(factor: f32) -> bool {
-    factor.is_finite() && factor > 0.0
-}
-
-/// A loss scale must be finite and > 0, and so must its reciprocal in f32, the unscale factor
-/// of every sum of squares and speculative step (`1 / loss_scale` overflows for loss scales
-/// below about 2.9e-39, subnormals of f32).
-pub(crate) fn check_loss_scale(what: &str, scale: f32) -> Result<()> {
-    if scale.is_finite() && scale > 0.0 && usable_factor(unscale_factor(scale)) {
-        Ok(())
-    } else {
-        Err(Error::invalid(format!(
-            "{what} = {scale:e} is out of range: it must be finite and > 0, and 1 / {what} must be finite in f32"
-        )))
-    }
-}
-
-fn to_f32(values: Floats<'_>) -> Vec<f32> {
-    match values {
-        Floats::F32(v) => v.to_vec(),
-        Floats::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
-        Floats::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
     }
 }
 
@@ -402,11 +512,11 @@ impl Drop for Session {
     /// Waits for every queued step, then stops the CPU-Adam thread and releases what the
     /// transport holds.
     fn drop(&mut self) {
-        let mut t = self.tracking.lock().unwrap_or_else(|e| e.into_inner());
+        let t = self.tracking.lock().unwrap_or_else(|e| e.into_inner());
         self.shared.sched.close();
         if let Some(worker) = self.worker.take() {
             let _ = worker.join();
         }
-        self.release_all(&mut t);
+        t.reg.release_all(&self.shared);
     }
 }

@@ -2,7 +2,9 @@
 
 use std::sync::Arc;
 
-use super::{GroupHparams, StepArgs, SubGroup, Ticket};
+use super::subgroup::SubGroup;
+use super::tickets::Ticket;
+use super::types::{GroupHparams, StepArgs};
 
 /// Zero-filling, late-gradient merging and the sums of squares the decision needs.
 pub(crate) struct PreparePlan {

@@ -66,9 +66,9 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use super::Speculation;
 use super::auto_budget::AutoBudget;
 use super::state_after::StateAfter;
+use super::types::Speculation;
 use crate::error::{Error, Result};
 
 /// Recent steps whose factor changes are remembered.
@@ -260,9 +260,10 @@ impl Policy {
     }
 
     /// Whether a sub-group whose speculative pass would write the weights' copy alone
-    /// ([`super::SpecKind::CopyAhead`]) plans one, where [`Policy::should_speculate`] says
-    /// speculation pays: not in `Auto` while such passes have not begun before the decision
-    /// (module doc, "Copy written ahead"), but for one step in [`COPY_AHEAD_RETRY`].
+    /// ([`SpecKind::CopyAhead`](super::subgroup::SpecKind::CopyAhead)) plans one, where
+    /// [`Policy::should_speculate`] says speculation pays: not in `Auto` while such passes
+    /// have not begun before the decision (module doc, "Copy written ahead"), but for one step
+    /// in [`COPY_AHEAD_RETRY`].
     pub(crate) fn should_copy_ahead(&self) -> bool {
         let c = self.copy_ahead;
         self.mode != Speculation::Auto || c.stalled < REGIME || c.paused_for >= COPY_AHEAD_RETRY
@@ -364,7 +365,7 @@ impl Policy {
     pub(crate) fn placement_refused(&mut self, placed: usize, bytes: usize) {
         self.placed = placed;
         if let Some(b) = self.auto_budget.as_mut() {
-            b.budget = bytes;
+            b.end_at(bytes);
         }
     }
 }

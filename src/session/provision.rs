@@ -17,7 +17,9 @@ use std::sync::Arc;
 
 use super::auto_budget::AutoBudget;
 use super::buffers::HostBuf;
-use super::{GradientHome, HostCopy, Session, SessionOptions, SubGroup, Tracking};
+use super::shared::Shared;
+use super::subgroup::SubGroup;
+use super::types::{GradientHome, HostCopy, SessionOptions};
 use crate::error::{Error, Result, Status};
 use crate::kernels::DType;
 
@@ -307,139 +309,125 @@ pub(crate) fn check_host_allocation(bytes: usize, what: &str) -> Result<()> {
     }
 }
 
-impl Session {
-    /// Whether sub-groups are provisioned as they are registered (nothing left to measure:
-    /// a host session, or both choices explicit).
-    pub(crate) fn provisions_at_registration(&self) -> bool {
-        self.shared.transport().is_none()
-            || (self.options.host_copy != HostCopy::Auto && self.options.gradient_home != GradientHome::Auto)
-    }
+/// Whether sub-groups are provisioned as they are registered (nothing left to measure: a
+/// host session, or both choices explicit).
+pub(crate) fn at_registration(shared: &Shared) -> bool {
+    let o = &shared.options;
+    shared.transport().is_none() || (o.host_copy != HostCopy::Auto && o.gradient_home != GradientHome::Auto)
+}
 
-    /// Provisions the sub-groups registered since the last time (`Registry::unprovisioned`).
-    /// On failure they stay unprovisioned and nothing of it stays allocated.
-    pub(crate) fn provision(&self, t: &mut Tracking) -> Result<()> {
-        let sgs: Vec<Arc<SubGroup>> =
-            t.reg.unprovisioned.iter().map(|&id| t.reg.track(id).expect("registered").sg.clone()).collect();
-        let provided = self.provide(t.reg.host_bytes(), &sgs)?;
-        for (sg, (bytes, pins)) in sgs.iter().zip(provided) {
-            t.reg.provisioned(sg.id, bytes, pins);
-        }
-        t.reg.unprovisioned.clear();
-        Ok(())
-    }
-
-    /// Decides the buffers of `sgs` ([`plan`], the session holding `in_use` host bytes) and
-    /// allocates, pins and attaches them; per sub-group, the host bytes and pins it took. All
-    /// or nothing.
-    pub(crate) fn provide(&self, in_use: usize, sgs: &[Arc<SubGroup>]) -> Result<Vec<(usize, Vec<usize>)>> {
-        let needs: Vec<SgNeed> = sgs
-            .iter()
-            .map(|sg| {
-                let data = sg.data.lock().unwrap();
-                SgNeed { numel: sg.numel, caller_gradient: data.grad.is_some(), caller_copy: data.copy.is_some() }
-            })
-            .collect();
-        let (host, reserve, host_bound) = self.host_room(in_use);
-        let room = Room { host, host_bound, reserve, device: self.device_room() };
-        let decided = plan(&self.options, self.shared.transport().is_some(), &needs, room)?;
-        let mut done = Vec::with_capacity(sgs.len());
-        for (i, sg) in sgs.iter().enumerate() {
-            match self.provide_one(sg, decided.device_gradient[i], decided.full_copy[i]) {
-                Ok(taken) => done.push(taken),
-                Err(e) => {
-                    for (sg, (_, pins)) in sgs.iter().zip(done) {
-                        self.take_back(sg, pins);
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        Ok(done)
-    }
-
-    /// Host bytes provisioning may spend: what the system gives (less a sixteenth, as it is an
-    /// estimate), within the session's `host_memory_limit` (of which `in_use` is taken); the
-    /// reserve the automatic choices leave of it; and which limit bounds it, in words.
-    fn host_room(&self, in_use: usize) -> (Option<usize>, usize, String) {
-        let measured = HostMemory::measure();
-        let limited = self.options.host_memory_limit.map(|l| l.saturating_sub(in_use));
-        match (measured, limited) {
-            (Some(m), limited) if limited.is_none_or(|l| m.available - m.available / 16 < l) => (
-                Some(m.available - m.available / 16),
-                host_reserve(m.total).min(m.available / 2),
-                format!("{} is available{}", size(m.available), m.bound.words()),
-            ),
-            (_, Some(l)) => {
-                let limit = self.options.host_memory_limit.unwrap_or_default();
-                (Some(l), 0, format!("the session's host-memory limit of {limit} bytes leaves {}", size(l)))
-            }
-            (_, None) => (None, 0, String::new()),
-        }
-    }
-
-    /// Device bytes gradients kept there may take: the device's free memory within the
-    /// caller's limit, less the automatic budget's headroom.
-    fn device_room(&self) -> Option<usize> {
-        let (free, total) = self.shared.transport()?.device_memory().ok()?;
-        let limit = self.shared.policy.lock().unwrap().device_memory_limit();
-        Some(AutoBudget::measured(free, total, limit).budget)
-    }
-
-    /// Allocates and pins one sub-group's gradient buffer (or has the transport keep it on
-    /// the device) and full copy, as decided; the host bytes and pins it took. Undone on
-    /// failure.
-    fn provide_one(&self, sg: &SubGroup, device_gradient: bool, full_copy: bool) -> Result<(usize, Vec<usize>)> {
-        let o = &self.options;
-        let mut data = sg.data.lock().unwrap();
-        let mut pins = Vec::new();
-        let mut bytes = 0;
-        let outcome = (|| -> Result<()> {
-            if data.grad.is_none() {
-                if device_gradient {
-                    let transport = self.shared.transport().expect("a device gradient has a transport");
-                    transport.keep_gradient_on_device(sg.id)?;
-                    for gap in padding(&sg.slices, sg.numel) {
-                        transport.device_zero_gradient(sg.id, gap)?;
-                    }
-                } else {
-                    let mut grad = HostBuf::zeros(o.accum_dtype, sg.numel, "a gradient buffer")?;
-                    pins.extend(self.pin_buffer(&mut grad)?);
-                    bytes += grad.bytes();
-                    data.grad = Some(grad);
-                }
-            }
-            if data.copy.as_ref().is_some_and(|c| !c.is_owned()) {
-                // The caller's copy buffer: the weights as registered.
-                data.copy_from_master(&self.shared.pool)?;
-            } else if let Some(dtype) = o.copy_dtype.filter(|_| full_copy) {
-                let mut copy = HostBuf::zeros(dtype, sg.numel, "a master-weight copy")?;
-                crate::kernels::convert(&self.shared.pool, copy.floats_mut(), data.master.floats())?;
-                pins.extend(self.pin_buffer(&mut copy)?);
-                bytes += copy.bytes();
-                data.copy = Some(copy);
-            }
-            Ok(())
-        })();
-        drop(data);
-        match outcome {
-            Ok(()) => Ok((bytes, pins)),
+/// Decides the buffers of `sgs` ([`plan`], the session holding `in_use` host bytes) and
+/// allocates, pins and attaches them; per sub-group, the host bytes and pins it took. All
+/// or nothing.
+pub(crate) fn provide(shared: &Shared, in_use: usize, sgs: &[Arc<SubGroup>]) -> Result<Vec<(usize, Vec<usize>)>> {
+    let options = &shared.options;
+    let needs: Vec<SgNeed> = sgs
+        .iter()
+        .map(|sg| {
+            let data = sg.data.lock().unwrap();
+            SgNeed { numel: sg.numel, caller_gradient: data.grad.is_some(), caller_copy: data.copy.is_some() }
+        })
+        .collect();
+    let (host, reserve, host_bound) = host_room(options, in_use);
+    let room = Room { host, host_bound, reserve, device: device_room(shared) };
+    let decided = plan(options, shared.transport().is_some(), &needs, room)?;
+    let mut done = Vec::with_capacity(sgs.len());
+    for (i, sg) in sgs.iter().enumerate() {
+        match provide_one(shared, sg, decided.device_gradient[i], decided.full_copy[i]) {
+            Ok(taken) => done.push(taken),
             Err(e) => {
-                self.take_back(sg, pins);
-                Err(e)
+                for (sg, (_, pins)) in sgs.iter().zip(done) {
+                    take_back(shared, sg, pins);
+                }
+                return Err(e);
             }
         }
     }
+    Ok(done)
+}
 
-    /// Frees what `provide_one` allocated for a sub-group and undoes its pins.
-    fn take_back(&self, sg: &SubGroup, pins: Vec<usize>) {
-        self.unpin_all(pins.into_iter());
-        let mut data = sg.data.lock().unwrap();
-        if data.copy.as_ref().is_some_and(HostBuf::is_owned) {
-            data.copy = None;
+/// Host bytes provisioning may spend: what the system gives (less a sixteenth, as it is an
+/// estimate), within the session's `host_memory_limit` (of which `in_use` is taken); the
+/// reserve the automatic choices leave of it; and which limit bounds it, in words.
+fn host_room(options: &SessionOptions, in_use: usize) -> (Option<usize>, usize, String) {
+    let measured = HostMemory::measure();
+    let limited = options.host_memory_limit.map(|l| l.saturating_sub(in_use));
+    match (measured, limited) {
+        (Some(m), limited) if limited.is_none_or(|l| m.available - m.available / 16 < l) => (
+            Some(m.available - m.available / 16),
+            host_reserve(m.total).min(m.available / 2),
+            format!("{} is available{}", size(m.available), m.bound.words()),
+        ),
+        (_, Some(l)) => {
+            let limit = options.host_memory_limit.unwrap_or_default();
+            (Some(l), 0, format!("the session's host-memory limit of {limit} bytes leaves {}", size(l)))
         }
-        if data.grad.as_ref().is_some_and(HostBuf::is_owned) {
-            data.grad = None;
+        (_, None) => (None, 0, String::new()),
+    }
+}
+
+/// Device bytes gradients kept there may take: the device's free memory within the
+/// caller's limit, less the automatic budget's headroom.
+fn device_room(shared: &Shared) -> Option<usize> {
+    let (free, total) = shared.transport()?.device_memory().ok()?;
+    let limit = shared.policy.lock().unwrap().device_memory_limit();
+    Some(AutoBudget::measured(free, total, limit).budget)
+}
+
+/// Allocates and pins one sub-group's gradient buffer (or has the transport keep it on
+/// the device) and full copy, as decided; the host bytes and pins it took. Undone on
+/// failure.
+fn provide_one(shared: &Shared, sg: &SubGroup, device_gradient: bool, full_copy: bool) -> Result<(usize, Vec<usize>)> {
+    let o = &shared.options;
+    let mut data = sg.data.lock().unwrap();
+    let mut pins = Vec::new();
+    let mut bytes = 0;
+    let outcome = (|| -> Result<()> {
+        if data.grad.is_none() {
+            if device_gradient {
+                let transport = shared.transport().expect("a device gradient has a transport");
+                transport.keep_gradient_on_device(sg.id)?;
+                for gap in padding(&sg.slices, sg.numel) {
+                    transport.device_zero_gradient(sg.id, gap)?;
+                }
+            } else {
+                let mut grad = HostBuf::zeros(o.accum_dtype, sg.numel, "a gradient buffer")?;
+                pins.extend(shared.pin(&mut grad)?);
+                bytes += grad.bytes();
+                data.grad = Some(grad);
+            }
         }
+        if data.copy.as_ref().is_some_and(|c| !c.is_owned()) {
+            // The caller's copy buffer: the weights as registered.
+            data.copy_from_master(&shared.pool)?;
+        } else if let Some(dtype) = o.copy_dtype.filter(|_| full_copy) {
+            let mut copy = HostBuf::zeros(dtype, sg.numel, "a master-weight copy")?;
+            crate::kernels::convert(&shared.pool, copy.floats_mut(), data.master.floats())?;
+            pins.extend(shared.pin(&mut copy)?);
+            bytes += copy.bytes();
+            data.copy = Some(copy);
+        }
+        Ok(())
+    })();
+    drop(data);
+    match outcome {
+        Ok(()) => Ok((bytes, pins)),
+        Err(e) => {
+            take_back(shared, sg, pins);
+            Err(e)
+        }
+    }
+}
+
+/// Frees what `provide_one` allocated for a sub-group and undoes its pins.
+fn take_back(shared: &Shared, sg: &SubGroup, pins: Vec<usize>) {
+    shared.unpin_all(pins.into_iter());
+    let mut data = sg.data.lock().unwrap();
+    if data.copy.as_ref().is_some_and(HostBuf::is_owned) {
+        data.copy = None;
+    }
+    if data.grad.as_ref().is_some_and(HostBuf::is_owned) {
+        data.grad = None;
     }
 }
 

@@ -5,7 +5,8 @@
 
 use std::ops::Range;
 
-use super::{SgData, Shared, SubGroup};
+use super::shared::Shared;
+use super::subgroup::{SgData, SubGroup};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, AdamBuffers, CopyOutMut, DType, Floats, FloatsMut, MomentsMut};
 
@@ -88,88 +89,87 @@ fn views<'a>(
     AdamBuffers { param: master.range_mut(range), grad, moments, copy_out }
 }
 
-impl Shared {
-    /// Runs `pass` over elements `range` of a sub-group in order: once, where its gradient is
-    /// on the host; piece by piece as the pieces land, where it is kept on the device. The
-    /// caller waited for the gradient's copies (`gradient_ready`).
-    pub(crate) fn each_piece(
-        &self,
-        sg: &SubGroup,
-        data: &mut SgData,
-        range: Range<usize>,
-        mut copy_to: CopyTo<'_>,
-        pass: &mut Pass<'_>,
-    ) -> Result<()> {
-        if range.is_empty() {
-            return Ok(());
-        }
-        if data.grad.is_some() {
-            return pass(range.clone(), views(data, None, range, &mut copy_to));
-        }
-        let transport = self.transport().ok_or_else(|| Error::new(Status::Panic, "no gradient buffer"))?;
-        transport.gradient_pieces(sg.id, range, GRADIENT_PIECE, &mut |first, grad| {
-            let piece = first..first + grad.len();
-            pass(piece.clone(), views(data, Some(grad), piece, &mut copy_to))
-        })
+/// Runs `pass` over elements `range` of a sub-group in order: once, where its gradient is
+/// on the host; piece by piece as the pieces land, where it is kept on the device. The
+/// caller waited for the gradient's copies (`gradient_ready`).
+pub(crate) fn each_piece(
+    shared: &Shared,
+    sg: &SubGroup,
+    data: &mut SgData,
+    range: Range<usize>,
+    mut copy_to: CopyTo<'_>,
+    pass: &mut Pass<'_>,
+) -> Result<()> {
+    if range.is_empty() {
+        return Ok(());
     }
+    if data.grad.is_some() {
+        return pass(range.clone(), views(data, None, range, &mut copy_to));
+    }
+    let transport = shared.transport().ok_or_else(|| Error::new(Status::Panic, "no gradient buffer"))?;
+    transport.gradient_pieces(sg.id, range, GRADIENT_PIECE, &mut |first, grad| {
+        let piece = first..first + grad.len();
+        pass(piece.clone(), views(data, Some(grad), piece, &mut copy_to))
+    })
+}
 
-    /// Runs `pass` over elements `range` (`None`: they are final as they are) and publishes
-    /// them in pieces, each as soon as it is written (the sub-group's `publish` follows its
-    /// last range). Without a transport, the pass alone.
-    pub(crate) fn write_and_publish(
-        &self,
-        sg: &SubGroup,
-        data: &mut SgData,
-        range: Range<usize>,
-        mut pass: Option<&mut Pass<'_>>,
-    ) -> Result<()> {
-        let Some(transport) = self.transport() else {
-            return match pass {
-                Some(pass) => self.each_piece(sg, data, range, CopyTo::Session, pass),
-                None => Ok(()),
-            };
+/// Runs `pass` over elements `range` (`None`: they are final as they are) and publishes
+/// them in pieces, each as soon as it is written (the sub-group's `publish` follows its
+/// last range). Without a transport, the pass alone.
+pub(crate) fn write_and_publish(
+    shared: &Shared,
+    sg: &SubGroup,
+    data: &mut SgData,
+    range: Range<usize>,
+    mut pass: Option<&mut Pass<'_>>,
+) -> Result<()> {
+    let Some(transport) = shared.transport() else {
+        return match pass {
+            Some(pass) => each_piece(shared, sg, data, range, CopyTo::Session, pass),
+            None => Ok(()),
         };
-        let from = source(sg, data);
-        for start in range.clone().step_by(PUBLISH_PIECE) {
-            let piece = start..(start + PUBLISH_PIECE).min(range.end);
-            match from {
-                Source::Copy | Source::Master => {
-                    if let Some(pass) = pass.as_deref_mut() {
-                        self.each_piece(sg, data, piece.clone(), CopyTo::Session, pass)?;
-                    }
-                    let src = match (&data.copy, from) {
-                        (Some(c), Source::Copy) => c.range(piece.clone()),
-                        _ => data.master.range(piece.clone()),
-                    };
-                    transport.publish_piece(sg.id, piece.start, src)?;
+    };
+    let from = source(sg, data);
+    for start in range.clone().step_by(PUBLISH_PIECE) {
+        let piece = start..(start + PUBLISH_PIECE).min(range.end);
+        match from {
+            Source::Copy | Source::Master => {
+                if let Some(pass) = pass.as_deref_mut() {
+                    each_piece(shared, sg, data, piece.clone(), CopyTo::Session, pass)?;
                 }
-                Source::Filled(dtype) => {
-                    // A pass over f32 master weights writes the copy where it goes; any other
-                    // pass (or none) leaves the piece to be converted from the master weights.
-                    let writes_copy = data.master.dtype() == DType::F32 && dtype != DType::F32;
-                    let mut pass = pass.as_deref_mut();
-                    transport.publish_filled(sg.id, piece.start, piece.len(), dtype, &mut |mut out| {
-                        match pass.as_deref_mut() {
-                            Some(pass) if writes_copy => {
-                                let out = sub_range(&mut out, 0..piece.len());
-                                return self.each_piece(
-                                    sg,
-                                    data,
-                                    piece.clone(),
-                                    CopyTo::Buffer { first: piece.start, out },
-                                    pass,
-                                );
-                            }
-                            Some(pass) => self.each_piece(sg, data, piece.clone(), CopyTo::Nowhere, pass)?,
-                            None => {}
+                let src = match (&data.copy, from) {
+                    (Some(c), Source::Copy) => c.range(piece.clone()),
+                    _ => data.master.range(piece.clone()),
+                };
+                transport.publish_piece(sg.id, piece.start, src)?;
+            }
+            Source::Filled(dtype) => {
+                // A pass over f32 master weights writes the copy where it goes; any other
+                // pass (or none) leaves the piece to be converted from the master weights.
+                let writes_copy = data.master.dtype() == DType::F32 && dtype != DType::F32;
+                let mut pass = pass.as_deref_mut();
+                transport.publish_filled(sg.id, piece.start, piece.len(), dtype, &mut |mut out| {
+                    match pass.as_deref_mut() {
+                        Some(pass) if writes_copy => {
+                            let out = sub_range(&mut out, 0..piece.len());
+                            return each_piece(
+                                shared,
+                                sg,
+                                data,
+                                piece.clone(),
+                                CopyTo::Buffer { first: piece.start, out },
+                                pass,
+                            );
                         }
-                        kernels::convert(&self.pool, out, data.master.range(piece.clone()))
-                    })?;
-                }
+                        Some(pass) => each_piece(shared, sg, data, piece.clone(), CopyTo::Nowhere, pass)?,
+                        None => {}
+                    }
+                    kernels::convert(&shared.pool, out, data.master.range(piece.clone()))
+                })?;
             }
         }
-        Ok(())
     }
+    Ok(())
 }
 
 /// Whether a pass over the sub-group writes a low-precision copy of its f32 master weights

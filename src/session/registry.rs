@@ -5,15 +5,17 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use super::buffers::HostBuf;
-use super::provision::{check_host_allocation, padding};
-use super::{
-    GroupHparams, Phase, Placement, Session, SgData, SgWork, SliceDesc, SubGroup, SubGroupDesc, Ticket, state_error,
-    to_f32, unknown, validate_group,
-};
+use super::buffers::{Borrowed, HostBuf};
+use super::provision::{self, check_host_allocation, padding};
+use super::shared::Shared;
+use super::subgroup::{SgData, SgWork, SubGroup};
+use super::tickets::Ticket;
+use super::transport::Transport;
+use super::types::{GroupHparams, Placement, SliceDesc, SubGroupDesc};
 use crate::error::{Error, Result, Status};
-use crate::kernels::DType;
+use crate::kernels::{DType, Floats};
 
+/// A registered slice: a record the registry keeps and lends out.
 pub(crate) struct SliceInfo {
     /// Empty once its sub-group was removed.
     pub name: String,
@@ -25,11 +27,11 @@ pub(crate) struct SliceInfo {
 
 /// The registry's record of one sub-group.
 pub(crate) struct SgTrack {
-    pub sg: Arc<SubGroup>,
+    sg: Arc<SubGroup>,
     /// Its slices' ids.
-    pub slices: Range<usize>,
+    slices: Range<usize>,
     /// The ticket after which the latest step of this sub-group is final (0 before any).
-    pub final_ticket: Ticket,
+    final_ticket: Ticket,
     /// Borrowed address ranges (master, gradient, moments), for overlap checks.
     borrowed: Vec<Range<usize>>,
     host_bytes: usize,
@@ -37,18 +39,80 @@ pub(crate) struct SgTrack {
     pinned: Vec<usize>,
 }
 
+impl SgTrack {
+    pub(crate) fn sg(&self) -> &Arc<SubGroup> {
+        &self.sg
+    }
+
+    /// The ids of its slices.
+    pub(crate) fn slice_ids(&self) -> Range<usize> {
+        self.slices.clone()
+    }
+
+    /// The ticket after which its latest step is final (0 before any).
+    pub(crate) fn final_ticket(&self) -> Ticket {
+        self.final_ticket
+    }
+
+    /// Detaches the sub-group from the transport and unpins its buffers; the host bytes it held.
+    fn release(&self, shared: &Shared) -> usize {
+        let mut bytes = self.host_bytes;
+        let late = self.sg.late.lock().unwrap().take();
+        if let Some(transport) = shared.transport() {
+            transport.detach(self.sg.id);
+            for &ptr in &self.pinned {
+                transport.unpin(ptr as *mut u8);
+            }
+        }
+        if let Some(mut late) = late {
+            bytes += late.buffer.bytes();
+            if let Some(transport) = shared.transport() {
+                transport.unpin(late.buffer.as_mut_ptr());
+            }
+        }
+        bytes
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct Registry {
-    pub groups: Vec<GroupHparams>,
-    pub slices: Vec<SliceInfo>,
+    groups: Vec<GroupHparams>,
+    slices: Vec<SliceInfo>,
     names: HashMap<String, u32>,
-    pub subgroups: Vec<Option<SgTrack>>,
+    subgroups: Vec<Option<SgTrack>>,
     host_bytes: usize,
     /// Sub-groups registered but not yet provisioned (`provision.rs`), in registration order.
-    pub unprovisioned: Vec<u32>,
+    unprovisioned: Vec<u32>,
 }
 
 impl Registry {
+    /// Adds a group of hyperparameters the caller validated ([`GroupHparams::validate`]).
+    pub(crate) fn add_group(&mut self, hparams: GroupHparams) -> u32 {
+        self.groups.push(hparams);
+        self.groups.len() as u32 - 1
+    }
+
+    /// Sets a group's hyperparameters, which the caller validated.
+    pub(crate) fn set_group(&mut self, group: u32, hparams: GroupHparams) -> Result<()> {
+        let slot = self.groups.get_mut(group as usize).ok_or_else(|| unknown("group", group))?;
+        *slot = hparams;
+        Ok(())
+    }
+
+    pub(crate) fn group(&self, group: u32) -> Result<GroupHparams> {
+        self.groups.get(group as usize).copied().ok_or_else(|| unknown("group", group))
+    }
+
+    /// Every group's hyperparameters, by id.
+    pub(crate) fn groups(&self) -> &[GroupHparams] {
+        &self.groups
+    }
+
+    /// Replaces every group's hyperparameters (a checkpoint's, one per group).
+    pub(crate) fn replace_groups(&mut self, groups: Vec<GroupHparams>) {
+        self.groups = groups;
+    }
+
     pub(crate) fn live(&self) -> impl Iterator<Item = &SgTrack> {
         self.subgroups.iter().flatten()
     }
@@ -71,17 +135,25 @@ impl Registry {
         Ok(info)
     }
 
+    /// A slice's name, for messages: empty once its sub-group was removed, `?` for an id never
+    /// issued.
+    pub(crate) fn slice_name(&self, slice: u32) -> &str {
+        self.slices.get(slice as usize).map_or("?", |s| s.name.as_str())
+    }
+
+    /// A registered sub-group's slices, in order, with their ids.
+    pub(crate) fn slices_of<'a>(&'a self, track: &SgTrack) -> impl Iterator<Item = (usize, &'a SliceInfo)> + use<'a> {
+        track.slice_ids().map(|i| (i, &self.slices[i]))
+    }
+
+    /// The slice id of a name.
+    pub(crate) fn slice_id(&self, name: &str) -> Result<u32> {
+        self.names.get(name).copied().ok_or_else(|| Error::new(Status::NotFound, format!("no slice is named {name:?}")))
+    }
+
     /// Host bytes the session allocated.
     pub(crate) fn host_bytes(&self) -> usize {
         self.host_bytes
-    }
-
-    /// A sub-group's gradient buffer and copy were allocated (`bytes`) and pinned (`pins`).
-    pub(crate) fn provisioned(&mut self, sg: u32, bytes: usize, pins: Vec<usize>) {
-        let track = self.subgroups[sg as usize].as_mut().expect("registered");
-        track.host_bytes += bytes;
-        track.pinned.extend(pins);
-        self.host_bytes += bytes;
     }
 
     fn check_memory(&self, limit: Option<usize>, more: usize) -> Result<()> {
@@ -96,49 +168,28 @@ impl Registry {
             _ => Ok(()),
         }
     }
-}
 
-impl Session {
-    pub fn add_group(&self, hparams: GroupHparams) -> Result<u32> {
-        validate_group(&hparams)?;
-        let mut t = self.lock();
-        t.reg.groups.push(hparams);
-        Ok(t.reg.groups.len() as u32 - 1)
-    }
-
-    /// New hyperparameters for a group: speculative steps submitted from now on, and every
-    /// sub-group's final step at the next `step()`, use them.
-    pub fn set_group_hparams(&self, group: u32, hparams: GroupHparams) -> Result<()> {
-        validate_group(&hparams)?;
-        let mut t = self.lock();
-        let slot = t.reg.groups.get_mut(group as usize).ok_or_else(|| unknown("group", group))?;
-        *slot = hparams;
+    /// Accounts `bytes` more host memory, within `limit`.
+    pub(crate) fn take_memory(&mut self, limit: Option<usize>, bytes: usize) -> Result<()> {
+        self.check_memory(limit, bytes)?;
+        self.host_bytes += bytes;
         Ok(())
     }
 
-    pub fn group_hparams(&self, group: u32) -> Result<GroupHparams> {
-        self.lock().reg.groups.get(group as usize).copied().ok_or_else(|| unknown("group", group))
-    }
-
-    /// Registers a sub-group (between steps). Sub-groups are finalized at `step()` in the
-    /// order they were registered: register them in forward order.
-    pub fn add_subgroup(&self, desc: SubGroupDesc) -> Result<u32> {
-        let mut t = self.lock();
-        if t.phase != Phase::Idle {
-            return Err(state_error("sub-groups can only be added between steps (before begin_step or after step)"));
-        }
-        let o = &self.options;
-        if desc.group as usize >= t.reg.groups.len() {
+    /// Registers a sub-group (the caller checked that no step is in progress); its id.
+    pub(crate) fn add_subgroup(&mut self, desc: SubGroupDesc, shared: &Shared) -> Result<u32> {
+        let o = &shared.options;
+        if desc.group as usize >= self.groups.len() {
             return Err(unknown("group", desc.group));
         }
-        let transport = self.shared.transport();
+        let transport = shared.transport();
         if transport.is_none() && desc.device.is_some() {
             return Err(Error::invalid("a device parameter is set but this is a host session"));
         }
         if desc.placement == Placement::Device && transport.is_none() {
             return Err(Error::unsupported("device placement needs a CUDA session"));
         }
-        let id = t.reg.subgroups.len() as u32;
+        let id = self.subgroups.len() as u32;
         let master = HostBuf::borrowed(desc.master);
         let numel = master.len();
         if numel == 0 {
@@ -147,7 +198,7 @@ impl Session {
         if desc.placement == Placement::Device && master.dtype() != DType::F32 {
             return Err(Error::unsupported("device placement needs f32 master weights"));
         }
-        let caller_buffer = |b: Option<super::Borrowed>, what: &str, dtype: DType| -> Result<Option<HostBuf>> {
+        let caller_buffer = |b: Option<Borrowed>, what: &str, dtype: DType| -> Result<Option<HostBuf>> {
             let Some(b) = b else { return Ok(None) };
             let b = HostBuf::borrowed(b);
             if b.dtype() != dtype || b.len() != numel {
@@ -173,7 +224,7 @@ impl Session {
             }
             (Some(b), Some(dtype)) => caller_buffer(Some(b), "copy", dtype)?,
         };
-        check_slices(&desc.slices, numel, &t.reg.names)?;
+        check_slices(&desc.slices, numel, &self.names)?;
         let labelled: Vec<(&str, Range<usize>)> = [
             ("master buffer", Some(&master)),
             ("gradient buffer", grad.as_ref()),
@@ -184,13 +235,13 @@ impl Session {
         .into_iter()
         .filter_map(|(name, b)| b.map(|b| (name, b.addr_range())))
         .collect();
-        check_no_overlap(&labelled, &t.reg.subgroups)?;
+        check_no_overlap(&labelled, &self.subgroups)?;
         let borrowed: Vec<Range<usize>> = labelled.into_iter().map(|(_, r)| r).collect();
 
         // The moments now; the gradient buffer and the copy when the sub-group is provisioned.
         let owned = |b: &Option<HostBuf>| if b.is_none() { numel * o.moment_dtype.size() } else { 0 };
         let host_bytes = owned(&exp_avg) + owned(&exp_avg_sq);
-        t.reg.check_memory(o.host_memory_limit, host_bytes)?;
+        self.check_memory(o.host_memory_limit, host_bytes)?;
         check_host_allocation(host_bytes, "the Adam moments")?;
         let allocate = |b: Option<HostBuf>, dtype: DType, what: &str| match b {
             Some(b) => Ok(b),
@@ -218,14 +269,14 @@ impl Session {
                 buf.zero_range(gap.clone());
             }
         }
-        let pinned = self.pin_all(&mut data)?;
+        let pinned = pin_all(shared, &mut data)?;
         if let Some(transport) = transport {
             let attached = transport
                 .attach(id, desc.device, &ranges, desc.placement, data.host_state())
                 .and_then(|()| zero_device_padding(transport, id, desc.placement, &padding));
             if let Err(e) = attached {
                 transport.detach(id);
-                self.unpin_all(pinned.into_iter());
+                shared.unpin_all(pinned.into_iter());
                 return Err(e);
             }
         }
@@ -245,8 +296,9 @@ impl Session {
             late: Mutex::new(None),
         });
         let mut host_bytes = host_bytes;
-        if self.provisions_at_registration() {
-            match self.provide(t.reg.host_bytes() + host_bytes, std::slice::from_ref(&sg)) {
+        let at_registration = provision::at_registration(shared);
+        if at_registration {
+            match provision::provide(shared, self.host_bytes + host_bytes, std::slice::from_ref(&sg)) {
                 Ok(mut provided) => {
                     let (bytes, pins) = provided.pop().expect("one sub-group");
                     host_bytes += bytes;
@@ -256,205 +308,119 @@ impl Session {
                     if let Some(transport) = transport {
                         transport.detach(id);
                     }
-                    self.unpin_all(pinned.into_iter());
+                    shared.unpin_all(pinned.into_iter());
                     return Err(e);
                 }
             }
         }
-        let first = t.reg.slices.len();
+        let first = self.slices.len();
         for (index, s) in slices.iter().enumerate() {
-            let slice_id = t.reg.slices.len() as u32;
-            t.reg.names.insert(s.name.clone(), slice_id);
-            t.reg.slices.push(SliceInfo { name: s.name.clone(), sg: id, index, range: s.offset..s.offset + s.numel });
+            let slice_id = self.slices.len() as u32;
+            self.names.insert(s.name.clone(), slice_id);
+            self.slices.push(SliceInfo { name: s.name.clone(), sg: id, index, range: s.offset..s.offset + s.numel });
         }
-        t.reg.host_bytes += host_bytes;
-        let slice_ids = first..t.reg.slices.len();
-        t.subgroup_added(slice_ids.len());
-        self.shared.sched.add_subgroup(id);
-        t.reg.subgroups.push(Some(SgTrack { sg, slices: slice_ids, final_ticket: 0, borrowed, host_bytes, pinned }));
-        if !self.provisions_at_registration() {
-            t.reg.unprovisioned.push(id);
+        self.host_bytes += host_bytes;
+        let slice_ids = first..self.slices.len();
+        shared.sched.add_subgroup(id);
+        self.subgroups.push(Some(SgTrack { sg, slices: slice_ids, final_ticket: 0, borrowed, host_bytes, pinned }));
+        if !at_registration {
+            self.unprovisioned.push(id);
         }
         Ok(id)
     }
 
-    /// Unregisters a sub-group (between steps), after its outstanding work; its borrowed
-    /// buffers are no longer used when this returns.
-    pub fn remove_subgroup(&self, sg: u32) -> Result<()> {
-        let mut t = self.lock();
-        if t.phase != Phase::Idle {
-            return Err(state_error("sub-groups can only be removed between steps"));
-        }
-        t.reg.track(sg)?;
-        self.shared.tickets.drain();
-        let track = t.reg.subgroups[sg as usize].take().expect("checked");
-        t.reg.unprovisioned.retain(|&u| u != sg);
-        self.forget(&mut t, track);
-        Ok(())
-    }
-
-    /// Releases a sub-group taken out of the registry: its buffers, pins, slice names.
-    fn forget(&self, t: &mut super::Tracking, track: SgTrack) {
-        let bytes = self.release(&track);
+    /// Unregisters a sub-group (the caller checked that no step is in progress), after its
+    /// outstanding work: its buffers, pins and slice names are released.
+    pub(crate) fn remove_subgroup(&mut self, sg: u32, shared: &Shared) -> Result<()> {
+        self.track(sg)?;
+        shared.tickets.drain();
+        let track = self.subgroups[sg as usize].take().expect("checked");
+        self.unprovisioned.retain(|&u| u != sg);
+        let bytes = track.release(shared);
         for i in track.slices {
-            let name = std::mem::take(&mut t.reg.slices[i].name);
-            t.reg.names.remove(&name);
+            let name = std::mem::take(&mut self.slices[i].name);
+            self.names.remove(&name);
         }
-        t.reg.host_bytes -= bytes;
-        self.shared.sched.remove_subgroup(track.sg.id);
-    }
-
-    /// Detaches a sub-group from the transport and unpins its buffers; the host bytes it held.
-    fn release(&self, track: &SgTrack) -> usize {
-        let mut bytes = track.host_bytes;
-        let late = track.sg.late.lock().unwrap().take();
-        if let Some(transport) = self.shared.transport() {
-            transport.detach(track.sg.id);
-            for &ptr in &track.pinned {
-                transport.unpin(ptr as *mut u8);
-            }
-        }
-        if let Some(mut late) = late {
-            bytes += late.buffer.bytes();
-            if let Some(transport) = self.shared.transport() {
-                transport.unpin(late.buffer.as_mut_ptr());
-            }
-        }
-        bytes
+        self.host_bytes -= bytes;
+        shared.sched.remove_subgroup(track.sg.id);
+        Ok(())
     }
 
     /// Releases every sub-group (the session is being destroyed; its thread has stopped).
-    pub(crate) fn release_all(&self, t: &mut super::Tracking) {
-        for track in t.reg.subgroups.iter().flatten() {
-            self.release(track);
+    pub(crate) fn release_all(&self, shared: &Shared) {
+        for track in self.live() {
+            track.release(shared);
         }
     }
 
-    /// Pins, through the transport, the buffers of a new sub-group that cross to the device:
-    /// the master weights and a lent gradient buffer. Undone on failure.
-    fn pin_all(&self, data: &mut SgData) -> Result<Vec<usize>> {
-        let mut pinned = Vec::new();
-        for buf in std::iter::once(&mut data.master).chain(data.grad.as_mut()) {
-            match self.pin_buffer(buf) {
-                Ok(p) => pinned.extend(p),
-                Err(e) => {
-                    self.unpin_all(pinned.into_iter());
-                    return Err(e);
-                }
-            }
+    /// Provisions the sub-groups registered since the last time ([`provision::provide`]). On
+    /// failure they stay unprovisioned and nothing of it stays allocated.
+    pub(crate) fn provision_pending(&mut self, shared: &Shared) -> Result<()> {
+        if self.unprovisioned.is_empty() {
+            return Ok(());
         }
-        Ok(pinned)
-    }
-
-    /// Pins a buffer through the transport, if there is one; its address.
-    pub(crate) fn pin_buffer(&self, buf: &mut HostBuf) -> Result<Option<usize>> {
-        let Some(transport) = self.shared.transport() else { return Ok(None) };
-        let ptr = buf.as_mut_ptr();
-        transport.pin(ptr, buf.bytes())?;
-        Ok(Some(ptr as usize))
-    }
-
-    pub(crate) fn unpin_all(&self, pins: impl Iterator<Item = usize>) {
-        if let Some(transport) = self.shared.transport() {
-            for p in pins {
-                transport.unpin(p as *mut u8);
-            }
+        let sgs: Vec<Arc<SubGroup>> =
+            self.unprovisioned.iter().map(|&id| self.track(id).expect("registered").sg.clone()).collect();
+        let provided = provision::provide(shared, self.host_bytes, &sgs)?;
+        for (sg, (bytes, pins)) in sgs.iter().zip(provided) {
+            let track = self.subgroups[sg.id as usize].as_mut().expect("registered");
+            track.host_bytes += bytes;
+            track.pinned.extend(pins);
+            self.host_bytes += bytes;
         }
-    }
-
-    /// Pins a buffer the session allocates on the fly (late gradients).
-    pub(crate) fn pinned(&self, mut buf: HostBuf) -> Result<HostBuf> {
-        if let Some(transport) = self.shared.transport() {
-            transport.pin(buf.as_mut_ptr(), buf.bytes())?;
-        }
-        Ok(buf)
-    }
-
-    /// Accounts `bytes` more host memory, within the limit.
-    pub(crate) fn take_memory(&self, t: &mut super::Tracking, bytes: usize) -> Result<()> {
-        t.reg.check_memory(self.options.host_memory_limit, bytes)?;
-        t.reg.host_bytes += bytes;
+        self.unprovisioned.clear();
         Ok(())
     }
 
-    /// The slice id of a name.
-    pub fn slice_id(&self, name: &str) -> Result<u32> {
-        self.lock()
-            .reg
-            .names
-            .get(name)
-            .copied()
-            .ok_or_else(|| Error::new(Status::NotFound, format!("no slice is named {name:?}")))
-    }
-
-    /// Host bytes the session allocated (moments, gradient buffers, copies, late gradients).
-    pub fn host_bytes(&self) -> usize {
-        self.lock().reg.host_bytes
-    }
-
-    /// Device bytes the transport allocated (0 in host mode).
-    pub fn device_bytes(&self) -> usize {
-        self.shared.transport().map_or(0, |t| t.device_bytes())
-    }
-
-    /// The ticket that completes when the sub-group's latest step is final (0 before its
-    /// first `step()`).
-    pub fn final_ticket(&self, sg: u32) -> Result<Ticket> {
-        Ok(self.lock().reg.track(sg)?.final_ticket)
-    }
-
-    /// The sub-group whose latest final ticket `ticket` is, if any: a wait for it needs that
-    /// sub-group's publication alone.
-    pub fn final_ticket_of(&self, ticket: Ticket) -> Option<u32> {
-        let t = self.lock();
-        t.reg.live().find(|tr| tr.final_ticket == ticket).map(|tr| tr.sg.id)
-    }
-
-    /// Steps the sub-group has taken (skipped steps do not count). Read it after the
-    /// sub-group's final ticket for the count after a step.
-    pub fn step_count(&self, sg: u32) -> Result<u64> {
-        let t = self.lock();
-        Ok(t.reg.track(sg)?.sg.data.lock().unwrap().work.step_count)
-    }
-
-    /// Sets a sub-group's step count (between steps), e.g. after writing its state from a
-    /// torch-style optimizer state dict.
-    pub fn set_step_count(&self, sg: u32, count: u64) -> Result<()> {
-        let t = self.lock();
-        if t.phase != Phase::Idle {
-            return Err(state_error("step counts are set between steps"));
+    /// Gives every live sub-group its final ticket of the step, `issue(id)`, in registration
+    /// (forward) order; the sub-groups with their tickets.
+    pub(crate) fn issue_final_tickets(&mut self, mut issue: impl FnMut(u32) -> Ticket) -> Vec<(Arc<SubGroup>, Ticket)> {
+        let mut subgroups = Vec::new();
+        for track in self.subgroups.iter_mut().flatten() {
+            track.final_ticket = issue(track.sg.id);
+            subgroups.push((track.sg.clone(), track.final_ticket));
         }
-        let track = t.reg.track(sg)?;
-        self.shared.tickets.drain();
+        subgroups
+    }
+
+    /// The ticket that completes when the sub-group's latest step is final.
+    pub(crate) fn final_ticket(&self, sg: u32) -> Result<Ticket> {
+        Ok(self.track(sg)?.final_ticket)
+    }
+
+    /// The sub-group whose latest final ticket `ticket` is, if any.
+    pub(crate) fn final_ticket_of(&self, ticket: Ticket) -> Option<u32> {
+        self.live().find(|tr| tr.final_ticket == ticket).map(|tr| tr.sg.id)
+    }
+
+    pub(crate) fn step_count(&self, sg: u32) -> Result<u64> {
+        Ok(self.track(sg)?.sg.data.lock().unwrap().work.step_count)
+    }
+
+    /// Sets a sub-group's step count (the caller checked that no step is in progress), after
+    /// its outstanding work.
+    pub(crate) fn set_step_count(&self, sg: u32, count: u64, shared: &Shared) -> Result<()> {
+        let track = self.track(sg)?;
+        shared.tickets.drain();
         track.sg.data.lock().unwrap().work.step_count = count;
         Ok(())
     }
 
-    /// Copies of a sub-group's moments, as f32 (waits for its outstanding work first).
-    pub fn moments(&self, sg: u32) -> Result<(Vec<f32>, Vec<f32>)> {
-        let t = self.lock();
-        let track = t.reg.track(sg)?;
-        self.shared.tickets.drain();
+    /// Copies of a sub-group's moments, as f32, after its outstanding work.
+    pub(crate) fn moments(&self, sg: u32, shared: &Shared) -> Result<(Vec<f32>, Vec<f32>)> {
+        let track = self.track(sg)?;
+        shared.tickets.drain();
         let mut data = track.sg.data.lock().unwrap();
-        self.sync_device_state(track.sg.id, &mut data)?;
+        data.download_device_state(track.sg.id, shared.transport())?;
         Ok((to_f32(data.exp_avg.floats()), to_f32(data.exp_avg_sq.floats())))
     }
 
-    /// Brings a device-placed sub-group's state into its host buffers.
-    pub(crate) fn sync_device_state(&self, sg: u32, data: &mut SgData) -> Result<()> {
-        match (data.placement, self.shared.transport()) {
-            (Placement::Device, Some(t)) => t.download_state(sg, data.host_state()),
-            _ => Ok(()),
-        }
-    }
-
-    /// A sub-group's state buffers (see [`SubGroupState`]), after its outstanding work.
-    pub fn subgroup_state(&self, sg: u32) -> Result<SubGroupState> {
-        let t = self.lock();
-        let track = t.reg.track(sg)?;
-        self.shared.tickets.drain();
+    /// A sub-group's state buffers, after its outstanding work.
+    pub(crate) fn subgroup_state(&self, sg: u32, shared: &Shared) -> Result<SubGroupState> {
+        let track = self.track(sg)?;
+        shared.tickets.drain();
         let mut data = track.sg.data.lock().unwrap();
-        self.sync_device_state(track.sg.id, &mut data)?;
+        data.download_device_state(track.sg.id, shared.transport())?;
         Ok(SubGroupState {
             placement: data.placement,
             numel: track.sg.numel,
@@ -467,26 +433,19 @@ impl Session {
         })
     }
 
-    /// Moves a sub-group's master weights and moments to `placement` (between steps), bit
-    /// for bit; its host buffers hold the state whenever it is on the host.
-    pub fn set_placement(&self, sg: u32, placement: Placement) -> Result<()> {
-        let t = self.lock();
-        if t.phase != Phase::Idle {
-            return Err(state_error("placement changes between steps"));
-        }
-        self.place(&t, sg, placement)
-    }
-
-    pub(crate) fn place(&self, t: &super::Tracking, sg: u32, placement: Placement) -> Result<()> {
-        let track = t.reg.track(sg)?;
-        let Some(transport) = self.shared.transport() else {
+    /// Moves a sub-group's master weights and moments to `placement` (the caller checked that
+    /// no step is in progress), bit for bit; its host buffers hold the state whenever it is on
+    /// the host.
+    pub(crate) fn place(&self, sg: u32, placement: Placement, shared: &Shared) -> Result<()> {
+        let track = self.track(sg)?;
+        let Some(transport) = shared.transport() else {
             return if placement == Placement::Host {
                 Ok(())
             } else {
                 Err(Error::unsupported("device placement needs a CUDA session"))
             };
         };
-        self.shared.tickets.drain();
+        shared.tickets.drain();
         let mut data = track.sg.data.lock().unwrap();
         if data.placement == placement {
             return Ok(());
@@ -499,20 +458,48 @@ impl Session {
         if placement == Placement::Host {
             // The host master is current again: stage and publish it as the model's weights
             // are (the device kernel published the same values already).
-            data.copy_from_master(&self.shared.pool)?;
+            data.copy_from_master(&shared.pool)?;
         }
         data.placement = placement;
         Ok(())
     }
 
     /// Sub-groups placed on the device.
-    pub fn device_subgroups(&self) -> u32 {
-        let t = self.lock();
-        t.reg.live().filter(|tr| tr.sg.data.lock().unwrap().placement == Placement::Device).count() as u32
+    pub(crate) fn device_subgroups(&self) -> u32 {
+        self.live().filter(|tr| tr.sg.data.lock().unwrap().placement == Placement::Device).count() as u32
     }
 }
 
-/// Where a sub-group's state lives (from [`Session::subgroup_state`]). The pointers are the
+fn unknown(what: &str, id: u32) -> Error {
+    Error::new(Status::NotFound, format!("no {what} has id {id}"))
+}
+
+fn to_f32(values: Floats<'_>) -> Vec<f32> {
+    match values {
+        Floats::F32(v) => v.to_vec(),
+        Floats::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        Floats::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+    }
+}
+
+/// Pins, through the transport, the buffers of a new sub-group that cross to the device:
+/// the master weights and a lent gradient buffer. Undone on failure.
+fn pin_all(shared: &Shared, data: &mut SgData) -> Result<Vec<usize>> {
+    let mut pinned = Vec::new();
+    for buf in std::iter::once(&mut data.master).chain(data.grad.as_mut()) {
+        match shared.pin(buf) {
+            Ok(p) => pinned.extend(p),
+            Err(e) => {
+                shared.unpin_all(pinned.into_iter());
+                return Err(e);
+            }
+        }
+    }
+    Ok(pinned)
+}
+
+/// Where a sub-group's state lives (from
+/// [`Session::subgroup_state`](super::Session::subgroup_state)). The pointers are the
 /// session's (or the caller's borrowed) buffers: host memory, or device addresses when
 /// `placement` is [`Placement::Device`] for the host copies, which are brought up to date
 /// by the call. They stay valid until the sub-group is removed or the session destroyed.
@@ -561,7 +548,7 @@ fn check_slices(slices: &[SliceDesc], numel: usize, names: &HashMap<String, u32>
 /// A device-placed sub-group's gradient buffer is not initialised: its padding is zeroed
 /// there too (hand-offs write the slices only).
 fn zero_device_padding(
-    transport: &dyn super::Transport,
+    transport: &dyn Transport,
     sg: u32,
     placement: Placement,
     padding: &[Range<usize>],

@@ -1,6 +1,7 @@
 //! Dynamic loss scaling for fp16 (torch `GradScaler` semantics, plus DeepSpeed's
 //! hysteresis): back off on an overflow, grow after `growth_interval` clean steps.
 
+use super::factors::check_loss_scale;
 use crate::error::{Error, Result};
 
 /// Settings of the built-in loss scaler.
@@ -35,8 +36,8 @@ impl Default for LossScalerOptions {
 impl LossScalerOptions {
     pub fn validate(&self) -> Result<()> {
         // The scale stays within [min_scale, f32::MAX]: both ends must be usable loss scales.
-        super::check_loss_scale("loss scaler init_scale", self.init_scale)?;
-        super::check_loss_scale("loss scaler min_scale", self.min_scale)?;
+        check_loss_scale("loss scaler init_scale", self.init_scale)?;
+        check_loss_scale("loss scaler min_scale", self.min_scale)?;
         if !(self.growth_factor.is_finite() && self.growth_factor > 1.0) {
             return Err(Error::invalid(format!("loss scaler growth_factor = {} must be > 1", self.growth_factor)));
         }

@@ -21,7 +21,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use super::plans::{PreparePlan, StepPlan};
-use super::{SubGroup, Ticket};
+use super::subgroup::SubGroup;
+use super::tickets::Ticket;
 use crate::kernels::AdamHyper;
 
 /// How often the CPU-Adam thread looks again while every queued job waits on the device.

@@ -5,13 +5,16 @@
 use std::ops::Range;
 
 use super::plans::PreparePlan;
-use super::publish::CopyTo;
+use super::publish::{CopyTo, each_piece};
 use super::scheduler::Lifecycle;
+use super::shared::Shared;
+use super::subgroup::{Applied, SpecKind, SubGroup, speculation_stands};
 use super::subgroup_ops::{
     gradient_ready, master_write, restore_copy, slice_sumsq, speculative_verdict, subgroup_sumsq,
     unrun_speculation_outcome,
 };
-use super::{Applied, DevicePass, HandedSumsq, Placement, Shared, SpecKind, SubGroup, speculation_stands};
+use super::transport::{DevicePass, HandedSumsq};
+use super::types::Placement;
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, AdamBuffers, Resolution, UpdateOptions};
 
@@ -59,7 +62,7 @@ pub(crate) fn speculate(shared: &Shared, sg: &SubGroup) -> Result<Option<(usize,
             break;
         }
         let end = (spec.done + SPECULATION_CHUNK).min(sg.numel);
-        shared.each_piece(sg, &mut data, spec.done..end, CopyTo::Session, &mut step)?;
+        each_piece(shared, sg, &mut data, spec.done..end, CopyTo::Session, &mut step)?;
         spec.done = end;
         data.work.applied = Applied::Speculative(spec);
     }
@@ -114,7 +117,7 @@ pub(crate) fn prepare(shared: &Shared, plan: &PreparePlan, elements: &mut u64) -
                     master_write(shared, sg)?;
                     let (n, done) = (sg.numel, spec.done);
                     for (range, applied) in [(0..done, true), (done..n, false)] {
-                        shared.each_piece(sg, &mut data, range, CopyTo::Session, &mut |_, b: AdamBuffers<'_>| {
+                        each_piece(shared, sg, &mut data, range, CopyTo::Session, &mut |_, b: AdamBuffers<'_>| {
                             kernels::resolve(pool, &spec.hp, spec.scale, Resolution::Rollback, applied, b)
                         })?;
                     }

@@ -4,7 +4,8 @@ use std::ops::Range;
 use std::sync::Mutex;
 
 use super::buffers::HostBuf;
-use super::{GroupHparams, HandedSumsq, HostState, Placement};
+use super::transport::{HandedSumsq, HostState, Transport};
+use super::types::{GroupHparams, Placement};
 use crate::error::Result;
 use crate::kernels::{self, AdamHyper, AdamMode, DType, Pool};
 
@@ -92,6 +93,14 @@ impl SgData {
         match self.copy.as_mut() {
             Some(copy) => kernels::convert(pool, copy.floats_mut(), self.master.floats()),
             None => Ok(()),
+        }
+    }
+
+    /// Brings a device-placed sub-group's state (`sg`'s, on `transport`) into these buffers.
+    pub(crate) fn download_device_state(&mut self, sg: u32, transport: Option<&dyn Transport>) -> Result<()> {
+        match (self.placement, transport) {
+            (Placement::Device, Some(t)) => t.download_state(sg, self.host_state()),
+            _ => Ok(()),
         }
     }
 

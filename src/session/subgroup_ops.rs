@@ -4,8 +4,10 @@
 
 use std::sync::Arc;
 
+use super::shared::Shared;
+use super::subgroup::{Applied, SgData, SubGroup};
 use super::trace::Lane;
-use super::{Applied, HandedSumsq, SgData, Shared, SubGroup};
+use super::transport::HandedSumsq;
 use crate::error::{Error, Result, Status};
 use crate::kernels;
 
@@ -23,8 +25,9 @@ pub(crate) fn master_write(shared: &Shared, sg: &SubGroup) -> Result<()> {
 }
 
 /// Writes the weights' copy of elements `[0, done)` from the master weights again, as
-/// registration wrote it: what a copy that stepped ahead ([`SpecKind::CopyAhead`](super::SpecKind::CopyAhead)) holds
-/// when its step is not taken.
+/// registration wrote it: what a copy that stepped ahead
+/// ([`SpecKind::CopyAhead`](super::subgroup::SpecKind::CopyAhead)) holds when its step is not
+/// taken.
 pub(crate) fn restore_copy(shared: &Shared, sg: &SubGroup, data: &mut SgData, done: usize) -> Result<()> {
     let Some(copy) = data.copy.as_mut().filter(|_| done > 0) else { return Ok(()) };
     master_write(shared, sg)?;

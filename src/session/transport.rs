@@ -4,7 +4,8 @@
 use std::any::Any;
 use std::ops::Range;
 
-use super::{DeviceParam, Placement, Ticket};
+use super::tickets::Ticket;
+use super::types::{DeviceParam, Placement};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, AdamHyper, DType, Floats};
 

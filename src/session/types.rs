@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use super::buffers::Borrowed;
 use super::scaler::LossScalerOptions;
+use crate::error::Result;
 use crate::kernels::{AdamHyper, AdamMode, DType, Pool};
 
 /// Hyperparameters of a param group; changeable at any time.
@@ -15,6 +16,21 @@ pub struct GroupHparams {
     pub beta2: f64,
     pub eps: f64,
     pub weight_decay: f64,
+}
+
+impl GroupHparams {
+    /// Checks the hyperparameters as an update would ([`AdamHyper::validate`]).
+    pub(crate) fn validate(&self) -> Result<()> {
+        AdamHyper {
+            lr: self.lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            ..Default::default()
+        }
+        .validate()
+    }
 }
 
 impl Default for GroupHparams {

@@ -8,13 +8,17 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::factors::unscale_factor;
 use super::finalize::{self, FinalPass, Outcome};
 use super::plans::{PreparePlan, StepPlan};
 use super::scheduler::{Job, JobKey, Lifecycle};
+use super::shared::Shared;
 use super::speculation;
+use super::subgroup::{Applied, SubGroup};
 use super::subgroup_ops::{local_sumsq, unrun_speculation_outcome};
+use super::tickets::Ticket;
 use super::trace::Lane;
-use super::{Applied, GroupHparams, Shared, StepResult, SubGroup, Ticket, unscale_factor};
+use super::types::{GroupHparams, StepResult};
 use crate::error::{Error, Result, Status};
 use crate::kernels::AdamHyper;
 

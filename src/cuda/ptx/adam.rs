@@ -2,8 +2,7 @@
 //! rescale of one, each the CPU kernels' operation sequence exactly (bit-identical results).
 
 use super::pieces::{
-    Bf16, GridStride, bf16_from_bits, bf16_quiet_nan, bf16_round_nearest_even, f16_quiet_nan, grid_stride, nan_test,
-    slot_element,
+    Bf16, GridStride, bf16_from_bits, bf16_quiet_nan, bf16_round_nearest_even, f16_quiet_nan, nan_test,
 };
 use super::writer::{Ptx, ptx};
 
@@ -128,23 +127,15 @@ fn batch_loads(out: &mut Ptx) {
          // loads all {SLOTS} before it steps the first: one element's loads per thread left HBM idle
          // while its divisions ran. Each element is stepped alone, in the same sequence as before."
     );
-    let grid = GridStride {
-        special: ["%r5", "%r6", "%r7", "%r8"],
-        thread_wide: "%rd8",
-        first: "%rd7",
-        stride: "%rd9",
-        batch_stride: "%rd30",
-        batch: SLOTS,
-        stride_note: "S",
-    };
-    grid_stride(out, &grid);
+    // The batch's first element in %rd7, S in %rd9, the next batch %rd30 on.
+    let grid = GridStride::start(out, ["%rd7", "%rd9", "%rd30"], ["%r5", "%r6", "%r7", "%r8", "%rd8"], SLOTS, "S");
     out.lines(
         "ad_batch:
          setp.ge.u64 %p8, %rd7, %rd6;
          @%p8 bra ad_done;",
     );
     for slot in 0..SLOTS {
-        let element = slot_element(out, slot, grid.first, "%rd21", grid.stride);
+        let element = grid.element(out, slot, "%rd21");
         // %p18: in range; %p19, %p20: with an f32, a 16-bit gradient; %p21, %p22: with f32,
         // bf16 moments.
         ptx!(
@@ -223,20 +214,15 @@ fn stores(out: &mut Ptx) {
          // moments back
          @%p3 bra ad_s32;",
     );
+    // Per moment: its value, the registers of its bf16 conversion (`Bf16`), its address.
     let moments = [
-        (
-            "%f18",
-            Bf16 { bits: "%r12", lsb: "%r13", rounded: "%r14", abs: "%r15", nan: "%p9", wide: "%r14", half: "%h4" },
-        ),
-        (
-            "%f21",
-            Bf16 { bits: "%r16", lsb: "%r17", rounded: "%r18", abs: "%r19", nan: "%p10", wide: "%r18", half: "%h5" },
-        ),
+        ("%f18", ["%r12", "%r13", "%r14", "%r15", "%p9", "%h4"], "%rd14"),
+        ("%f21", ["%r16", "%r17", "%r18", "%r19", "%p10", "%h5"], "%rd15"),
     ];
-    for ((value, bf16), address) in moments.iter().zip(["%rd14", "%rd15"]) {
-        ptx!(out, "mov.b32 {}, {value};", bf16.bits);
-        bf16_from_bits(out, bf16);
-        ptx!(out, "st.global.u16 [{address}], {};", bf16.half);
+    for (value, [bits, lsb, rounded, abs, nan, half], address) in moments {
+        ptx!(out, "mov.b32 {bits}, {value};");
+        bf16_from_bits(out, &Bf16 { bits, lsb, rounded, abs, nan, wide: rounded, half });
+        ptx!(out, "st.global.u16 [{address}], {half};");
     }
     out.lines(
         "bra.uni ad_sdone;

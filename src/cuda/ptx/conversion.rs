@@ -2,7 +2,7 @@
 //! parameters, `dst[i]` = `src[i]` rounded as `kernels::dtype` rounds on the CPU. One emitter
 //! writes both; they differ only in the conversion.
 
-use super::pieces::{Bf16, GridStride, bf16_from_bits, f16_quiet_nan, grid_stride, nan_test, slot_element};
+use super::pieces::{Bf16, GridStride, bf16_from_bits, f16_quiet_nan, nan_test};
 use super::writer::{Ptx, ptx};
 
 /// Elements a thread loads before it stores the first: the loads in flight per thread.
@@ -51,17 +51,15 @@ fn kernel(out: &mut Ptx, target: Target) {
          cvta.to.global.u64 %rd1, %rd1;
          cvta.to.global.u64 %rd2, %rd2;",
     );
-    let grid = GridStride {
-        special: ["%r1", "%r2", "%r3", "%r4"],
-        thread_wide: "%rd5",
-        first: "%rd4",
-        stride: "%rd6",
-        batch_stride: "%rd11",
-        batch: SLOTS,
-        stride_note: "S: the grid's threads",
-    };
-    grid_stride(out, &grid);
-    let first = grid.first;
+    // The batch's first element in %rd4, S in %rd6, the next batch %rd11 on.
+    let grid = GridStride::start(
+        out,
+        ["%rd4", "%rd6", "%rd11"],
+        ["%r1", "%r2", "%r3", "%r4", "%rd5"],
+        SLOTS,
+        "S: the grid's threads",
+    );
+    let first = grid.first();
     ptx!(
         out,
         "{name}_batch:
@@ -71,7 +69,7 @@ fn kernel(out: &mut Ptx, target: Target) {
     // %p2.. : whether each slot's element is in range (%p1: the batch's first).
     let in_range = |slot: usize| format!("%p{}", slot + 2);
     for slot in 0..SLOTS {
-        let element = slot_element(out, slot, first, "%rd7", grid.stride);
+        let element = grid.element(out, slot, "%rd7");
         let in_range = in_range(slot);
         ptx!(
             out,
@@ -82,7 +80,7 @@ fn kernel(out: &mut Ptx, target: Target) {
         );
     }
     for slot in 0..SLOTS {
-        let element = slot_element(out, slot, first, "%rd7", grid.stride);
+        let element = grid.element(out, slot, "%rd7");
         ptx!(out, "mov.b32 %r5, %x{slot};");
         convert(out, target);
         ptx!(
@@ -93,14 +91,13 @@ fn kernel(out: &mut Ptx, target: Target) {
             in_range(slot)
         );
     }
+    grid.next_batch(out);
     ptx!(
         out,
-        "add.u64 {first}, {first}, {};
-         bra {name}_batch;
+        "bra {name}_batch;
          {name}_done:
          ret;
-         }}",
-        grid.batch_stride
+         }}"
     );
 }
 

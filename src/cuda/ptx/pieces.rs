@@ -4,22 +4,63 @@
 
 use super::writer::{Ptx, ptx};
 
-/// The registers of a grid-stride walk in batches of `batch` elements a thread.
+/// A grid-stride walk in batches: each thread takes its elements a batch at a time, S apart
+/// (S: the grid's threads). The registers that hold the calling thread's place in it.
 pub(super) struct GridStride<'a> {
-    /// Scratch for %ctaid.x, %ntid.x, %tid.x and %nctaid.x (u32).
-    pub(super) special: [&'a str; 4],
-    /// Scratch for %tid.x widened.
-    pub(super) thread_wide: &'a str,
-    /// Out: the batch's first element (the global thread index).
-    pub(super) first: &'a str,
-    /// Out: S, the grid's threads, between a batch's elements.
-    pub(super) stride: &'a str,
-    /// Out: what `first` advances by from one batch to the next.
-    pub(super) batch_stride: &'a str,
-    /// Elements a batch: a power of two.
-    pub(super) batch: usize,
-    /// The comment on `stride`.
-    pub(super) stride_note: &'a str,
+    /// The batch's first element (at the start, the global thread index).
+    first: &'a str,
+    /// S, between a batch's elements.
+    stride: &'a str,
+    /// What `first` advances by from one batch to the next.
+    batch_stride: &'a str,
+}
+
+impl<'a> GridStride<'a> {
+    /// The walk in the registers `[first, stride, batch_stride]` (as the fields), set for the
+    /// calling thread's first batch of `batch` elements (a power of two). `scratch` holds
+    /// %ctaid.x, %ntid.x, %tid.x, %nctaid.x (u32) and %tid.x widened; `stride_note` is the
+    /// comment on `stride`.
+    pub(super) fn start(
+        out: &mut Ptx,
+        [first, stride, batch_stride]: [&'a str; 3],
+        [block, block_threads, thread, blocks, thread_wide]: [&str; 5],
+        batch: usize,
+        stride_note: &str,
+    ) -> GridStride<'a> {
+        global_thread_index(out, [block, block_threads, thread], thread_wide, first, "the batch's first element");
+        assert!(batch.is_power_of_two(), "the batch stride is a shift");
+        let shift = batch.trailing_zeros();
+        ptx!(
+            out,
+            "mov.u32 {blocks}, %nctaid.x;
+             mul.wide.u32 {stride}, {blocks}, {block_threads};  // {stride_note}
+             shl.b64 {batch_stride}, {stride}, {shift};  // {batch} S: the grid's batch"
+        );
+        GridStride { first, stride, batch_stride }
+    }
+
+    /// The register holding the batch's first element.
+    pub(super) fn first(&self) -> &'a str {
+        self.first
+    }
+
+    /// The element of the batch's slot `slot`: `first` for slot 0, else `cursor` set to the
+    /// element S past the slot before's. Returns the register that holds it.
+    pub(super) fn element(&self, out: &mut Ptx, slot: usize, cursor: &'a str) -> &'a str {
+        let (first, stride) = (self.first, self.stride);
+        match slot {
+            0 => return first,
+            1 => ptx!(out, "add.u64 {cursor}, {first}, {stride};"),
+            _ => ptx!(out, "add.u64 {cursor}, {cursor}, {stride};"),
+        }
+        cursor
+    }
+
+    /// Advances `first` to the next batch.
+    pub(super) fn next_batch(&self, out: &mut Ptx) {
+        let (first, batch_stride) = (self.first, self.batch_stride);
+        ptx!(out, "add.u64 {first}, {first}, {batch_stride};");
+    }
 }
 
 /// `index` = ctaid * ntid + tid, the calling thread's index in the grid (`note`: its comment).
@@ -39,35 +80,6 @@ pub(super) fn global_thread_index(
          cvt.u64.u32 {wide}, {thread};
          add.u64 {index}, {index}, {wide};  // {note}"
     );
-}
-
-/// The registers of `grid` set for the calling thread's first batch.
-pub(super) fn grid_stride(out: &mut Ptx, grid: &GridStride) {
-    let GridStride {
-        special: [block, block_threads, thread, blocks], thread_wide, first, stride, batch_stride, ..
-    } = *grid;
-    global_thread_index(out, [block, block_threads, thread], thread_wide, first, "the batch's first element");
-    assert!(grid.batch.is_power_of_two(), "the batch stride is a shift");
-    let shift = grid.batch.trailing_zeros();
-    ptx!(
-        out,
-        "mov.u32 {blocks}, %nctaid.x;
-         mul.wide.u32 {stride}, {blocks}, {block_threads};  // {}
-         shl.b64 {batch_stride}, {stride}, {shift};  // {} S: the grid's batch",
-        grid.stride_note,
-        grid.batch
-    );
-}
-
-/// The element of a batch's slot `slot`: `first` for slot 0, else `cursor` set to the element
-/// `stride` past the slot before's. Returns the register that holds it.
-pub(super) fn slot_element<'a>(out: &mut Ptx, slot: usize, first: &'a str, cursor: &'a str, stride: &str) -> &'a str {
-    match slot {
-        0 => return first,
-        1 => ptx!(out, "add.u64 {cursor}, {first}, {stride};"),
-        _ => ptx!(out, "add.u64 {cursor}, {cursor}, {stride};"),
-    }
-    cursor
 }
 
 /// `nan` = whether the f32 `bits` are a NaN; `abs` keeps them without the sign.

@@ -3,7 +3,7 @@
 
 use std::ffi::c_char;
 
-use super::{session_ref, so_session};
+use super::handle::{session_ref, so_session};
 use crate::error::Status;
 use crate::ffi::args::{non_null, path_arg, write_out};
 use crate::ffi::boundary::ffi_boundary;

@@ -1,6 +1,6 @@
 //! `so_session_*_group`: param groups and their hyperparameters.
 
-use super::{session_ref, so_session};
+use super::handle::{session_ref, so_session};
 use crate::error::Status;
 use crate::ffi::args::{check_out_struct, non_null, read_struct, with_struct_size, write_out};
 use crate::ffi::boundary::ffi_boundary;

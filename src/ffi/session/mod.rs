@@ -1,6 +1,8 @@
-//! `so_session_*`: the offload session. This file holds the handle, its options, creation
-//! and session-wide queries; the submodules hold param groups, sub-groups, the step and
-//! checkpoints. The CUDA exports are in `ffi/cuda.rs`, tickets in `ffi/tickets.rs`.
+//! `so_session_*`: the offload session. This file holds its options, creation and
+//! session-wide queries; the submodules hold the handle, param groups, sub-groups, the step
+//! and checkpoints. The CUDA exports are in `ffi/cuda.rs`, tickets in `ffi/tickets.rs`.
+
+mod handle;
 
 // In the order of the header (cbindgen follows it; rustfmt sorts only within a group).
 mod group;
@@ -15,39 +17,19 @@ use std::ffi::c_char;
 
 pub use checkpoint::*;
 pub use group::*;
+pub(crate) use handle::session_ref;
+pub use handle::so_session;
 pub use step::*;
 pub use subgroup::*;
 
 use super::args::{core_list, non_null, path_arg, read_struct, read_struct_or, with_struct_size, write_out};
 use super::boundary::ffi_boundary;
 use super::convert::{Field, FromC, abi_struct};
-use super::handle::{free_handle, handle, handle_ref, into_handle};
+use super::handle::{free_handle, into_handle};
 use super::pool::{pool_arg, so_pool};
 use crate::error::Error;
 use crate::error::{Result, Status};
 use crate::session::{HostMemory, LossScalerOptions, Session, SessionOptions};
-
-/// An offload session: sub-groups of parameters whose Adam state lives in host memory,
-/// stepped on the session's own CPU-Adam thread.
-///
-/// Thread-safety: a session may be called from several threads at once (calls are
-/// serialised internally); `so_session_destroy` must not race with any other call.
-pub struct so_session {
-    _private: [u8; 0],
-}
-
-handle!(so_session => Box<Session>);
-
-/// The session behind a `session` argument.
-///
-/// # Safety
-/// `session` must be NULL or a live handle (from `so_session_create` or
-/// `so_session_create_cuda`, not yet destroyed); so_session_destroy must not race with the
-/// call using it (the header's contract).
-pub(crate) unsafe fn session_ref<'a>(session: *const so_session) -> Result<&'a Session> {
-    // SAFETY: the caller's contract, passed on.
-    unsafe { handle_ref(session, "session") }
-}
 
 /// Built-in dynamic loss scaler (fp16). Initialise with `so_loss_scaler_options_default()`
 /// (torch GradScaler's defaults).

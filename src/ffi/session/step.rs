@@ -2,7 +2,7 @@
 
 use std::ffi::c_void;
 
-use super::{session_ref, so_session};
+use super::handle::{session_ref, so_session};
 use crate::error::Status;
 use crate::ffi::args::{
     RawBuf, check_out_struct, non_null, read_struct_or, timeout, with_struct_size, write_opt, write_out,

@@ -3,16 +3,15 @@
 
 use std::ffi::{c_char, c_void};
 
-use super::{session_ref, so_session};
+use super::handle::{session_ref, so_session};
 use crate::error::{Error, Result, Status};
 use crate::ffi::args::{
     RawBuf, c_str, check_out_struct, non_null, read_struct, required_array, with_struct_size, write_out,
 };
 use crate::ffi::boundary::ffi_boundary;
 use crate::ffi::convert::{Field, FromC, abi_struct};
-use crate::ffi::cuda::so_device_ptr;
 use crate::ffi::tickets::so_ticket;
-use crate::ffi::types::{so_dtype, so_placement};
+use crate::ffi::types::{so_device_ptr, so_dtype, so_placement};
 use crate::kernels::DType;
 use crate::session::{Borrowed, DeviceParam, Placement, SessionOptions, SliceDesc, SubGroupDesc, SubGroupState};
 
