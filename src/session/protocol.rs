@@ -193,6 +193,11 @@ impl Session {
         self.shared.scaler.lock().unwrap().map_or(1.0, |s| s.scale)
     }
 
+    /// Whether a step has begun and not yet been given to `step()`.
+    pub fn step_in_progress(&self) -> bool {
+        self.lock().phase != Phase::Idle
+    }
+
     pub fn next_micro_step(&self) -> Result<()> {
         let mut t = self.lock();
         let (micro, micro_steps) = backward_phase(&t, "next_micro_step")?;

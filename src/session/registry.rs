@@ -12,7 +12,7 @@ use super::{
     to_f32, unknown, validate_group,
 };
 use crate::error::{Error, Result, Status};
-use crate::kernels::DType;
+use crate::kernels::{self, DType, FloatsMut};
 
 pub(crate) struct SliceInfo {
     /// Empty once its sub-group was removed.
@@ -374,6 +374,29 @@ impl Session {
             .get(name)
             .copied()
             .ok_or_else(|| Error::new(Status::NotFound, format!("no slice is named {name:?}")))
+    }
+
+    /// Copies a slice's master weights into `out` (one element per element of the slice,
+    /// rounded to nearest even where `out` is narrower) once its sub-group's latest step is
+    /// final: waits for that sub-group's final ticket alone, not for the sub-groups after it.
+    /// The weights a forward reads next, for a caller whose parameters are apart from the
+    /// master weights (the XLA handlers). Host sessions only: a session with a device
+    /// transport publishes to the device.
+    pub fn read_slice_weights(&self, slice: u32, out: FloatsMut<'_>) -> Result<()> {
+        if self.shared.transport().is_some() {
+            return Err(Error::unsupported(
+                "a session with a device transport publishes its weights to the device: read them there",
+            ));
+        }
+        let (sg, range, final_ticket) = {
+            let t = self.lock();
+            let info = t.reg.slice(slice, Some(out.len()))?;
+            let track = t.reg.track(info.sg)?;
+            (Arc::clone(&track.sg), info.range.clone(), track.final_ticket)
+        };
+        self.wait(final_ticket, None)?;
+        let data = sg.data.lock().unwrap();
+        kernels::copy_into(out, data.master.range(range), false, None).map(drop)
     }
 
     /// Host bytes the session allocated (moments, gradient buffers, copies, late gradients).

@@ -11,7 +11,9 @@ mod step;
 
 mod checkpoint;
 
+use std::collections::BTreeSet;
 use std::ffi::c_char;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 pub use checkpoint::*;
 pub use group::*;
@@ -37,6 +39,42 @@ pub struct so_session {
 }
 
 handle!(so_session => Box<Session>);
+
+/// The addresses of the live session handles. A handle that arrives as a number no caller can
+/// vouch for (the XLA handlers' `session` attribute, compiled into a program that may outlive
+/// the session) is looked up here before it is used.
+static LIVE_SESSIONS: Mutex<BTreeSet<usize>> = Mutex::new(BTreeSet::new());
+
+fn live_sessions() -> MutexGuard<'static, BTreeSet<usize>> {
+    LIVE_SESSIONS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A new session handle owning `session`, recorded as live until `so_session_destroy`.
+pub(crate) fn new_session_handle(session: Box<Session>) -> *mut so_session {
+    let handle = into_handle::<so_session>(session);
+    live_sessions().insert(handle as usize);
+    handle
+}
+
+/// The session whose handle has the address `address`, a number the caller cannot vouch for
+/// (`name` says where it came from): `SO_STATUS_NOT_FOUND` unless a live session has that
+/// address.
+///
+/// # Safety
+/// The session must not be destroyed while the reference lives (the header's rule that
+/// `so_session_destroy` does not race with other calls on the session).
+pub(crate) unsafe fn session_at_address<'a>(address: u64, name: &str) -> Result<&'a Session> {
+    let live = usize::try_from(address).ok().filter(|a| live_sessions().contains(a));
+    let Some(address) = live else {
+        return Err(Error::new(
+            Status::NotFound,
+            format!("{name} = {address:#x} is not a live session (it was destroyed, or never created)"),
+        ));
+    };
+    // SAFETY: a live handle (recorded at creation, not yet destroyed), alive while the caller
+    // says.
+    unsafe { session_ref(address as *const so_session) }
+}
 
 /// The session behind a `session` argument.
 ///
@@ -262,7 +300,7 @@ pub unsafe extern "C" fn so_session_create(
         let options = unsafe { session_options(options)? };
         let session = Box::new(Session::new(options)?);
         // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { write_out(out_session, "out_session", into_handle(session)) }
+        unsafe { write_out(out_session, "out_session", new_session_handle(session)) }
     })
 }
 
@@ -281,6 +319,7 @@ pub unsafe extern "C" fn so_session_create(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn so_session_destroy(session: *mut so_session) {
     ffi_boundary!({
+        live_sessions().remove(&(session as usize));
         // SAFETY: `session` is NULL or a live handle that the caller gives up here, with no
         // other call on it running (this function's contract).
         unsafe { free_handle(session) };
