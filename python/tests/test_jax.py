@@ -86,9 +86,18 @@ def optax_trainer(tx, f64_bias_correction=False):
         return train_step
 
     def x64_train_step(params, state, x, y):
-        with jax.enable_x64(True):
+        with x64():
             return train_step(params, state, x, y)
     return x64_train_step
+
+
+def x64():
+    """jax_enable_x64 for a block: jax.enable_x64(True) in newer jax, jax.experimental.enable_x64()
+    in older."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64
+    return enable_x64()
 
 
 def optax_from(tx, sd):
@@ -163,6 +172,35 @@ def test_parity_with_optax_per_step(max_grad_norm, speculation):
     if speculation == "off":
         assert speculative == 0
     assert float(loss) < 0.8 * float(loss_fn(params, *batch(0))), "the loss should fall"
+    opt.close()
+
+
+def test_gradients_are_handed_over_inside_the_backward():
+    """In the compiled step's schedule the hand-overs are interleaved with the backward: a layer's
+    gradient goes to the session (and its complete sub-group may be stepped speculatively) before
+    the gradients of the layers before it are computed. The session then counts one speculative step
+    per sub-group."""
+    rng = np.random.default_rng(7)
+    params = [{"w": jnp.asarray(rng.standard_normal((256, 256)) / 16, jnp.float32), "b": jnp.zeros(256)}
+              for _ in range(4)]
+
+    def deep_loss(p, x):
+        for layer in p:
+            x = jnp.tanh(x @ layer["w"] + layer["b"])
+        return jnp.mean(x ** 2)
+
+    opt = sojax.adamw(1e-3, speculation="on", sub_group_numel=256 * 257)
+    state = opt.init(params)
+    train = jax.jit(lambda p, s, x: opt.step(deep_loss, p, s, x))
+    x = jnp.asarray(rng.standard_normal((256, 256)), jnp.float32)
+    hlo = train.lower(params, state, x).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):].splitlines()
+    calls = [i for i, line in enumerate(entry) if "superoffload_hand_over" in line]
+    assert len(calls) == 8
+    between = [line for line in entry[calls[0]:calls[-1]] if "superoffload_hand_over" not in line and "=" in line]
+    assert between, "the hand-overs are scheduled together after the backward, not inside it"
+    _, params, state = train(params, state, x)
+    assert opt.metrics(state)["speculative"] == 4
     opt.close()
 
 

@@ -13,6 +13,12 @@ libsuperoffload's CPU-Adam thread while backward runs, from inside a jitted trai
 The library's XLA FFI handlers (exported by libsuperoffload itself) are registered with JAX for the
 CPU platform when this module is imported: nothing is compiled on the user's machine.
 """
+try:
+    import jax as _jax  # noqa: F401
+except ImportError as _e:
+    raise ImportError("superoffload.jax needs jax (the CPU build from the package index is enough): "
+                      "pip install 'superoffload[jax]'") from _e
+
 from .._core import SuperOffloadError
 from ._optimizer import SuperOffloadAdamW, SuperOffloadState
 from ._ffi import register as _register

@@ -73,6 +73,8 @@ def describe(params):
                             "parameters (with float32 master weights)")
         shape = tuple(int(d) for d in np.shape(x))
         leaves.append(Leaf(name=name, shape=shape, dtype=dtype, numel=int(np.prod(shape, dtype=np.int64))))
+    if not any(leaf.numel for leaf in leaves):
+        raise ValueError("the parameters have no elements")
     dtypes = {leaf.dtype for leaf in leaves}
     if len(dtypes) > 1:
         raise TypeError(f"the parameters mix dtypes {sorted(str(d) for d in dtypes)}: the session takes gradients "
