@@ -1395,6 +1395,18 @@ void so_session_destroy(struct so_session *session);
 SO_NODISCARD so_status so_host_memory(size_t *out_available, size_t *out_total);
 
 /**
+ * @brief A number that names the session for the rest of the process: never 0, and never
+ * reused by another session (unlike the handle's address, which a later session may get).
+ * The `so_xla_*` handlers take it as their `session` attribute, so that a compiled program
+ * that outlives the session is refused instead of reaching another one.
+ * @note Thread-safety: safe to call from any thread.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_id` is NULL or writable.
+ */
+SO_NODISCARD so_status so_session_id(const struct so_session *session, uint64_t *out_id);
+
+/**
  * @brief Host bytes the session allocated (moments, gradient buffers, late gradients).
  * @note Thread-safety: see `so_session`.
  *
@@ -2107,7 +2119,7 @@ SO_NODISCARD so_status so_session_pinned_bytes(const struct so_session *session,
  * a param group (`so_session_set_group`, its other hyperparameters unchanged), then
  * `so_session_begin_step` with one micro-step.
  *
- * Attributes: `session` (the session handle's address, unsigned 64-bit), `group`.
+ * Attributes: `session` (the session's `so_session_id`, unsigned 64-bit), `group`.
  * Operands: the learning rate (a float32 or float64 scalar), the loss scale (a float32 or
  * float64 scalar; 0 for the built-in scaler's current scale) and one buffer that orders
  * the call after the previous step (its `so_xla_step` result). Result: a float32 scalar,

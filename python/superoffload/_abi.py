@@ -273,6 +273,7 @@ FUNCTIONS = {
     "so_session_loss_scale": (so_status, [_session, P(c_f32)]),
     "so_host_memory": (so_status, [P(c_size_t), P(c_size_t)]),
     "so_session_host_bytes": (so_status, [_session, P(c_size_t)]),
+    "so_session_id": (so_status, [_session, P(c_u64)]),
     "so_ticket_query": (so_status, [_session, so_ticket]),
     "so_ticket_wait": (so_status, [_session, so_ticket, c_i64]),
     "so_ticket_wait_all": (so_status, [_session, so_ticket, c_i64]),

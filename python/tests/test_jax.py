@@ -300,7 +300,7 @@ def test_a_step_left_unfinished_by_a_failed_execution_is_skipped():
         train = session_trainer(opt)
         for step in range(6):
             if interrupted and step == 3:  # a step begun and never ended
-                begin = jax.jit(lambda t: _ffi.begin_step(opt.session.handle, 0, jnp.float32(1e-3),
+                begin = jax.jit(lambda t: _ffi.begin_step(opt.session.id(), 0, jnp.float32(1e-3),
                                                           jnp.float32(1.0), t))
                 jax.block_until_ready(begin(state.ticket))
             _, params, state = train(params, state, *batch(step))
@@ -369,13 +369,16 @@ def test_bad_input_is_refused_and_changes_nothing():
     with pytest.raises(ValueError, match="initialised with"):
         train(init_params(5, jnp.bfloat16), state, *batch(1))
     opt.close()
-    # A compiled step that outlives its optimizer's session fails cleanly...
-    with pytest.raises(Exception, match="not a live session"):
-        jax.block_until_ready(train(params, state, *batch(1)))
-    # ... and another optimizer trains on (its step replaces the failed one as JAX's latest
-    # computation with effects, which JAX waits for at exit).
+    # A compiled step that outlives its optimizer's session fails cleanly, even where a new
+    # session took the old one's place in memory...
     other = sojax.adamw(1e-3)
     other_state = other.init(params)
+    other_sd = other.state_dict(other_state)
+    with pytest.raises(Exception, match="not the id of a live session"):
+        jax.block_until_ready(train(params, state, *batch(1)))
+    assert same_bits(other.state_dict(other_state)["master"], other_sd["master"])
+    # ... and the other optimizer trains on (its step replaces the failed one as JAX's latest
+    # computation with effects, which JAX waits for at exit).
     jax.block_until_ready(session_trainer(other)(params, other_state, *batch(1)))
     jax.effects_barrier()
     other.close()

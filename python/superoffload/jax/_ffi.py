@@ -3,9 +3,9 @@ JAX for the CPU platform at import, and the `jax.ffi.ffi_call`s a jitted step ma
 
 Nothing is compiled: the handlers' addresses come from the loaded library through ctypes and are
 handed to XLA as PyCapsules (`jax.ffi.register_ffi_target`). Each call names the session by its
-handle's address (an unsigned 64-bit attribute), which the library checks against its live
-sessions, so a compiled step that outlives its optimizer fails with an error instead of touching
-freed memory.
+id (`so_session_id`, an unsigned 64-bit attribute), which no other session ever gets, so a
+compiled step that outlives its optimizer fails with an error instead of reaching freed memory
+or another session.
 """
 import numpy as np
 

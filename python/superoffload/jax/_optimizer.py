@@ -136,7 +136,7 @@ class SuperOffloadAdamW:
             except BaseException:
                 session.close()
                 raise
-            self._session, self._group = session, group
+            self._session, self._session_id, self._group = session, session.id(), group
             self._leaves, self._treedef, self._subgroups = leaves, treedef, subgroups
         return self._initial_state(0)
 
@@ -183,7 +183,8 @@ class SuperOffloadAdamW:
         the backward hands each leaf's gradient to the session as it is produced; the session then
         decides the step (clipping, skipping) and each new parameter is read back once its own
         sub-group is final."""
-        session = self._live_session().handle
+        self._live_session()
+        session = self._session_id
         leaves = self._treedef.flatten_up_to(params)
         for leaf, x in zip(self._leaves, leaves):
             if tuple(np.shape(x)) != leaf.shape or np.dtype(x.dtype) != leaf.dtype:

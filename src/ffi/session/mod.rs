@@ -11,8 +11,9 @@ mod step;
 
 mod checkpoint;
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::ffi::c_char;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 pub use checkpoint::*;
@@ -40,35 +41,38 @@ pub struct so_session {
 
 handle!(so_session => Box<Session>);
 
-/// The addresses of the live session handles. A handle that arrives as a number no caller can
-/// vouch for (the XLA handlers' `session` attribute, compiled into a program that may outlive
-/// the session) is looked up here before it is used.
-static LIVE_SESSIONS: Mutex<BTreeSet<usize>> = Mutex::new(BTreeSet::new());
+/// The live session handles: each one's address and id (`so_session_id`). A session named by
+/// a number no caller can vouch for (the XLA handlers' `session` attribute, compiled into a
+/// program that may outlive the session) is looked up here by its id, which, unlike its
+/// address, no later session reuses.
+static LIVE_SESSIONS: Mutex<BTreeMap<usize, u64>> = Mutex::new(BTreeMap::new());
 
-fn live_sessions() -> MutexGuard<'static, BTreeSet<usize>> {
+/// The next session's id (ids start at 1).
+static NEXT_SESSION_ID: AtomicU64 = AtomicU64::new(1);
+
+fn live_sessions() -> MutexGuard<'static, BTreeMap<usize, u64>> {
     LIVE_SESSIONS.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A new session handle owning `session`, recorded as live until `so_session_destroy`.
 pub(crate) fn new_session_handle(session: Box<Session>) -> *mut so_session {
     let handle = into_handle::<so_session>(session);
-    live_sessions().insert(handle as usize);
+    live_sessions().insert(handle as usize, NEXT_SESSION_ID.fetch_add(1, Ordering::Relaxed));
     handle
 }
 
-/// The session whose handle has the address `address`, a number the caller cannot vouch for
-/// (`name` says where it came from): `SO_STATUS_NOT_FOUND` unless a live session has that
-/// address.
+/// The live session whose id (`so_session_id`) is `id`, a number the caller cannot vouch for
+/// (`name` says where it came from): `SO_STATUS_NOT_FOUND` unless a live session has it.
 ///
 /// # Safety
 /// The session must not be destroyed while the reference lives (the header's rule that
 /// `so_session_destroy` does not race with other calls on the session).
-pub(crate) unsafe fn session_at_address<'a>(address: u64, name: &str) -> Result<&'a Session> {
-    let live = usize::try_from(address).ok().filter(|a| live_sessions().contains(a));
-    let Some(address) = live else {
+pub(crate) unsafe fn session_by_id<'a>(id: u64, name: &str) -> Result<&'a Session> {
+    let address = live_sessions().iter().find(|&(_, &live)| live == id).map(|(&address, _)| address);
+    let Some(address) = address else {
         return Err(Error::new(
             Status::NotFound,
-            format!("{name} = {address:#x} is not a live session (it was destroyed, or never created)"),
+            format!("{name} = {id} is not the id of a live session (it was destroyed, or never created)"),
         ));
     };
     // SAFETY: a live handle (recorded at creation, not yet destroyed), alive while the caller
@@ -351,6 +355,27 @@ pub unsafe extern "C" fn so_host_memory(out_available: *mut usize, out_total: *m
             write_out(out_available, "out_available", m.available)?;
             write_out(out_total, "out_total", m.total)
         }
+    })
+}
+
+/// @brief A number that names the session for the rest of the process: never 0, and never
+/// reused by another session (unlike the handle's address, which a later session may get).
+/// The `so_xla_*` handlers take it as their `session` attribute, so that a compiled program
+/// that outlives the session is refused instead of reaching another one.
+/// @note Thread-safety: safe to call from any thread.
+///
+/// # Safety
+/// `session` is NULL or a live session handle; `out_id` is NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_id(session: *const so_session, out_id: *mut u64) -> Status {
+    ffi_boundary!({
+        // SAFETY: `session` is NULL or a live session (this function's contract).
+        unsafe { session_ref(session)? };
+        let id = live_sessions().get(&(session as usize)).copied();
+        let id = id.ok_or_else(|| Error::new(Status::NotFound, "the session is not live"))?;
+        // SAFETY: `out_id` is NULL or writable (this function's contract).
+        unsafe { write_out(out_id, "out_id", id) }
     })
 }
 

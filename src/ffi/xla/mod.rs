@@ -16,8 +16,8 @@
 //! so_xla_read_weights(ticket)                                  -> slice k's weights (each k)
 //! ```
 //!
-//! Attributes are scalars: `session` (the handle's address as an unsigned 64-bit integer,
-//! checked against the live sessions, so a program that outlives its session fails cleanly),
+//! Attributes are scalars: `session` (the session's `so_session_id`, unsigned 64-bit: never
+//! reused, so a program that outlives its session is refused instead of reaching another),
 //! `group`, `slice` (unsigned 32-bit), `max_norm` (a float). A handler that fails returns an
 //! XLA error with the library's message (also the thread's last error) and changes nothing
 //! beyond what its session call would have on failure.
@@ -29,7 +29,7 @@ mod tests;
 pub use call_frame::{XLA_FFI_CallFrame, XLA_FFI_Error};
 
 use super::boundary::{LAST_ERROR, ffi_boundary};
-use super::session::session_at_address;
+use super::session::session_by_id;
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, FloatsMut};
 use crate::session::{NormSource, Session, StepArgs};
@@ -42,12 +42,12 @@ pub type so_xla_call_frame_t = *mut XLA_FFI_CallFrame;
 /// XLA's error (`XLA_FFI_Error*`); NULL is success.
 pub type so_xla_error_t = *mut XLA_FFI_Error;
 
-/// The session named by the call's `session` attribute.
+/// The session named by the call's `session` attribute (its `so_session_id`).
 fn session<'a>(frame: &Frame<'_>) -> Result<&'a Session> {
-    let address = frame.attr_u64("session")?;
-    // SAFETY: the address is checked against the live sessions; a session is not destroyed
-    // while a program that uses it runs (the handlers' contract, as every call's).
-    unsafe { session_at_address(address, "attribute session") }
+    let id = frame.attr_u64("session")?;
+    // SAFETY: a live session's id; a session is not destroyed while a program that uses it
+    // runs (the handlers' contract, as every call's).
+    unsafe { session_by_id(id, "attribute session") }
 }
 
 /// Runs a handler: answers XLA's metadata request, or executes `body` on the checked frame.
@@ -148,7 +148,7 @@ fn read_weights(frame: &Frame<'_>) -> Result<()> {
 /// a param group (`so_session_set_group`, its other hyperparameters unchanged), then
 /// `so_session_begin_step` with one micro-step.
 ///
-/// Attributes: `session` (the session handle's address, unsigned 64-bit), `group`.
+/// Attributes: `session` (the session's `so_session_id`, unsigned 64-bit), `group`.
 /// Operands: the learning rate (a float32 or float64 scalar), the loss scale (a float32 or
 /// float64 scalar; 0 for the built-in scaler's current scale) and one buffer that orders
 /// the call after the previous step (its `so_xla_step` result). Result: a float32 scalar,

@@ -10,7 +10,7 @@ use super::call_frame::{
     ExtensionBase, Metadata, MetadataExtension, Operands, STAGE_EXECUTE, Scalar, XlaType,
 };
 use super::*;
-use crate::ffi::session::{so_session, so_session_create, so_session_destroy};
+use crate::ffi::session::{so_session, so_session_create, so_session_destroy, so_session_id};
 use crate::session::{Borrowed, GroupHparams, SliceDesc, SubGroupDesc};
 
 type Handler = unsafe extern "C" fn(so_xla_call_frame_t) -> so_xla_error_t;
@@ -206,6 +206,15 @@ fn every_handler_answers_the_metadata_request() {
     }
 }
 
+/// The `session` attribute of a session: its id.
+fn id_of(handle: *mut so_session) -> u64 {
+    let mut id = 0;
+    // SAFETY: a live session; `id` is writable.
+    assert_eq!(unsafe { so_session_id(handle, &mut id) }, Status::Ok);
+    assert_ne!(id, 0);
+    id
+}
+
 /// A host session with one group and one sub-group of two slices ("w": 6 elements, "b": 2),
 /// its master weights `master` (borrowed).
 fn session_with_two_slices(master: &mut [f32; 8]) -> *mut so_session {
@@ -241,7 +250,7 @@ fn begin(session: u64, lr: f32, scale: &mut f32, previous: &mut [u32; 2]) -> std
 fn a_step_through_the_handlers_matches_the_session_api() {
     let mut master = [0.5f32, -1.0, 2.0, 0.25, -0.75, 1.5, 0.0, 0.0];
     let handle = session_with_two_slices(&mut master);
-    let session = handle as u64;
+    let session = id_of(handle);
     let mut ticket = [0u32; 2];
     let mut scale = 0.0f32;
     begin(session, 1e-2, &mut scale, &mut ticket).unwrap();
@@ -292,9 +301,9 @@ fn a_step_left_unfinished_is_skipped_at_the_next_begin() {
     let mut master = [1.0f32; 8];
     let handle = session_with_two_slices(&mut master);
     let (mut ticket, mut scale) = ([0u32; 2], 0.0f32);
-    begin(handle as u64, 1e-2, &mut scale, &mut ticket).unwrap();
+    begin(id_of(handle), 1e-2, &mut scale, &mut ticket).unwrap();
     // The execution failed before its step: the next one begins anyway.
-    begin(handle as u64, 1e-2, &mut scale, &mut ticket).unwrap();
+    begin(id_of(handle), 1e-2, &mut scale, &mut ticket).unwrap();
     // SAFETY: live until destroyed below.
     let s = unsafe { crate::ffi::session::session_ref(handle) }.unwrap();
     assert!(s.step_in_progress());
@@ -307,15 +316,13 @@ fn a_step_left_unfinished_is_skipped_at_the_next_begin() {
 fn refusals_are_xla_errors_with_the_library_message() {
     let mut master = [0.0f32; 8];
     let handle = session_with_two_slices(&mut master);
-    let session = handle as u64;
+    let session = id_of(handle);
     let (mut ticket, mut scale) = ([0u32; 2], 0.0f32);
 
-    let (code, message) = begin(0xdead_0000, 1e-2, &mut scale, &mut ticket).unwrap_err();
-    assert_eq!(code, NOT_FOUND);
-    assert!(
-        message.starts_with("so_xla_begin_step: attribute session = 0xdead0000 is not a live session"),
-        "{message}"
-    );
+    let (code, message) = begin(handle as u64, 1e-2, &mut scale, &mut ticket).unwrap_err();
+    assert_eq!(code, NOT_FOUND, "an address is not an id");
+    let expected = format!("so_xla_begin_step: attribute session = {} is not the id of a live session", handle as u64);
+    assert!(message.starts_with(&expected), "{message}");
 
     let (code, message) = begin(session, -1.0, &mut scale, &mut ticket).unwrap_err();
     assert_eq!(code, INVALID_ARGUMENT, "{message}");
@@ -346,4 +353,11 @@ fn refusals_are_xla_errors_with_the_library_message() {
     unsafe { so_session_destroy(handle) };
     let (code, _) = begin(session, 1e-2, &mut scale, &mut ticket).unwrap_err();
     assert_eq!(code, NOT_FOUND, "a destroyed session is refused");
+    // A later session, wherever it lives, has another id.
+    let mut other_master = [0.0f32; 8];
+    let other = session_with_two_slices(&mut other_master);
+    assert_ne!(id_of(other), session);
+    assert_eq!(begin(session, 1e-2, &mut scale, &mut ticket).unwrap_err().0, NOT_FOUND);
+    // SAFETY: no call on it is running.
+    unsafe { so_session_destroy(other) };
 }
