@@ -7,7 +7,8 @@
 #      PATH (no Rust, no compiler), runs the torch-free layer tests (header mirrors, ctypes
 #      session, errors, checkpoints, core shares);
 #   3. unless SO_PY_JAX=0: installs the [jax] extra (jax's CPU build, optax) into that environment
-#      and runs the JAX tests (parity with optax per step, skipped steps, loss scaling, resume);
+#      with the README's command and runs the JAX tests (parity with optax per step, skipped
+#      steps, loss scaling, resume) and the README's JAX quick start;
 #   4. unless SO_PY_TORCH=0: installs torch (CPU use of PyPI's wheel) into that environment, then
 #      the package's [hf] extra with the README's command (transformers, accelerate), runs every
 #      Python snippet of README.md and python/README.md there (scripts/check_snippets.py; those
@@ -66,6 +67,8 @@ if [ "${SO_PY_JAX:-1}" = 1 ]; then
     echo "installed in $(( $(date +%s) - t0 )) s"
     isolated python -c 'import jax, optax, superoffload.jax; print("jax", jax.__version__, "optax", optax.__version__, "on", jax.default_backend())'
     isolated python -m pytest -q -p no:cacheprovider -rA "$root/python/tests/test_jax.py"
+    # The README's JAX quick start in this environment (jax, no torch: the torch blocks are skipped).
+    (cd "$root" && isolated python scripts/check_snippets.py --lang python --work "$work/snippets-jax" README.md)
 fi
 
 if [ "${SO_PY_TORCH:-1}" = 1 ]; then
