@@ -358,7 +358,10 @@ def test_bad_input_is_refused_and_changes_nothing():
     with pytest.raises(RuntimeError, match="already"):
         opt.init(params)
     train = session_trainer(opt)
-    _, params, state = train(params, state, *batch(0))
+    _, params, old_state = train(params, state, *batch(0))
+    _, params, state = train(params, old_state, *batch(1))
+    with pytest.raises(ValueError, match="not from the latest step"):
+        opt.state_dict(old_state)
     sd = opt.state_dict(state)
     bad = dict(sd, exp_avg=jax.tree.map(lambda a: a[..., :1], sd["exp_avg"]))
     with pytest.raises(ValueError, match="exp_avg"):

@@ -49,7 +49,13 @@ def state_dict(opt, state, ticket):
     four are pytrees shaped like the parameters (f32 arrays, and int step counts)."""
     session = opt._live_session()
     if ticket:
-        session.step_result(ticket)  # the step of `state` is final
+        try:
+            session.step_result(ticket)  # the step of `state` is final
+        except _core.SuperOffloadError as e:
+            if e.status == Status.NOT_FOUND:
+                raise ValueError("state_dict(state): `state` is not from the latest step (the session has "
+                                 "stepped since); pass the state the latest step returned") from None
+            raise
     _require_between_steps(session, "state_dict()")
     per_leaf = {key: [] for key in _KEYS}
     buffers = {sg.id: _buffers(session, sg) for sg in opt._subgroups}
