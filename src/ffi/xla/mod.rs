@@ -4,7 +4,7 @@
 //! extension module on the user's machine: the functions are the library's own exports,
 //! registered with XLA by address (`jax.ffi.register_ffi_target(name,
 //! jax.ffi.pycapsule(address), platform="cpu")`). The call frame is decoded against XLA's C
-//! API (`call_frame.rs`); each handler then does what one C call of the session API does.
+//! API (`c_api.rs` declares its layout, `call_frame.rs` decodes it); each handler then does what one C call of the session API does.
 //!
 //! One step of a compiled program, in data-dependency order (XLA may run independent calls
 //! concurrently; the session serialises them):
@@ -22,11 +22,12 @@
 //! XLA error with the library's message (also the thread's last error) and changes nothing
 //! beyond what its session call would have on failure.
 
+mod c_api;
 mod call_frame;
 #[cfg(test)]
 mod tests;
 
-pub use call_frame::{XLA_FFI_CallFrame, XLA_FFI_Error};
+pub use c_api::{XLA_FFI_CallFrame, XLA_FFI_Error};
 
 use super::boundary::{LAST_ERROR, ffi_boundary};
 use super::session::session_by_id;

@@ -5,7 +5,7 @@
 use std::ffi::{CStr, c_void};
 use std::mem::size_of;
 
-use super::call_frame::{
+use super::c_api::{
     API_VERSION, ATTR_SCALAR, Api, ApiVersion, Attrs, BUFFER, Buffer, ByteSpan, EXTENSION_METADATA, ErrorCreateArgs,
     ExtensionBase, Metadata, MetadataExtension, Operands, STAGE_EXECUTE, Scalar, XlaType,
 };
