@@ -21,6 +21,7 @@ class Leaf:
     shape: tuple
     dtype: np.dtype
     numel: int
+    value: object = None  # the array it was described from (dropped once copied into the session)
     subgroup: int = -1
     offset: int = 0
     slice_id: int = None
@@ -67,12 +68,12 @@ def describe(params):
         if platforms != {"cpu"}:
             raise ValueError(f"parameter {name} is on {', '.join(sorted(platforms))}: superoffload.jax runs on JAX's "
                              "CPU platform (e.g. JAX_PLATFORMS=cpu, or jax.device_put(params, jax.devices('cpu')[0]))")
-        dtype = np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
+        dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
         if dtype not in DTYPES:
             raise TypeError(f"parameter {name} is {dtype}; superoffload.jax steps float32, bfloat16 or float16 "
                             "parameters (with float32 master weights)")
         shape = tuple(int(d) for d in np.shape(x))
-        leaves.append(Leaf(name=name, shape=shape, dtype=dtype, numel=int(np.prod(shape, dtype=np.int64))))
+        leaves.append(Leaf(name=name, shape=shape, dtype=dtype, numel=int(np.prod(shape, dtype=np.int64)), value=x))
     if not any(leaf.numel for leaf in leaves):
         raise ValueError("the parameters have no elements")
     dtypes = {leaf.dtype for leaf in leaves}

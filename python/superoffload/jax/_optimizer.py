@@ -124,11 +124,10 @@ class SuperOffloadAdamW:
                                     moment_dtype="f32", cores=self.cores)
             try:
                 group = session.add_group(self._lr_at(0), self.b1, self.b2, self.eps, self.weight_decay)
-                values = {id(leaf): np.asarray(x) for leaf, x in zip(leaves, jax.tree_util.tree_leaves(params))}
                 for sg in subgroups:
                     sg.master = _layout.host_f32(sg.numel)
                     for leaf in sg.leaves:
-                        sg.master[leaf.offset:leaf.offset + leaf.numel] = values[id(leaf)].reshape(-1)
+                        sg.master[leaf.offset:leaf.offset + leaf.numel] = np.asarray(leaf.value).reshape(-1)
                     slices = [(leaf.name, leaf.offset, leaf.numel) for leaf in sg.leaves]
                     sg.id, ids = session.add_subgroup(group, sg.master.ctypes.data, sg.numel, slices, keep=sg.master)
                     for leaf, slice_id in zip(sg.leaves, ids):
@@ -136,6 +135,9 @@ class SuperOffloadAdamW:
             except BaseException:
                 session.close()
                 raise
+            finally:
+                for leaf in leaves:
+                    leaf.value = None
             self._session, self._session_id, self._group = session, session.id(), group
             self._leaves, self._treedef, self._subgroups = leaves, treedef, subgroups
         return self._initial_state(0)
@@ -187,8 +189,9 @@ class SuperOffloadAdamW:
         session = self._session_id
         leaves = self._treedef.flatten_up_to(params)
         for leaf, x in zip(self._leaves, leaves):
-            if tuple(np.shape(x)) != leaf.shape or np.dtype(x.dtype) != leaf.dtype:
-                raise ValueError(f"parameter {leaf.name} is {x.dtype}{list(np.shape(x))}; the optimizer was "
+            dtype = np.dtype(jnp.result_type(x))
+            if tuple(np.shape(x)) != leaf.shape or dtype != leaf.dtype:
+                raise ValueError(f"parameter {leaf.name} is {dtype}{list(np.shape(x))}; the optimizer was "
                                  f"initialised with {leaf.dtype}{list(leaf.shape)}")
         lr = self.learning_rate(state.count) if callable(self.learning_rate) else self.learning_rate
         lr = jnp.asarray(lr)
