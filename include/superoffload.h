@@ -2121,8 +2121,10 @@ SO_NODISCARD so_status so_session_pinned_bytes(const struct so_session *session,
  *
  * Attributes: `session` (the session's `so_session_id`, unsigned 64-bit), `group`.
  * Operands: the learning rate (a float32 or float64 scalar), the loss scale (a float32 or
- * float64 scalar; 0 for the built-in scaler's current scale) and one buffer that orders
- * the call after the previous step (its `so_xla_step` result). Result: a float32 scalar,
+ * float64 scalar; 0 for the built-in scaler's current scale), then any buffers that order the
+ * call after the previous step (its `so_xla_step` result and the weights its
+ * `so_xla_read_weights` calls returned, so that no read of the previous step comes after
+ * this step's gradients). Result: a float32 scalar,
  * the loss scale this step's backward must use (multiply the loss by it). A step of the
  * session left unfinished by a failed execution (begun, never ended by `so_xla_step`) is
  * first ended as skipped, its speculative steps rolled back.

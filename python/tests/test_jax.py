@@ -311,6 +311,45 @@ def test_a_step_left_unfinished_by_a_failed_execution_is_skipped():
     assert same_bits(*results)
 
 
+def test_two_steps_in_one_program():
+    """Two steps inside one jitted program equal two programs of one step each, including a parameter
+    the loss does not use (stepped with a zero gradient: weight decay alone), whose first read must
+    not come after the second step's gradients."""
+    def make():
+        return sojax.adamw(1e-3, weight_decay=0.1, max_grad_norm=0.5, speculation="on", sub_group_numel=0)
+
+    def with_unused(seed):
+        return {"mlp": init_params(seed), "unused": jnp.linspace(-1.0, 1.0, 7, dtype=jnp.float32)}
+
+    def loss(p, x, y):
+        return loss_fn(p["mlp"], x, y)
+
+    opt = make()
+    params = with_unused(8)
+    state = opt.init(params)
+
+    @jax.jit
+    def two_steps(p, s, x0, y0, x1, y1):
+        _, p1, s = opt.step(loss, p, s, x0, y0)
+        _, p2, s = opt.step(loss, p1, s, x1, y1)
+        return p1, p2, s
+
+    first, second, state = two_steps(params, state, *batch(0), *batch(1))
+    assert opt.metrics(state)["serial"] == 2
+
+    single = make()
+    params = with_unused(8)
+    single_state = single.init(params)
+    one_step = jax.jit(lambda p, s, x, y: single.step(loss, p, s, x, y))
+    _, p1, single_state = one_step(params, single_state, *batch(0))
+    _, p2, single_state = one_step(p1, single_state, *batch(1))
+    assert same_bits(first["unused"], p1["unused"]) and same_bits(second["unused"], p2["unused"])
+    assert not same_bits(p1["unused"], p2["unused"])
+    assert relative_error(second, p2) <= PARITY_RTOL
+    opt.close()
+    single.close()
+
+
 def test_has_aux_and_a_dict_tree_and_bfloat16_parameters():
     params = {"dense": init_params(4, jnp.bfloat16)}
 

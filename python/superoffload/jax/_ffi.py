@@ -49,11 +49,12 @@ def _attrs(session, **more):
     return dict(session=np.uint64(session), **more)
 
 
-def begin_step(session, group, lr, loss_scale, previous_ticket):
+def begin_step(session, group, lr, loss_scale, *previous):
     """The step's learning rate and loss scale go to the session; returns the loss scale (f32 scalar)
-    the backward must use. `previous_ticket` orders the call after the previous step."""
+    the backward must use. `previous` (the previous step's ticket and the weights it read back)
+    orders the call after every call of the previous step."""
     call = jax.ffi.ffi_call(TARGETS["begin_step"][0], jax.ShapeDtypeStruct((), jnp.float32), has_side_effect=True)
-    return call(lr, loss_scale, previous_ticket, **_attrs(session, group=np.uint32(group)))
+    return call(lr, loss_scale, *previous, **_attrs(session, group=np.uint32(group)))
 
 
 def hand_over(grad, loss_scale, session, slice_id):
@@ -73,3 +74,15 @@ def read_weights(ticket, shape, dtype, session, slice_id):
     """A slice's weights after the step of `ticket` (waits for its own sub-group alone)."""
     call = jax.ffi.ffi_call(TARGETS["read_weights"][0], jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True)
     return call(ticket, **_attrs(session, slice=np.uint32(slice_id)))
+
+
+def wait_for_dispatched_steps():
+    """Waits until every computation with effects this thread dispatched has run (jax.effects_barrier:
+    every compiled step that calls the handlers is one), so that the session is not in the middle
+    of one. A computation that failed has run too: its error is the caller's to see where they use
+    its results, not here."""
+    try:
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001 - the failure belongs to the failed computation's results
+        pass
+

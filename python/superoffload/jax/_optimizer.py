@@ -160,11 +160,13 @@ class SuperOffloadAdamW:
         return self._live_session()
 
     def close(self):
-        """Destroys the session (after its queued work). Call it once the last step's results are
-        ready (e.g. after `jax.block_until_ready(params)`); a compiled step run afterwards fails with
-        an error naming the closed session."""
+        """Destroys the session, after the compiled steps this thread dispatched have run and the
+        session's queued work is done. A compiled step run afterwards fails with an error naming
+        the closed session. (Steps dispatched from other threads must have run: wait for their
+        results first.)"""
         with self._lock:
             if self._session is not None:
+                _ffi.wait_for_dispatched_steps()
                 self._session.close()
                 self._session = None
 
@@ -197,7 +199,10 @@ class SuperOffloadAdamW:
         lr = jnp.asarray(lr)
         if lr.dtype not in (jnp.float32, jnp.float64):
             lr = lr.astype(jnp.float32)
-        scale = _ffi.begin_step(session, self._group, lr, jnp.float32(self.loss_scale), state.ticket)
+        # After the previous step's ticket and every weight read back (the parameters passed in, or
+        # whatever they were computed from): no read of the previous step comes after this step's
+        # gradients, even in a program that takes several steps.
+        scale = _ffi.begin_step(session, self._group, lr, jnp.float32(self.loss_scale), state.ticket, *leaves)
 
         def scaled_loss(p):
             tapped = [x if leaf.slice_id is None else _hand_over_in_backward(x, scale, session, leaf.slice_id)

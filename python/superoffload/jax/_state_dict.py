@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from .. import _core
 from .._abi import Status
+from . import _ffi
 
 STATE_DICT_FORMAT = "superoffload.jax/1"
 _KEYS = ("master", "exp_avg", "exp_avg_sq", "step")
@@ -48,6 +49,7 @@ def state_dict(opt, state, ticket):
     """{"format", "count", "speculation_history", "master", "exp_avg", "exp_avg_sq", "step"}: the last
     four are pytrees shaped like the parameters (f32 arrays, and int step counts)."""
     session = opt._live_session()
+    _ffi.wait_for_dispatched_steps()
     if ticket:
         try:
             session.step_result(ticket)  # the step of `state` is final
@@ -123,6 +125,7 @@ def load_state_dict(opt, sd):
     """Writes `sd` (from `state_dict`) into the session; returns (params, state)."""
     session = opt._live_session()
     plan, steps, history, count = _checked_plan(opt, sd)
+    _ffi.wait_for_dispatched_steps()
     _require_between_steps(session, "load_state_dict()")
     buffers = {sg_index: _buffers(session, sg) for sg_index, sg in enumerate(opt._subgroups)}
     current_history = session.speculation_history()

@@ -197,11 +197,7 @@ impl<'a> Frame<'a> {
         unsafe { buffers(&self.raw.rets, "result") }
     }
 
-    /// The operands, `count` of them (`what` names the call's operands in the message).
-    pub(crate) fn args_exactly(&self, count: usize, what: &str) -> Result<Vec<BufferRef<'a>>> {
-        exactly(self.args()?, count, "operands", what)
-    }
-
+    /// The results, `count` of them (`what` names the call's results in the message).
     pub(crate) fn rets_exactly(&self, count: usize, what: &str) -> Result<Vec<BufferRef<'a>>> {
         exactly(self.rets()?, count, "results", what)
     }

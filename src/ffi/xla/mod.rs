@@ -10,7 +10,7 @@
 //! concurrently; the session serialises them):
 //!
 //! ```text
-//! so_xla_begin_step(lr, loss_scale, previous step's ticket) -> loss scale S
+//! so_xla_begin_step(lr, loss_scale, previous ticket, weights) -> loss scale S
 //!   forward (loss * S), backward: so_xla_hand_over(grad_k, S) -> grad_k   (each slice k)
 //! so_xla_step(every hand_over result)                          -> the step's ticket
 //! so_xla_read_weights(ticket)                                  -> slice k's weights (each k)
@@ -80,7 +80,12 @@ unsafe fn outcome(call_frame: so_xla_call_frame_t, status: Status) -> so_xla_err
 fn begin_step(frame: &Frame<'_>) -> Result<()> {
     let s = session(frame)?;
     let group = frame.attr_u32("group")?;
-    let args = frame.args_exactly(3, "so_xla_begin_step (learning rate, loss scale, previous step)")?;
+    let args = frame.args()?;
+    if args.len() < 2 {
+        return Err(Error::invalid(
+            "so_xla_begin_step takes the learning rate and the loss scale as its first operands",
+        ));
+    }
     let rets = frame.rets_exactly(1, "so_xla_begin_step (the loss scale)")?;
     // SAFETY: XLA's operand buffers, read during the call.
     let (lr, loss_scale) = unsafe { (args[0].scalar_f64()?, args[1].scalar_f64()?) };
@@ -151,8 +156,10 @@ fn read_weights(frame: &Frame<'_>) -> Result<()> {
 ///
 /// Attributes: `session` (the session's `so_session_id`, unsigned 64-bit), `group`.
 /// Operands: the learning rate (a float32 or float64 scalar), the loss scale (a float32 or
-/// float64 scalar; 0 for the built-in scaler's current scale) and one buffer that orders
-/// the call after the previous step (its `so_xla_step` result). Result: a float32 scalar,
+/// float64 scalar; 0 for the built-in scaler's current scale), then any buffers that order the
+/// call after the previous step (its `so_xla_step` result and the weights its
+/// `so_xla_read_weights` calls returned, so that no read of the previous step comes after
+/// this step's gradients). Result: a float32 scalar,
 /// the loss scale this step's backward must use (multiply the loss by it). A step of the
 /// session left unfinished by a failed execution (begun, never ended by `so_xla_step`) is
 /// first ended as skipped, its speculative steps rolled back.

@@ -347,6 +347,17 @@ fn refusals_are_xla_errors_with_the_library_message() {
             .unwrap_err();
     assert!(message.contains("no attribute max_norm"), "{message}");
 
+    let mut lr = 1e-2f32;
+    let only_lr = [Buf::of(XlaType::F32, std::slice::from_mut(&mut lr), &[])];
+    let (_, message) = call(
+        so_xla_begin_step,
+        &only_lr,
+        &[Buf::of(XlaType::F32, std::slice::from_mut(&mut scale), &[])],
+        &[("group", Attr::U32(0)), ("session", Attr::U64(session))],
+    )
+    .unwrap_err();
+    assert!(message.contains("the learning rate and the loss scale"), "{message}");
+
     let (_, message) = call_at(so_xla_step, 1, &[], &[], &[]).unwrap_err();
     assert!(message.contains("execution stage 1"), "{message}");
     // SAFETY: no call on it is running.
