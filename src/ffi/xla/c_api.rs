@@ -1,8 +1,8 @@
 //! XLA's FFI C API (`xla/ffi/api/c_api.h`, as JAX's `jax.ffi.include_dir()` ships it): the part
 //! the handlers use, declared from its documented layout. Its structs carry their `struct_size`
-//! and only ever grow at the end: the handlers declare API version 0.1 (the oldest XLA accepts,
-//! [`API_VERSION`]) and read nothing a 0.1 call frame lacks, so no XLA header or compiler is
-//! needed and one library serves every jaxlib whose FFI accepts 0.1 handlers.
+//! and only ever grow at the end: the handlers declare API version 0.1 ([`API_VERSION`], the
+//! oldest a current XLA accepts) and read nothing a 0.1 call frame lacks, so no XLA header or
+//! compiler is needed and one library serves every jaxlib whose FFI accepts 0.1 handlers.
 
 use std::ffi::{c_char, c_void};
 
