@@ -40,6 +40,11 @@ fn main() {
 /** A CUDA stream: the same type as `cudaStream_t` and `CUstream` (no CUDA header needed). */
 typedef struct CUstream_st *so_cuda_stream_t;
 
+/** XLA's FFI call frame and error, as XLA's `xla/ffi/api/c_api.h` declares them (no XLA header
+ *  needed): the `so_xla_*` handlers are `XLA_FFI_Handler`s. */
+typedef struct XLA_FFI_CallFrame *so_xla_call_frame_t;
+typedef struct XLA_FFI_Error *so_xla_error_t;
+
 /** Marks functions whose status must be checked. */
 #if defined(__GNUC__) || defined(__clang__)
 #define SO_NODISCARD __attribute__((warn_unused_result))

@@ -166,6 +166,8 @@ void test_move_semantics() {
     std::string msg = EXPECT_ERROR(SO_STATUS_NULL_ARGUMENT, (void)a.add_group());
     EXPECT(contains(msg, "so_session_add_group") && contains(msg, "session is NULL"));
     EXPECT_ERROR(SO_STATUS_NULL_ARGUMENT, (void)a.host_bytes());
+    EXPECT_ERROR(SO_STATUS_NULL_ARGUMENT, (void)a.id());
+    EXPECT(b.id() != 0 && b.id() != so::Session::create().id());
     EXPECT_ERROR(SO_STATUS_NULL_ARGUMENT, (void)a.query(1));
     EXPECT_ERROR(SO_STATUS_NULL_ARGUMENT, a.wait(0));
     a.reset(); // no-op on an empty handle

@@ -342,6 +342,19 @@ static void registration(so_st_model *A) {
     EXPECT_REFUSED(so_session_host_bytes(NULL, &bytes), SO_STATUS_NULL_ARGUMENT, "so_session_host_bytes", "session");
     EXPECT_REFUSED(so_session_host_bytes(s, NULL), SO_STATUS_NULL_ARGUMENT, "so_session_host_bytes", "out_bytes");
     {
+        /* An id names one session for the rest of the process: never 0, never another's. */
+        uint64_t id = 0, other_id = 0;
+        CHECK_OK(so_session_id(s, &id));
+        CHECK(id != 0);
+        so_session *other = NULL;
+        CHECK_OK(so_session_create(NULL, &other));
+        CHECK_OK(so_session_id(other, &other_id));
+        CHECK(other_id != 0 && other_id != id);
+        so_session_destroy(other);
+        EXPECT_REFUSED(so_session_id(NULL, &id), SO_STATUS_NULL_ARGUMENT, "so_session_id", "session");
+        EXPECT_REFUSED(so_session_id(s, NULL), SO_STATUS_NULL_ARGUMENT, "so_session_id", "out_id");
+    }
+    {
         /* What a session measures before it allocates: both outputs or neither. */
         size_t available = 0, total = 0;
         CHECK_OK(so_host_memory(&available, &total));

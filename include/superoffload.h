@@ -26,6 +26,11 @@
 /** A CUDA stream: the same type as `cudaStream_t` and `CUstream` (no CUDA header needed). */
 typedef struct CUstream_st *so_cuda_stream_t;
 
+/** XLA's FFI call frame and error, as XLA's `xla/ffi/api/c_api.h` declares them (no XLA header
+ *  needed): the `so_xla_*` handlers are `XLA_FFI_Handler`s. */
+typedef struct XLA_FFI_CallFrame *so_xla_call_frame_t;
+typedef struct XLA_FFI_Error *so_xla_error_t;
+
 /** Marks functions whose status must be checked. */
 #if defined(__GNUC__) || defined(__clang__)
 #define SO_NODISCARD __attribute__((warn_unused_result))
@@ -1400,6 +1405,18 @@ void so_session_destroy(struct so_session *session);
 SO_NODISCARD so_status so_host_memory(size_t *out_available, size_t *out_total);
 
 /**
+ * @brief A number that names the session for the rest of the process: never 0, and never
+ * reused by another session (unlike the handle's address, which a later session may get).
+ * The `so_xla_*` handlers take it as their `session` attribute, so that a compiled program
+ * that outlives the session is refused instead of reaching another one.
+ * @note Thread-safety: safe to call from any thread.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle; `out_id` is NULL or writable.
+ */
+SO_NODISCARD so_status so_session_id(const struct so_session *session, uint64_t *out_id);
+
+/**
  * @brief Host bytes the session allocated (moments, gradient buffers, late gradients).
  * @note Thread-safety: see `so_session`.
  *
@@ -2110,6 +2127,83 @@ so_status so_session_copy_stream(const struct so_session *session,
  * `session` is NULL or a live session handle; `out_bytes` is NULL or writable.
  */
 SO_NODISCARD so_status so_session_pinned_bytes(const struct so_session *session, size_t *out_bytes);
+
+/**
+ * @brief XLA FFI handler that begins a step of a host session: sets the learning rate of
+ * a param group (`so_session_set_group`, its other hyperparameters unchanged), then
+ * `so_session_begin_step` with one micro-step.
+ *
+ * Attributes: `session` (the session's `so_session_id`, unsigned 64-bit), `group`.
+ * Operands: the learning rate (a float32 or float64 scalar), the loss scale (a float32 or
+ * float64 scalar; 0 for the built-in scaler's current scale), then any buffers that order the
+ * call after the previous step (its `so_xla_step` result and the weights its
+ * `so_xla_read_weights` calls returned, so that no read of the previous step comes after
+ * this step's gradients). Result: a float32 scalar,
+ * the loss scale this step's backward must use (multiply the loss by it). A step of the
+ * session left unfinished by a failed execution (begun, never ended by `so_xla_step`) is
+ * first ended as skipped, its speculative steps rolled back.
+ *
+ * Register it with XLA for the execute stage (the handler answers XLA's metadata request
+ * with FFI API version 0.1), e.g. `jax.ffi.register_ffi_target(name,
+ * jax.ffi.pycapsule(address), platform="cpu")`. Errors come back as XLA errors with the
+ * library's message (also `so_last_error_message` on the calling thread).
+ * @note Thread-safety: as the session's calls; the session must outlive every execution of
+ *       a program that names it (a destroyed one is refused with `SO_STATUS_NOT_FOUND`).
+ *
+ * # Safety
+ * `call_frame` is NULL or the call frame XLA passes to a handler, valid until it returns.
+ */
+so_xla_error_t so_xla_begin_step(so_xla_call_frame_t call_frame);
+
+/**
+ * @brief XLA FFI handler that hands a slice's gradient to a host session
+ * (`so_session_grad_copy`): a sub-group whose slices are complete may be stepped
+ * speculatively from here on, while the rest of the backward runs.
+ *
+ * Attributes: `session`, `slice` (the slice id). Operands: the gradient (float32, bfloat16
+ * or float16 as the session's gradient dtype, the slice's element count in any shape), then
+ * any buffers that order the call (the `so_xla_begin_step` result). Result: the gradient
+ * again (alias it to operand 0; otherwise it is copied), for `so_xla_step` to consume.
+ * Registration and errors as `so_xla_begin_step`.
+ * @note Thread-safety: as `so_xla_begin_step`.
+ *
+ * # Safety
+ * As `so_xla_begin_step`.
+ */
+so_xla_error_t so_xla_hand_over(so_xla_call_frame_t call_frame);
+
+/**
+ * @brief XLA FFI handler that ends a step of a host session (`so_session_step` with the
+ * local norm): returns at once; the CPU-Adam thread clips by the global norm, skips on an
+ * inf or NaN gradient, and makes each sub-group final in registration order.
+ *
+ * Attributes: `session`, `max_norm` (float; 0 for no clipping). Operands: any buffers that
+ * order the call after every hand-over (their results). Result: a uint32[2] buffer, the
+ * step's ticket (low word, high word) for `so_session_step_result`. Registration and
+ * errors as `so_xla_begin_step`.
+ * @note Thread-safety: as `so_xla_begin_step`.
+ *
+ * # Safety
+ * As `so_xla_begin_step`.
+ */
+so_xla_error_t so_xla_step(so_xla_call_frame_t call_frame);
+
+/**
+ * @brief XLA FFI handler that reads a slice's updated weights from a host session: waits
+ * for its sub-group's final ticket alone (`so_session_final_ticket`; the sub-groups after
+ * it may still be stepping), then copies the slice's master weights, rounded to nearest
+ * even where the result is narrower.
+ *
+ * Attributes: `session`, `slice`. Operands: any buffers that order the call (the
+ * `so_xla_step` result). Result: the weights (float32, bfloat16 or float16, the slice's
+ * element count in any shape). Registration and errors as `so_xla_begin_step`; a CUDA
+ * session is refused (`SO_STATUS_UNSUPPORTED`: it publishes to the device).
+ * @note Thread-safety: as `so_xla_begin_step`.
+ *
+ * # Safety
+ * As `so_xla_begin_step`.
+ */
+so_xla_error_t so_xla_read_weights(so_xla_call_frame_t call_frame);
 
 /**
  * Returns the ABI version of the loaded library; compare with `SO_ABI_VERSION`.

@@ -17,6 +17,8 @@ An HTML comment on the line before a block says more about it (several separated
 
     <!-- snippet: gpu -->               needs CUDA: run where torch sees a GPU, else SKIPPED (a python
                                         block's syntax is still checked)
+    <!-- snippet: requires jax -->      a python block that imports an optional package: run where this
+                                        interpreter can import it, else SKIPPED (its syntax still checked)
     <!-- snippet: file app/main.c -->   written to that path in the work directory, not run
     <!-- snippet: covered by WHERE -->  not run here: WHERE runs the same steps (printed as COVERED)
     <!-- snippet: not run: WHY -->      a documented command no test runs, and why (printed as NOT RUN)
@@ -52,9 +54,12 @@ class Block:
     def __init__(self, path, line, lang, code, directives):
         self.path, self.line, self.lang, self.code = path, line, lang, code
         self.gpu, self.file, self.covered_by, self.not_run = False, None, None, None
+        self.requires = []
         for d in directives:
             if d == "gpu":
                 self.gpu = True
+            elif d.startswith("requires "):
+                self.requires += d[len("requires "):].split()
             elif d.startswith("file "):
                 self.file = d[len("file "):].strip()
             elif d.startswith("covered by "):
@@ -107,6 +112,12 @@ def cuda_missing():
     return "torch.cuda.is_available() is False" if rc == 3 else "torch cannot be imported"
 
 
+def missing_modules(names):
+    """The modules of `names` this interpreter cannot import."""
+    return [n for n in names if subprocess.run([sys.executable, "-c", f"import {n}"], stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL).returncode != 0]
+
+
 def run(cmd, cwd):
     try:
         return subprocess.run(cmd, cwd=cwd, timeout=BLOCK_TIMEOUT_S).returncode
@@ -154,8 +165,10 @@ def main():
                 f.write(b.code)
             print(f"wrote {b.file} from {b.where()}")
             continue
-        if b.gpu and no_cuda and not args.gpu:
-            skipped.append(f"{b.title()}: needs a GPU ({no_cuda})")
+        absent = missing_modules(b.requires) if b.requires else []
+        if (b.gpu and no_cuda and not args.gpu) or absent:
+            why = f"needs {', '.join(absent)} (not importable here)" if absent else f"needs a GPU ({no_cuda})"
+            skipped.append(f"{b.title()}: {why}")
             print(f"SKIPPED: {skipped[-1]}")
             if b.lang == "python":  # not run here, but it must parse
                 try:

@@ -6,18 +6,21 @@
 #   2. installs it into a fresh virtual environment and, with nothing but that environment on
 #      PATH (no Rust, no compiler), runs the torch-free layer tests (header mirrors, ctypes
 #      session, errors, checkpoints, core shares);
-#   3. unless SO_PY_TORCH=0: installs torch (CPU use of PyPI's wheel) into that environment, then
+#   3. unless SO_PY_JAX=0: installs the [jax] extra (jax's CPU build, optax) into that environment
+#      with the README's command and runs the JAX tests (parity with optax per step, skipped
+#      steps, loss scaling, resume) and the README's JAX quick start;
+#   4. unless SO_PY_TORCH=0: installs torch (CPU use of PyPI's wheel) into that environment, then
 #      the package's [hf] extra with the README's command (transformers, accelerate), runs every
 #      Python snippet of README.md and python/README.md there (scripts/check_snippets.py; those
 #      that need a GPU are skipped) and the torch tests (host mode: parity, speculation, resume,
 #      migration, accumulation, bf16 moments, FSDP2 + DCP with 2 gloo ranks, Hugging Face
 #      Trainer) and bench/peers.py's harness on the CPU (one rank, two FSDP2 ranks).
 #
-# Step 3 needs about 9 GiB of disk while pip installs (5.6 GiB once installed): with less
-# than SO_PY_TORCH_MIN_FREE_GIB (10) free it says so and exits 77 after step 2.
+# Step 4 needs about 9 GiB of disk while pip installs (5.6 GiB once installed): with less
+# than SO_PY_TORCH_MIN_FREE_GIB (10) free it says so and exits 77 after step 3.
 #
-# Environment: PYTHON (default python3), SO_PY_WORK (default target/python-test), SO_PY_TORCH
-# (1), SO_BUILD_DIR (build: where scripts/test.sh's CMake build is), SO_PY_REBUILD=1 (let cargo
+# Environment: PYTHON (default python3), SO_PY_WORK (default target/python-test), SO_PY_JAX (1),
+# SO_PY_TORCH (1), SO_BUILD_DIR (build: where scripts/test.sh's CMake build is), SO_PY_REBUILD=1 (let cargo
 # build the library even if the CMake build has one), SO_PY_TORCH_SPEC (default "torch"),
 # PIP_FIND_LINKS etc. as for pip.
 set -euo pipefail
@@ -54,6 +57,20 @@ isolated python -c 'import shutil; missing = [t for t in ("cargo", "rustc", "cc"
 section "torch-free layer tests"
 isolated python -m pytest -q -p no:cacheprovider "$root/python/tests/test_layer.py"
 
+if [ "${SO_PY_JAX:-1}" = 1 ]; then
+    section "jax and optax (the [jax] extra), the JAX tests"
+    t0=$(date +%s)
+    # The README's install command, beside the wheel: its [jax] extra brings jax (the CPU build
+    # from the package index) and optax. The tests run with nothing but the environment on PATH:
+    # importing superoffload.jax registers the library's own XLA FFI handlers, no compiler.
+    (cd "$work" && "$venv/bin/pip" install -q --find-links dist "superoffload[jax]")
+    echo "installed in $(( $(date +%s) - t0 )) s"
+    isolated python -c 'import jax, optax, superoffload.jax; print("jax", jax.__version__, "optax", optax.__version__, "on", jax.default_backend())'
+    isolated python -m pytest -q -p no:cacheprovider -rA "$root/python/tests/test_jax.py"
+    # The README's JAX quick start in this environment (jax, no torch: the torch blocks are skipped).
+    (cd "$root" && isolated python scripts/check_snippets.py --lang python --work "$work/snippets-jax" README.md)
+fi
+
 if [ "${SO_PY_TORCH:-1}" = 1 ]; then
     section "torch, transformers, accelerate"
     free_gib="$(so_free_gib "$work")"
@@ -75,7 +92,7 @@ if [ "${SO_PY_TORCH:-1}" = 1 ]; then
     (cd "$root" && isolated python scripts/check_snippets.py --lang python --work "$work/snippets")
 
     section "torch tests"
-    isolated python -m pytest -q -p no:cacheprovider "$root/python/tests"
+    isolated python -m pytest -q -p no:cacheprovider --ignore="$root/python/tests/test_jax.py" "$root/python/tests"
 fi
 
 section "Python checks passed"

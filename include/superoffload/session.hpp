@@ -404,6 +404,17 @@ public:
         return scale;
     }
 
+    /**
+     * A number naming this session for the rest of the process, never reused by another
+     * (`so_session_id`): the `session` attribute of the `so_xla_*` handlers.
+     * @throws Error only for an empty handle.
+     */
+    [[nodiscard]] std::uint64_t id() const {
+        std::uint64_t out = 0;
+        check(so_session_id(raw(), &out));
+        return out;
+    }
+
     /** Host bytes the session allocated (`so_session_host_bytes`). @throws Error only for an empty handle. */
     [[nodiscard]] std::size_t host_bytes() const {
         std::size_t bytes = 0;

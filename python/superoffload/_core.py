@@ -445,6 +445,13 @@ class Session:
         check(lib().so_session_loss_scale(self.handle, C.byref(out)), "so_session_loss_scale")
         return out.value
 
+    def id(self):
+        """A number naming this session for the rest of the process, never reused by another
+        (so_session_id): the `session` attribute of the library's XLA FFI handlers."""
+        out = C.c_uint64()
+        check(lib().so_session_id(self.handle, C.byref(out)), "so_session_id")
+        return out.value
+
     def host_bytes(self):
         out = C.c_size_t()
         check(lib().so_session_host_bytes(self.handle, C.byref(out)), "so_session_host_bytes")

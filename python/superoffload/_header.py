@@ -18,6 +18,11 @@ _SCALARS = {
 }
 
 
+# Types the header names but other headers define (CUDA's stream, XLA's FFI call frame and error):
+# only ever behind pointers.
+_FOREIGN_OPAQUE = ("CUstream_st", "XLA_FFI_CallFrame", "XLA_FFI_Error")
+
+
 def _strip(text):
     text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
     text = re.sub(r"//[^\n]*", " ", text)
@@ -108,7 +113,7 @@ def ctype_of(text, parsed, mirrors):
         return C.c_void_p
     if stars == 1 and base == "char":
         return C.c_char_p
-    if base in parsed["opaque"] or base == "CUstream_st":
+    if base in parsed["opaque"] or base in _FOREIGN_OPAQUE:
         inner = C.c_void_p
         stars -= 1
     elif base == "void":

@@ -5,8 +5,7 @@
 use super::args::{non_null, read_struct_or, with_struct_size, write_opt, write_out};
 use super::boundary::ffi_boundary;
 use super::convert::{Field, FromC, abi_struct};
-use super::handle::into_handle;
-use super::session::{session_options, session_ref, so_session, so_session_options};
+use super::session::{new_session_handle, session_options, session_ref, so_session, so_session_options};
 use super::tickets::so_ticket;
 // The Rust API has named it here since before it moved to `types.rs`.
 pub use super::types::so_device_ptr;
@@ -100,7 +99,7 @@ pub unsafe extern "C" fn so_session_create_cuda(
         let cuda = unsafe { read_struct_or(cuda, "cuda", || so_cuda_options::from_core(&CudaOptions::default()))? };
         let session = Box::new(cuda::create_session(options, cuda.to_core("cuda")?)?);
         // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { write_out(out_session, "out_session", into_handle::<so_session>(session)) }
+        unsafe { write_out(out_session, "out_session", new_session_handle(session)) }
     })
 }
 

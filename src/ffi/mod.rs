@@ -5,7 +5,8 @@
 //! One file per API noun, each holding its exports and the C structs only they take:
 //! [`kernels`] (`so_adam_*`), [`pool`], [`session`] (a folder: the handle and its options,
 //! groups, sub-groups, the step, checkpoints), [`tickets`], [`cuda`] (CUDA sessions, device
-//! gradients, streams) and [`version`] (versions, status strings, the last error); the enums
+//! gradients, streams), [`xla`] (XLA FFI handlers over a host session) and [`version`]
+//! (versions, status strings, the last error); the enums
 //! are in [`types`]. The machinery they share: `boundary` (the panic boundary), `handle`
 //! (opaque handle ⇄ the Rust value behind it), `args` (every check of a pointer, struct,
 //! buffer, array or string argument) and `convert` (C struct and enum ⇄ core type,
@@ -38,5 +39,7 @@ pub mod session;
 pub mod tickets;
 
 pub mod cuda;
+
+pub mod xla;
 
 pub mod version;

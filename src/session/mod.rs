@@ -71,7 +71,7 @@ pub use types::{
 };
 
 use crate::error::{Error, Result, Status};
-use crate::kernels::{DType, Floats, Pool, PoolOptions};
+use crate::kernels::{DType, Floats, FloatsMut, Pool, PoolOptions};
 use policy::Policy;
 use protocol::Protocol;
 use registry::Registry;
@@ -236,6 +236,38 @@ impl Session {
     /// first `step()`).
     pub fn final_ticket(&self, sg: u32) -> Result<Ticket> {
         self.lock().reg.final_ticket(sg)
+    }
+
+    /// Copies a slice's master weights into `out` (one element per element of the slice,
+    /// rounded to nearest even where `out` is narrower) once its sub-group's latest step is
+    /// final: waits for that sub-group's final ticket alone, not for the sub-groups after it.
+    /// The weights a forward reads next, for a caller whose parameters are apart from the
+    /// master weights (the XLA handlers). Host sessions without a lent copy only: a session
+    /// with a device transport publishes to the device, and one that writes the caller's copy
+    /// first writes the master weights after the final ticket.
+    pub fn read_slice_weights(&self, slice: u32, out: FloatsMut<'_>) -> Result<()> {
+        if self.shared.transport().is_some() {
+            return Err(Error::unsupported(
+                "a session with a device transport publishes its weights to the device: read them there",
+            ));
+        }
+        let (sg, range, final_ticket) = {
+            let t = self.lock();
+            let info = t.reg.slice(slice, Some(out.len()))?;
+            let track = t.reg.track(info.sg)?;
+            (Arc::clone(track.sg()), info.range.clone(), track.final_ticket())
+        };
+        self.wait(final_ticket, None)?;
+        let data = sg.data.lock().unwrap();
+        if data.copy.as_ref().is_some_and(|c| !c.is_owned()) {
+            return Err(Error::unsupported("the sub-group's weights are the caller's copy: read them there"));
+        }
+        crate::kernels::copy_into(out, data.master.range(range), false, None).map(drop)
+    }
+
+    /// Whether a step has begun and not yet been given to `step()`.
+    pub fn step_in_progress(&self) -> bool {
+        self.lock().protocol.in_step()
     }
 
     /// The sub-group whose latest final ticket `ticket` is, if any: a wait for it needs that

@@ -58,6 +58,11 @@ fn gib(bytes: usize) -> String {
 }
 
 impl Protocol {
+    /// Whether a step has begun and not yet been given to `step()`.
+    pub(crate) fn in_step(&self) -> bool {
+        self.phase != Phase::Idle
+    }
+
     pub(crate) fn new(loss_scale: f32) -> Protocol {
         Protocol {
             phase: Phase::Idle,

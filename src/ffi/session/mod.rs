@@ -17,15 +17,16 @@ use std::ffi::c_char;
 
 pub use checkpoint::*;
 pub use group::*;
-pub(crate) use handle::session_ref;
+use handle::live_sessions;
 pub use handle::so_session;
+pub(crate) use handle::{new_session_handle, session_by_id, session_ref};
 pub use step::*;
 pub use subgroup::*;
 
 use super::args::{core_list, non_null, path_arg, read_struct, read_struct_or, with_struct_size, write_out};
 use super::boundary::ffi_boundary;
 use super::convert::{Field, FromC, abi_struct};
-use super::handle::{free_handle, into_handle};
+use super::handle::free_handle;
 use super::pool::{pool_arg, so_pool};
 use crate::error::Error;
 use crate::error::{Result, Status};
@@ -244,7 +245,7 @@ pub unsafe extern "C" fn so_session_create(
         let options = unsafe { session_options(options)? };
         let session = Box::new(Session::new(options)?);
         // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { write_out(out_session, "out_session", into_handle(session)) }
+        unsafe { write_out(out_session, "out_session", new_session_handle(session)) }
     })
 }
 
@@ -263,6 +264,7 @@ pub unsafe extern "C" fn so_session_create(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn so_session_destroy(session: *mut so_session) {
     ffi_boundary!({
+        live_sessions().remove(&(session as usize));
         // SAFETY: `session` is NULL or a live handle that the caller gives up here, with no
         // other call on it running (this function's contract).
         unsafe { free_handle(session) };
@@ -294,6 +296,27 @@ pub unsafe extern "C" fn so_host_memory(out_available: *mut usize, out_total: *m
             write_out(out_available, "out_available", m.available)?;
             write_out(out_total, "out_total", m.total)
         }
+    })
+}
+
+/// @brief A number that names the session for the rest of the process: never 0, and never
+/// reused by another session (unlike the handle's address, which a later session may get).
+/// The `so_xla_*` handlers take it as their `session` attribute, so that a compiled program
+/// that outlives the session is refused instead of reaching another one.
+/// @note Thread-safety: safe to call from any thread.
+///
+/// # Safety
+/// `session` is NULL or a live session handle; `out_id` is NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_id(session: *const so_session, out_id: *mut u64) -> Status {
+    ffi_boundary!({
+        // SAFETY: `session` is NULL or a live session (this function's contract).
+        unsafe { session_ref(session)? };
+        let id = live_sessions().get(&(session as usize)).copied();
+        let id = id.ok_or_else(|| Error::new(Status::NotFound, "the session is not live"))?;
+        // SAFETY: `out_id` is NULL or writable (this function's contract).
+        unsafe { write_out(out_id, "out_id", id) }
     })
 }
 

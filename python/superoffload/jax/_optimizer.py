@@ -1,0 +1,257 @@
+"""SuperOffloadAdamW for JAX: optax's `chain(clip_by_global_norm, adamw)` with the f32 master weights and
+Adam moments in host memory, stepped by libsuperoffload's CPU-Adam thread while backward runs."""
+import math
+import threading
+from functools import partial
+from typing import NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from .. import _core
+from . import _ffi, _layout, _state_dict
+
+
+class SuperOffloadState(NamedTuple):
+    """The optimizer state a jitted step carries (a pytree): the master weights and moments stay in
+    the session, in host memory.
+
+    count: int32, the number of `step` calls so far (the learning-rate schedule's argument, as
+        optax's `count`; skipped steps count too).
+    ticket: uint32[2], the latest step's ticket in the session (low, high word): orders the next
+        step after it and names it to `metrics`.
+    """
+    count: jax.Array
+    ticket: jax.Array
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _hand_over_in_backward(param, loss_scale, session, slice_id):
+    """The identity on a parameter, whose backward hands the parameter's gradient to the session as
+    soon as backward produces it."""
+    del loss_scale, session, slice_id
+    return param
+
+
+def _hand_over_fwd(param, loss_scale, session, slice_id):
+    del session, slice_id
+    return param, loss_scale
+
+
+def _hand_over_bwd(session, slice_id, loss_scale, grad):
+    return _ffi.hand_over(grad, loss_scale, session, slice_id), jnp.zeros_like(loss_scale)
+
+
+_hand_over_in_backward.defvjp(_hand_over_fwd, _hand_over_bwd)
+
+
+def _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay, max_grad_norm, loss_scale):
+    if not callable(learning_rate):
+        if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate >= 0):
+            raise ValueError(f"learning_rate must be a finite number >= 0 or a schedule (a function of the step "
+                             f"count, as optax's), not {learning_rate!r}")
+    for name, value in (("b1", b1), ("b2", b2)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), not {value!r}")
+    for name, value in (("eps", eps), ("weight_decay", weight_decay)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be finite and >= 0, not {value!r}")
+    if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be None (no clipping) or finite and > 0, not {max_grad_norm!r}")
+    if not (math.isfinite(loss_scale) and loss_scale > 0):
+        raise ValueError(f"loss_scale must be finite and > 0, not {loss_scale!r}")
+
+
+class SuperOffloadAdamW:
+    """AdamW whose f32 master weights and moments live in host memory, in a libsuperoffload session.
+
+    `opt.step(loss_fn, params, state, *args)`, inside your jitted train step, does what
+    `jax.value_and_grad(loss_fn)` then `optax.chain(optax.clip_by_global_norm(max_grad_norm),
+    optax.adamw(...))` and `optax.apply_updates` do, with each parameter's gradient handed to the
+    session as backward produces it (the session steps complete sub-groups on its CPU thread while
+    the rest of backward runs), the exact step decided at the end (global-norm clipping, a step with
+    an inf or NaN gradient skipped, loss scaling) and each updated parameter read back as soon as its
+    own sub-group is final.
+
+    Args:
+        learning_rate: a number, or a schedule: a function of the step count (an int32 array)
+            returning the learning rate, as optax's schedules (evaluated in the jitted step).
+        b1, b2, eps, weight_decay: as optax.adamw (decoupled weight decay, scaled by the learning
+            rate; bias correction; `eps` added outside the square root; `eps_root` 0).
+        max_grad_norm: clip the global gradient norm to this (None: no clipping). The coefficient
+            is torch's `min(1, max_grad_norm / (norm + 1e-6))`.
+        loss_scale: a static loss scale: the loss is multiplied by it before backward, the
+            gradients divided by it in the session (an inf or NaN gradient skips the step).
+        speculation: "auto" (the session decides each step from the steps before), "on"/True or
+            "off"/False: whether sub-groups are stepped during backward, before the clip factor is
+            known (then rescaled or rolled back exactly if it differs).
+        sub_group_numel: pack consecutive leaves (tree order) into sub-groups of up to this many
+            elements (0: one per leaf). Put the parameters in forward order (e.g. a list of layers)
+            so that backward completes sub-groups early and the next forward reads them first.
+        cores: CPU cores for the session's own pinned thread pool (None: the library's default pool).
+    """
+
+    def __init__(self, learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, *, max_grad_norm=None,
+                 loss_scale=1.0, speculation="auto", sub_group_numel=1 << 25, cores=None):
+        _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay, max_grad_norm, loss_scale)
+        _ffi.register()
+        self.learning_rate = learning_rate
+        self.b1, self.b2, self.eps, self.weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.loss_scale = float(loss_scale)
+        self.speculation = speculation
+        self.sub_group_numel = int(sub_group_numel)
+        self.cores = None if cores is None else list(cores)
+        self._session = None
+        self._lock = threading.Lock()
+
+    # ---- set-up ---------------------------------------------------------------------------------
+
+    def init(self, params):
+        """Creates the session and registers `params` (concrete arrays, outside jit): their f32 master
+        weights are copied into host memory. Returns the initial SuperOffloadState. One parameter tree
+        per optimizer: create another SuperOffloadAdamW for another tree."""
+        with self._lock:
+            if self._session is not None:
+                raise RuntimeError("init() was already called on this optimizer: it holds one parameter tree "
+                                   "(create another SuperOffloadAdamW for another)")
+            leaves, treedef = _layout.describe(params)
+            subgroups = _layout.partition(leaves, self.sub_group_numel)
+            dtype = _layout.DTYPES[leaves[0].dtype]
+            session = _core.Session(speculation=self.speculation, grad_dtype=dtype, accum_dtype=dtype,
+                                    moment_dtype="f32", cores=self.cores)
+            try:
+                group = session.add_group(self._lr_at(0), self.b1, self.b2, self.eps, self.weight_decay)
+                for sg in subgroups:
+                    sg.master = _layout.host_f32(sg.numel)
+                    for leaf in sg.leaves:
+                        sg.master[leaf.offset:leaf.offset + leaf.numel] = np.asarray(leaf.value).reshape(-1)
+                    slices = [(leaf.name, leaf.offset, leaf.numel) for leaf in sg.leaves]
+                    sg.id, ids = session.add_subgroup(group, sg.master.ctypes.data, sg.numel, slices, keep=sg.master)
+                    for leaf, slice_id in zip(sg.leaves, ids):
+                        leaf.slice_id = slice_id
+            except BaseException:
+                session.close()
+                raise
+            finally:
+                for leaf in leaves:
+                    leaf.value = None
+            self._session, self._session_id, self._group = session, session.id(), group
+            self._leaves, self._treedef, self._subgroups = leaves, treedef, subgroups
+        return self._initial_state(0)
+
+    def _initial_state(self, count):
+        return SuperOffloadState(count=jnp.asarray(count, jnp.int32), ticket=jnp.zeros((2,), jnp.uint32))
+
+    def _lr_at(self, count):
+        lr = self.learning_rate(count) if callable(self.learning_rate) else self.learning_rate
+        return float(lr)
+
+    def _live_session(self):
+        if self._session is None:
+            raise RuntimeError("the optimizer has no session: call init(params) first (and not after close())")
+        return self._session
+
+    @property
+    def session(self):
+        """The `superoffload.Session` (trace, checkpoint file, host bytes...)."""
+        return self._live_session()
+
+    def close(self):
+        """Destroys the session, after the compiled steps this thread dispatched have run and the
+        session's queued work is done. A compiled step run afterwards fails with an error naming
+        the closed session. (Steps dispatched from other threads must have run: wait for their
+        results first.)"""
+        with self._lock:
+            if self._session is not None:
+                _ffi.wait_for_dispatched_steps()
+                self._session.close()
+                self._session = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- the step (inside jit) ------------------------------------------------------------------
+
+    def step(self, loss_fn, params, state, *args, has_aux=False):
+        """One training step, for use inside `jax.jit`: returns `(loss, new_params, new_state)` (with
+        `has_aux`, `((loss, aux), new_params, new_state)`), where `loss = loss_fn(params, *args)` (a
+        real scalar; with `has_aux`, `loss_fn` returns `(loss, aux)` as for `jax.value_and_grad`).
+
+        The learning rate (the schedule at `state.count`) and the loss scale go to the session first;
+        the backward hands each leaf's gradient to the session as it is produced; the session then
+        decides the step (clipping, skipping) and each new parameter is read back once its own
+        sub-group is final."""
+        self._live_session()
+        session = self._session_id
+        leaves = self._treedef.flatten_up_to(params)
+        for leaf, x in zip(self._leaves, leaves):
+            dtype = np.dtype(jnp.result_type(x))
+            if tuple(np.shape(x)) != leaf.shape or dtype != leaf.dtype:
+                raise ValueError(f"parameter {leaf.name} is {dtype}{list(np.shape(x))}; the optimizer was "
+                                 f"initialised with {leaf.dtype}{list(leaf.shape)}")
+        lr = self.learning_rate(state.count) if callable(self.learning_rate) else self.learning_rate
+        lr = jnp.asarray(lr)
+        if lr.dtype not in (jnp.float32, jnp.float64):
+            lr = lr.astype(jnp.float32)
+        # After the previous step's ticket and every weight read back (the parameters passed in, or
+        # whatever they were computed from): no read of the previous step comes after this step's
+        # gradients, even in a program that takes several steps.
+        scale = _ffi.begin_step(session, self._group, lr, jnp.float32(self.loss_scale), state.ticket, *leaves)
+
+        def scaled_loss(p):
+            tapped = [x if leaf.slice_id is None else _hand_over_in_backward(x, scale, session, leaf.slice_id)
+                      for leaf, x in zip(self._leaves, self._treedef.flatten_up_to(p))]
+            out = loss_fn(jax.tree_util.tree_unflatten(self._treedef, tapped), *args)
+            loss, aux = out if has_aux else (out, None)
+            return loss * scale.astype(loss.dtype), (loss, aux)
+
+        grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(params)
+        handed = [g for leaf, g in zip(self._leaves, self._treedef.flatten_up_to(grads)) if leaf.slice_id is not None]
+        max_norm = 0.0 if self.max_grad_norm is None else self.max_grad_norm
+        ticket = _ffi.step(handed, session, max_norm)
+        new = [x if leaf.slice_id is None else _ffi.read_weights(ticket, leaf.shape, leaf.dtype, session, leaf.slice_id)
+               for leaf, x in zip(self._leaves, leaves)]
+        new_params = jax.tree_util.tree_unflatten(self._treedef, new)
+        new_state = SuperOffloadState(count=state.count + 1, ticket=ticket)
+        return ((loss, aux) if has_aux else loss), new_params, new_state
+
+    # ---- outside jit ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _ticket(state):
+        t = np.asarray(state.ticket)  # waits for the step call that wrote it
+        return int(t[0]) | (int(t[1]) << 32)
+
+    def metrics(self, state):
+        """The outcome of the step that produced `state` (waits for it): a dict of the session's
+        step result (`global_norm`, `clip_coef`, `skipped`, `skip_reason`, `loss_scale`,
+        speculative/kept/rescaled/rolled_back/redone/stepped counts, `final_pass_elements`,
+        `forward_wait_s`, ...), plus `learning_rate` (the schedule's value the step used). None
+        before the first step. Only the latest step's result is kept."""
+        ticket = self._ticket(state)
+        if ticket == 0:
+            return None
+        result = self._live_session().step_result(ticket)
+        result["learning_rate"] = self._lr_at(int(state.count) - 1)
+        return result
+
+    def state_dict(self, state):
+        """The optimizer's state as a pytree of numpy arrays, for any checkpointer (pickle, orbax,
+        numpy.savez): {"format", "count", "speculation_history", "master", "exp_avg", "exp_avg_sq",
+        "step"}, the last four shaped like the parameter tree (f32 master weights and moments, int
+        step counts). Waits for the step of `state`; call it between steps. `load_state_dict`
+        restores it bit for bit: training resumed from it continues exactly as without the break."""
+        return _state_dict.state_dict(self, state, self._ticket(state))
+
+    def load_state_dict(self, state_dict):
+        """Restores a `state_dict()` into this optimizer (initialised with a parameter tree of the
+        same structure, shapes and dtypes; between steps). Returns `(params, state)`: the parameters
+        (from the restored f32 master weights, in the parameters' dtype) and the optimizer state to
+        continue with. Everything is checked before anything changes."""
+        return _state_dict.load_state_dict(self, state_dict)

@@ -1,0 +1,148 @@
+"""The optimizer's state as a pytree of numpy arrays and back, bit for bit: what the session holds
+(f32 master weights, both moments and the step count of every parameter, the clip history automatic
+speculation decides from) and the state's step count. `SuperOffloadAdamW.state_dict` and
+`load_state_dict` call these."""
+import ctypes as C
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from .. import _core
+from .._abi import Status
+from . import _ffi
+
+STATE_DICT_FORMAT = "superoffload.jax/1"
+_KEYS = ("master", "exp_avg", "exp_avg_sq", "step")
+
+
+def _host_view(address, numel):
+    """The session's f32 buffer at `address` as a numpy array (no copy)."""
+    if numel == 0:
+        return np.zeros(0, np.float32)
+    return np.ctypeslib.as_array((C.c_float * numel).from_address(address))
+
+
+def _buffers(session, sg):
+    """(master, exp_avg, exp_avg_sq, step count) of a sub-group, after its outstanding work."""
+    st = session.get_subgroup_state(sg.id)
+    if st["master_dtype"] != 1 or st["moment_dtype"] != 1:  # SO_DTYPE_F32
+        raise RuntimeError(f"sub-group {sg.id} does not hold f32 state")
+    return (_host_view(st["master"], sg.numel), _host_view(st["exp_avg"], sg.numel),
+            _host_view(st["exp_avg_sq"], sg.numel), int(st["step_count"]))
+
+
+def _require_between_steps(session, what):
+    """Raises unless the session is between steps: setting the clip history to its current value
+    changes nothing, and the library refuses it during a step."""
+    try:
+        session.set_speculation_history(*session.speculation_history())
+    except _core.SuperOffloadError as e:
+        if e.status == Status.INVALID_STATE:
+            raise RuntimeError(f"{what}: a step is in progress; call it between steps (after the step's results "
+                               "are ready, e.g. jax.block_until_ready(params))") from None
+        raise
+
+
+def state_dict(opt, state, ticket):
+    """{"format", "count", "speculation_history", "master", "exp_avg", "exp_avg_sq", "step"}: the last
+    four are pytrees shaped like the parameters (f32 arrays, and int step counts)."""
+    session = opt._live_session()
+    _ffi.wait_for_dispatched_steps()
+    if ticket:
+        try:
+            session.step_result(ticket)  # the step of `state` is final
+        except _core.SuperOffloadError as e:
+            if e.status == Status.NOT_FOUND:
+                raise ValueError("state_dict(state): `state` is not from the latest step (the session has "
+                                 "stepped since); pass the state the latest step returned") from None
+            raise
+    _require_between_steps(session, "state_dict()")
+    per_leaf = {key: [] for key in _KEYS}
+    buffers = {sg.id: _buffers(session, sg) for sg in opt._subgroups}
+    for leaf in opt._leaves:
+        if leaf.slice_id is None:
+            master = m = v = np.zeros(leaf.shape, np.float32)
+            step = 0
+        else:
+            master, m, v, step = buffers[opt._subgroups[leaf.subgroup].id]
+            span = slice(leaf.offset, leaf.offset + leaf.numel)
+            master, m, v = (a[span].reshape(leaf.shape).copy() for a in (master, m, v))
+        for key, value in zip(_KEYS, (master, m, v, step)):
+            per_leaf[key].append(value)
+    out = {"format": STATE_DICT_FORMAT, "count": int(np.asarray(state.count)),
+           "speculation_history": list(session.speculation_history())}
+    for key in _KEYS:
+        out[key] = jax.tree_util.tree_unflatten(opt._treedef, per_leaf[key])
+    return out
+
+
+def _checked_plan(opt, sd):
+    """Every array of `sd`, checked against the parameters, before anything changes:
+    [(leaf, master, exp_avg, exp_avg_sq)], {sub-group index: step count}."""
+    if not isinstance(sd, dict) or sd.get("format") != STATE_DICT_FORMAT:
+        fmt = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
+        raise ValueError(f"not a superoffload.jax state dict (format {fmt!r}; this version reads "
+                         f"{STATE_DICT_FORMAT!r})")
+    missing = [k for k in _KEYS + ("count", "speculation_history") if k not in sd]
+    if missing:
+        raise ValueError(f"the state dict lacks {', '.join(missing)}")
+    per_key = {}
+    for key in _KEYS:
+        try:
+            per_key[key] = opt._treedef.flatten_up_to(sd[key])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"state dict entry {key!r} does not have the parameters' tree structure: {e}") from None
+    plan, steps = [], {}
+    for i, leaf in enumerate(opt._leaves):
+        arrays = []
+        for key in _KEYS[:3]:
+            a = np.asarray(per_key[key][i])
+            if a.shape != leaf.shape or a.dtype != np.float32:
+                raise ValueError(f"state dict {key!r} of {leaf.name}: {a.dtype}{list(a.shape)}, expected "
+                                 f"float32{list(leaf.shape)}")
+            arrays.append(a.reshape(-1))
+        step = int(per_key["step"][i])
+        if step < 0:
+            raise ValueError(f"state dict 'step' of {leaf.name} is {step}")
+        if leaf.slice_id is not None:
+            if steps.setdefault(leaf.subgroup, step) != step:
+                raise ValueError(f"the parameters of sub-group {leaf.subgroup} have different step counts in the "
+                                 f"state dict ({steps[leaf.subgroup]} and {step} for {leaf.name}); create the "
+                                 "optimizer with the sub_group_numel of the one that saved it")
+        plan.append((leaf, *arrays))
+    history = sd["speculation_history"]
+    if len(history) != 2:
+        raise ValueError(f"state dict 'speculation_history' must be [bits, steps], not {history!r}")
+    count = int(sd["count"])
+    if not 0 <= count < 2 ** 31:
+        raise ValueError(f"state dict 'count' {count} is out of range")
+    return plan, steps, (int(history[0]), int(history[1])), count
+
+
+def load_state_dict(opt, sd):
+    """Writes `sd` (from `state_dict`) into the session; returns (params, state)."""
+    session = opt._live_session()
+    plan, steps, history, count = _checked_plan(opt, sd)
+    _ffi.wait_for_dispatched_steps()
+    _require_between_steps(session, "load_state_dict()")
+    buffers = {sg_index: _buffers(session, sg) for sg_index, sg in enumerate(opt._subgroups)}
+    current_history = session.speculation_history()
+    session.set_speculation_history(*history)  # checked by the library before anything else changes
+    try:
+        for leaf, master, m, v in plan:
+            if leaf.slice_id is None:
+                continue
+            span = slice(leaf.offset, leaf.offset + leaf.numel)
+            for dst, src in zip(buffers[leaf.subgroup][:3], (master, m, v)):
+                dst[span] = src
+        for sg_index, step in steps.items():
+            session.set_step_count(opt._subgroups[sg_index].id, step)
+    except BaseException:
+        session.set_speculation_history(*current_history)
+        raise
+    params = [np.zeros(leaf.shape, leaf.dtype) if leaf.slice_id is None else
+              master.reshape(leaf.shape).astype(leaf.dtype) for leaf, master, _, _ in plan]
+    params = jax.tree_util.tree_unflatten(opt._treedef, [jnp.asarray(p) for p in params])
+    return params, opt._initial_state(count)
