@@ -103,7 +103,7 @@ pub(super) fn error_code(status: Status) -> ErrorCode {
 
 /// `XLA_FFI_Extension_Base`.
 #[repr(C)]
-pub(super) struct ExtensionBase {
+pub struct ExtensionBase {
     pub struct_size: usize,
     pub kind: i32,
     pub next: *mut ExtensionBase,
@@ -111,7 +111,7 @@ pub(super) struct ExtensionBase {
 
 /// `XLA_FFI_Api_Version`.
 #[repr(C)]
-pub(super) struct ApiVersion {
+pub struct ApiVersion {
     pub struct_size: usize,
     pub extension_start: *mut ExtensionBase,
     pub major_version: i32,
@@ -120,7 +120,7 @@ pub(super) struct ApiVersion {
 
 /// `XLA_FFI_Metadata` (`state_type_id` is written only where the runtime's struct has it).
 #[repr(C)]
-pub(super) struct Metadata {
+pub struct Metadata {
     pub struct_size: usize,
     pub api_version: ApiVersion,
     pub traits: u32,
@@ -129,14 +129,14 @@ pub(super) struct Metadata {
 
 /// `XLA_FFI_Metadata_Extension`.
 #[repr(C)]
-pub(super) struct MetadataExtension {
+pub struct MetadataExtension {
     pub extension_base: ExtensionBase,
     pub metadata: *mut Metadata,
 }
 
 /// `XLA_FFI_Error_Create_Args`.
 #[repr(C)]
-pub(super) struct ErrorCreateArgs {
+pub struct ErrorCreateArgs {
     pub struct_size: usize,
     pub extension_start: *mut ExtensionBase,
     pub message: *const c_char,
@@ -152,7 +152,7 @@ pub(super) type ErrorCreate = unsafe extern "C" fn(args: *mut ErrorCreateArgs) -
 
 /// `XLA_FFI_Api`, up to the one function the handlers call.
 #[repr(C)]
-pub(super) struct Api {
+pub struct Api {
     pub struct_size: usize,
     pub extension_start: *mut ExtensionBase,
     pub api_version: ApiVersion,
@@ -162,7 +162,7 @@ pub(super) struct Api {
 
 /// `XLA_FFI_Buffer`.
 #[repr(C)]
-pub(super) struct Buffer {
+pub struct Buffer {
     pub struct_size: usize,
     pub extension_start: *mut ExtensionBase,
     pub dtype: i32,
@@ -173,7 +173,7 @@ pub(super) struct Buffer {
 
 /// `XLA_FFI_Args` and `XLA_FFI_Rets` (the same layout).
 #[repr(C)]
-pub(super) struct Operands {
+pub struct Operands {
     pub struct_size: usize,
     pub extension_start: *mut ExtensionBase,
     pub size: i64,
@@ -183,21 +183,21 @@ pub(super) struct Operands {
 
 /// `XLA_FFI_ByteSpan`.
 #[repr(C)]
-pub(super) struct ByteSpan {
+pub struct ByteSpan {
     pub ptr: *const c_char,
     pub len: usize,
 }
 
 /// `XLA_FFI_Scalar`.
 #[repr(C)]
-pub(super) struct Scalar {
+pub struct Scalar {
     pub dtype: i32,
     pub value: *const c_void,
 }
 
 /// `XLA_FFI_Attrs` (sorted by name).
 #[repr(C)]
-pub(super) struct Attrs {
+pub struct Attrs {
     pub struct_size: usize,
     pub extension_start: *mut ExtensionBase,
     pub size: i64,
