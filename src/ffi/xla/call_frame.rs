@@ -11,6 +11,7 @@ use super::c_api::{
     XLA_FFI_Error, XlaType, error_code, type_name,
 };
 use crate::error::{Error, Result, Status};
+use crate::ffi::args::RawBuf;
 use crate::kernels::{DType, Floats, FloatsMut};
 
 /// A struct the runtime sent is at least as large as the fields read from it.
@@ -335,16 +336,9 @@ impl BufferRef<'_> {
     /// # Safety
     /// XLA's buffer, not written by anything else while the view lives.
     pub(crate) unsafe fn floats(&self) -> Result<Floats<'_>> {
-        let dtype = self.float_dtype()?;
-        let (ptr, n) = self.checked_data(dtype.size())?;
-        // SAFETY: aligned, `n` elements of XLA's buffer (the caller's contract).
-        Ok(unsafe {
-            match dtype {
-                DType::F32 => Floats::F32(std::slice::from_raw_parts(ptr.cast(), n)),
-                DType::Bf16 => Floats::Bf16(std::slice::from_raw_parts(ptr.cast(), n)),
-                DType::F16 => Floats::F16(std::slice::from_raw_parts(ptr.cast(), n)),
-            }
-        })
+        let raw = self.float_buf()?;
+        // SAFETY: XLA's buffer, unwritten while the view lives (the caller's contract).
+        Ok(unsafe { raw.floats() })
     }
 
     /// A floating-point buffer (f32, bf16 or f16) to write.
@@ -352,17 +346,16 @@ impl BufferRef<'_> {
     /// # Safety
     /// XLA's buffer, accessed by nothing else while the view lives.
     pub(crate) unsafe fn floats_mut(&self) -> Result<FloatsMut<'_>> {
+        let raw = self.float_buf()?;
+        // SAFETY: XLA's buffer, exclusively ours while the view lives (the caller's contract).
+        Ok(unsafe { raw.floats_mut() })
+    }
+
+    /// The floating-point buffer as the library's checked buffer argument.
+    fn float_buf(&self) -> Result<RawBuf<'_>> {
         let dtype = self.float_dtype()?;
         let (ptr, n) = self.checked_data(dtype.size())?;
-        // SAFETY: aligned, `n` elements of XLA's buffer, exclusively ours (the caller's
-        // contract).
-        Ok(unsafe {
-            match dtype {
-                DType::F32 => FloatsMut::F32(std::slice::from_raw_parts_mut(ptr.cast(), n)),
-                DType::Bf16 => FloatsMut::Bf16(std::slice::from_raw_parts_mut(ptr.cast(), n)),
-                DType::F16 => FloatsMut::F16(std::slice::from_raw_parts_mut(ptr.cast(), n)),
-            }
-        })
+        RawBuf::new(&self.what, "its element count", ptr.cast_const(), n, dtype)
     }
 
     fn float_dtype(&self) -> Result<DType> {
