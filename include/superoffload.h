@@ -1636,6 +1636,27 @@ so_status so_session_final_ticket(const struct so_session *session,
                                   so_ticket *out_ticket);
 
 /**
+ * @brief Waits up to `timeout_ns` (negative: forever, 0: poll) until the sub-group's latest
+ * decided step has written its master weights and moments: its final ticket, then the
+ * state pass that step left for after the final ticket (a session that writes a lent
+ * `so_subgroup_desc.copy`, or a CUDA session publishing a low-precision copy, writes the
+ * copy first). From then on the session no longer reads the sub-group's gradient buffer:
+ * a caller that lent it (`so_subgroup_desc.grad`, `so_session_grad_written`) waits here
+ * before writing the next step's gradient into it, which lets each sub-group's gradient
+ * wait for its own state pass instead of the whole step's ticket.
+ * @return `SO_STATUS_OK`, `SO_STATUS_TIMEOUT`, the final pass's error status if it failed,
+ *         or `SO_STATUS_INVALID_ARGUMENT` for an unknown sub-group.
+ * @note Thread-safety: see `so_session`; any thread may wait.
+ *
+ * # Safety
+ * `session` is NULL or a live session handle.
+ */
+SO_NODISCARD
+so_status so_session_wait_settled(const struct so_session *session,
+                                  uint32_t subgroup,
+                                  int64_t timeout_ns);
+
+/**
  * @brief Steps the sub-group has taken (skipped steps do not count); read it after the
  * sub-group's final ticket for the count after a step.
  * @note Thread-safety: see `so_session`.

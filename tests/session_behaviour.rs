@@ -474,6 +474,80 @@ fn the_timeline_records_hand_offs_steps_and_finalization() {
 /// steps the same bits as one that keeps its own, with bf16 moments (the copy steps ahead)
 /// and clipping on some steps; the lent copy is the master weights rounded, from registration
 /// on, whenever the step's ticket is complete. Without a copy dtype a lent copy is refused.
+/// A caller that lends both the copy and the gradient buffers, and writes each sub-group's next
+/// gradient once `wait_settled` says that sub-group's state pass ended, without waiting for the
+/// step's ticket: the same bits as session-owned buffers stepped one step at a time.
+#[test]
+fn a_lent_gradient_buffer_is_written_once_its_subgroup_settles() {
+    let (subgroups, n) = (6, 1 << 16);
+    let mk = |lent: bool| {
+        let s = Session::new(SessionOptions {
+            pool: Some(Arc::new(pool(Isa::best(), 2))),
+            grad_dtype: DType::Bf16,
+            accum_dtype: DType::Bf16,
+            moment_dtype: DType::Bf16,
+            copy_dtype: Some(DType::Bf16),
+            speculation: Speculation::On,
+            ..SessionOptions::default()
+        })
+        .unwrap();
+        s.add_group(GroupHparams::default()).unwrap();
+        let (mut grads, mut masters) = (Vec::new(), Vec::new());
+        for k in 0..subgroups {
+            let master = Box::leak(
+                (0..n).map(|i| ((i * 3 + k) % 17) as f32 * 0.01 - 0.08).collect::<Vec<f32>>().into_boxed_slice(),
+            );
+            // SAFETY: leaked, so valid for the rest of the process; the test reads the masters
+            // only after a step's ticket.
+            let m = unsafe { Borrowed::new("m", master.as_mut_ptr().cast(), n, DType::F32) }.unwrap();
+            let slices = vec![SliceDesc { name: format!("w{k}"), offset: 0, numel: n }];
+            let mut desc = SubGroupDesc::new(0, m, slices);
+            if lent {
+                let copy = Box::leak(vec![bf16::ZERO; n].into_boxed_slice());
+                let grad = Box::leak(vec![bf16::ZERO; n].into_boxed_slice());
+                // SAFETY: as for `m`; the test writes `grad` only after `wait_settled`.
+                desc.copy = Some(unsafe { Borrowed::new("c", copy.as_mut_ptr().cast(), n, DType::Bf16) }.unwrap());
+                // SAFETY: as for `c`.
+                desc.grad = Some(unsafe { Borrowed::new("g", grad.as_mut_ptr().cast(), n, DType::Bf16) }.unwrap());
+                grads.push(grad);
+            }
+            s.add_subgroup(desc).unwrap();
+            masters.push(&*master);
+        }
+        (s, grads, masters)
+    };
+    let gradient = |step: usize, k: usize| -> Vec<bf16> {
+        (0..n).map(|i| bf16::from_f32(((i * 7 + step * 5 + k) % 13) as f32 * 1e-2 - 0.06)).collect()
+    };
+    let (own, _, own_masters) = mk(false);
+    let (lent, mut grads, lent_masters) = mk(true);
+    let mut last = 0;
+    for step in 0..8 {
+        let max_norm = if step % 3 == 1 { 0.1 } else { 0.0 };
+        let args = StepArgs { max_norm, norm: NormSource::Local, overflow: false };
+        own.begin_step(None, 1).unwrap();
+        lent.begin_step(None, 1).unwrap();
+        for k in (0..subgroups).rev() {
+            let g = gradient(step, k);
+            own.grad_copy(k as u32, Floats::Bf16(&g)).unwrap();
+            lent.wait_settled(k as u32, None).unwrap();
+            grads[k].copy_from_slice(&g);
+            lent.grad_written(k as u32).unwrap();
+        }
+        let t = own.step(args).unwrap();
+        own.wait(t, None).unwrap();
+        last = lent.step(args).unwrap();
+    }
+    lent.wait(last, None).unwrap();
+    for k in 0..subgroups {
+        let same = own_masters[k].iter().zip(lent_masters[k]).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "master weights of sub-group {k}");
+        let (a, b) = (own.moments(k as u32).unwrap(), lent.moments(k as u32).unwrap());
+        assert!(a == b, "moments of sub-group {k}");
+    }
+    assert_eq!(lent.wait_settled(0, Some(Duration::ZERO)), Ok(()), "settled after the step's ticket");
+}
+
 #[test]
 fn a_lent_copy_holds_the_masters_rounded() {
     let n = 3000;

@@ -385,6 +385,26 @@ public:
     }
 
     /**
+     * Waits forever until the sub-group's latest step wrote its master weights and moments, so
+     * its gradient buffer is free for the next step's gradient (`so_session_wait_settled`).
+     * @throws Error the final pass's error, or `SO_STATUS_INVALID_ARGUMENT`.
+     */
+    void wait_settled(std::uint32_t subgroup) const { check(so_session_wait_settled(raw(), subgroup, -1)); }
+
+    /**
+     * Waits at most `timeout` for wait_settled(subgroup)'s condition.
+     * @return false if the timeout expired. @throws Error as wait_settled(subgroup).
+     */
+    [[nodiscard]] bool wait_settled(std::uint32_t subgroup, Timeout timeout) const {
+        const so_status st = so_session_wait_settled(raw(), subgroup, timeout.c_ns());
+        if (st == SO_STATUS_TIMEOUT) {
+            return false;
+        }
+        check(st);
+        return true;
+    }
+
+    /**
      * Steps the sub-group has taken (skipped steps do not count; `so_session_step_count`);
      * read it after the sub-group's final ticket. @throws Error `SO_STATUS_NOT_FOUND`.
      */

@@ -269,6 +269,7 @@ FUNCTIONS = {
     "so_session_step": (so_status, [_session, P(StepArgs), P(so_ticket)]),
     "so_session_step_result": (so_status, [_session, so_ticket, c_i64, P(StepResult)]),
     "so_session_final_ticket": (so_status, [_session, c_u32, P(so_ticket)]),
+    "so_session_wait_settled": (so_status, [_session, c_u32, c_i64]),
     "so_session_step_count": (so_status, [_session, c_u32, P(c_u64)]),
     "so_session_loss_scale": (so_status, [_session, P(c_f32)]),
     "so_host_memory": (so_status, [P(c_size_t), P(c_size_t)]),

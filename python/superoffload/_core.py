@@ -484,6 +484,15 @@ class Session:
         check(st, "so_ticket_wait")
         return True
 
+    def wait_settled(self, sg, timeout_s=-1.0):
+        """Waits until the sub-group's latest step wrote its master weights and moments (its
+        gradient buffer is free again); False on a timeout."""
+        st = lib().so_session_wait_settled(self.handle, sg, _ns(timeout_s))
+        if st == Status.TIMEOUT:
+            return False
+        check(st, "so_session_wait_settled")
+        return True
+
     def wait_all(self, ticket, timeout_s=-1.0):
         if not ticket:
             return True

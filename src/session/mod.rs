@@ -56,7 +56,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use buffers::Borrowed;
 pub use factors::{clip_coefficient, grad_factor, unscale_factor, usable_factor};
@@ -236,6 +236,25 @@ impl Session {
     /// first `step()`).
     pub fn final_ticket(&self, sg: u32) -> Result<Ticket> {
         self.lock().reg.final_ticket(sg)
+    }
+
+    /// Waits until the sub-group's latest decided step has written its master weights and
+    /// moments: its final ticket, then the state pass that final pass left, if any. From then
+    /// on the session no longer reads the sub-group's gradient buffer, so a caller that lent
+    /// it may write the next step's gradient there. `Timeout` if `timeout` passes first.
+    pub fn wait_settled(&self, sg: u32, timeout: Option<Duration>) -> Result<()> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let final_ticket = self.final_ticket(sg)?;
+        let _span = self.shared.tracer.span(Lane::Caller, || format!("wait for sub-group {sg} to settle"));
+        if final_ticket != 0 {
+            self.shared.caller_wait(final_ticket, timeout, false)?;
+        }
+        let start = Instant::now();
+        let settled = self.shared.sched.wait_settled(sg, deadline);
+        self.shared.caller_wait_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        settled
+            .map(|_| ())
+            .map_err(|()| Error::new(Status::Timeout, format!("sub-group {sg}: its state pass has not ended yet")))
     }
 
     /// Copies a slice's master weights into `out` (one element per element of the slice,

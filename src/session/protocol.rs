@@ -210,6 +210,13 @@ impl Protocol {
             )));
         }
         wait_final(shared, final_ticket);
+        if shared.sched.state_pending(sg.id) {
+            return Err(state_error(format!(
+                "slice {:?}: the previous step's state pass of sub-group {sg_id} still reads its gradient \
+                 buffer; wait for it (so_session_wait_settled) before writing the buffer",
+                reg.slice_name(slice)
+            )));
+        }
         if shared.sched.is_complete(sg.id) {
             return Err(state_error(format!(
                 "slice {:?}: its sub-group was already complete this step, so its buffer is in use; \
@@ -469,7 +476,7 @@ fn wait_final(shared: &Shared, ticket: Ticket) {
 /// the time as the caller's wait (it holds the backward up).
 fn wait_settled(shared: &Shared, sg: u32) {
     let start = std::time::Instant::now();
-    if shared.sched.wait_settled(sg) {
+    if shared.sched.wait_settled(sg, None) == Ok(true) {
         let waited = start.elapsed().as_nanos() as u64;
         shared.caller_wait_ns.fetch_add(waited, Ordering::Relaxed);
     }

@@ -18,7 +18,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::plans::{PreparePlan, StepPlan};
 use super::subgroup::SubGroup;
@@ -227,15 +227,27 @@ impl Scheduler {
         self.settled.notify_all();
     }
 
-    /// Waits while the sub-group's state pass is pending; returns whether it waited.
-    pub(crate) fn wait_settled(&self, id: u32) -> bool {
+    /// Waits while the sub-group's state pass is pending, up to `deadline` (None: forever);
+    /// returns whether it waited, or `Err(())` if the deadline passed with the pass pending.
+    pub(crate) fn wait_settled(&self, id: u32, deadline: Option<Instant>) -> Result<bool, ()> {
         let mut q = self.queue.lock().unwrap();
         let mut waited = false;
         while q.lifecycle[id as usize] == Lifecycle::StatePending {
             waited = true;
-            q = self.settled.wait(q).unwrap();
+            q = match deadline {
+                None => self.settled.wait(q).unwrap(),
+                Some(d) => {
+                    let left = d.checked_duration_since(Instant::now()).ok_or(())?;
+                    self.settled.wait_timeout(q, left).unwrap().0
+                }
+            };
         }
-        waited
+        Ok(waited)
+    }
+
+    /// Whether the sub-group's state pass is pending (its gradient buffer is being read).
+    pub(crate) fn state_pending(&self, id: u32) -> bool {
+        self.queue.lock().unwrap().lifecycle[id as usize] == Lifecycle::StatePending
     }
 
     /// Queues the final pass of every sub-group of a decided step, in forward order; the

@@ -111,8 +111,9 @@ class GradientTaker:
     """Takes each unsharded gradient of a one-rank shard group into its sub-group's pinned host
     buffer and hands it to the session once it is there (see the module docstring).
 
-    `begin()` is called before each parameter's first copy of a step (it begins the step once),
-    `written(info)` hands a complete gradient over; both come from the optimizer. The hooks run
+    `begin(info)` is called before each parameter's first copy of a step (it begins the step
+    once and waits until the parameter's buffer is free), `written(info)` hands a complete
+    gradient over; both come from the optimizer. The hooks run
     on autograd's thread; the hand-overs on this object's thread, in the order of the copies."""
 
     def __init__(self, modules, infos_by_param, accumulation_steps, begin, written, device):
@@ -157,7 +158,7 @@ class GradientTaker:
             info.count += 1
             last = info.count >= self.accumulation_steps
             if info.count == 1:
-                self._begin()
+                self._begin(info)
             self._copy(info, grad.reshape(-1), first=info.count == 1, last=last)
         return post_accumulate_grad
 

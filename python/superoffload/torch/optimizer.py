@@ -271,7 +271,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         self._all_sgs = [sg.id for sg in self._subgroups]
         if take_dtype:
             self._taker = _fsdp.GradientTaker(self._fsdp_modules, self._by_param, self.accumulation_steps,
-                                              self._begin_once, self._hand_over_written, compute)
+                                              self._begin_gradient, self._hand_over_written, compute)
         else:
             for info in self._infos:
                 self._hooks.append(info.param.register_post_accumulate_grad_hook(self._make_hook(info)))
@@ -428,20 +428,21 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         with self._times.timed("handoff_s"), self._nvtx.range(f"superoffload:hand_over {info.name}"):
             self.session.grad_written(info.slice)
 
-    def _begin_once(self):
+    def _begin_gradient(self, info):
+        """Before a lent gradient buffer is written: the step begun, and the buffer free, i.e.
+        the previous step's state pass of this sub-group (which reads it) ended. Per sub-group,
+        so the backward's first gradients wait only for the state passes of the last layers,
+        which the session runs first."""
         if not self._in_step:
             self._begin()
+        with self._times.timed("wait_s"):
+            self.session.wait_settled(info.sg)
 
     def _begin(self):
         if self._pending:  # sub-groups no forward waited for (their modules did not run)
             todo = sorted(self._pending)
             self._pending.clear()
             self._wait_subgroups(todo)
-        if self._shard_copies and self._taker is not None and self._ticket is not None:
-            # The master weights and moments follow the shards of the previous step and read its
-            # gradients, which this step's copies are about to overwrite: they end with its ticket.
-            with self._times.timed("wait_s"):
-                self.session.wait(self._ticket)
         self._sync_groups()
         if self._budget_unmeasured:
             self._limit_budget_to_fraction()

@@ -6,7 +6,7 @@ use std::ffi::{c_char, c_void};
 use super::handle::{session_ref, so_session};
 use crate::error::{Error, Result, Status};
 use crate::ffi::args::{
-    RawBuf, c_str, check_out_struct, non_null, read_struct, required_array, with_struct_size, write_out,
+    RawBuf, c_str, check_out_struct, non_null, read_struct, required_array, timeout, with_struct_size, write_out,
 };
 use crate::ffi::boundary::ffi_boundary;
 use crate::ffi::convert::{Field, FromC, abi_struct};
@@ -313,6 +313,29 @@ pub unsafe extern "C" fn so_session_final_ticket(
         let t = unsafe { session_ref(session)? }.final_ticket(subgroup)?;
         // SAFETY: `out_ticket` is NULL or writable (this function's contract).
         unsafe { write_out(out_ticket, "out_ticket", t) }
+    })
+}
+
+/// @brief Waits up to `timeout_ns` (negative: forever, 0: poll) until the sub-group's latest
+/// decided step has written its master weights and moments: its final ticket, then the
+/// state pass that step left for after the final ticket (a session that writes a lent
+/// `so_subgroup_desc.copy`, or a CUDA session publishing a low-precision copy, writes the
+/// copy first). From then on the session no longer reads the sub-group's gradient buffer:
+/// a caller that lent it (`so_subgroup_desc.grad`, `so_session_grad_written`) waits here
+/// before writing the next step's gradient into it, which lets each sub-group's gradient
+/// wait for its own state pass instead of the whole step's ticket.
+/// @return `SO_STATUS_OK`, `SO_STATUS_TIMEOUT`, the final pass's error status if it failed,
+///         or `SO_STATUS_INVALID_ARGUMENT` for an unknown sub-group.
+/// @note Thread-safety: see `so_session`; any thread may wait.
+///
+/// # Safety
+/// `session` is NULL or a live session handle.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn so_session_wait_settled(session: *const so_session, subgroup: u32, timeout_ns: i64) -> Status {
+    ffi_boundary!({
+        // SAFETY: `session` is NULL or a live session (this function's contract).
+        unsafe { session_ref(session)? }.wait_settled(subgroup, timeout(timeout_ns))
     })
 }
 
