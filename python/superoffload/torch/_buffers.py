@@ -34,6 +34,27 @@ def host_empty(numel, dtype):
     return torch.frombuffer(region, dtype=dtype)  # the tensor keeps the mapping alive
 
 
+class PinnedHostBuffer:
+    """A host buffer page-locked at its exact size with cudaHostRegister, so the GPU copies
+    into it by DMA: torch's pinned allocator rounds each block up to a power of two (up to 2x
+    the bytes, for a gradient buffer per sub-group). Owns the mapping, so its memory is
+    unregistered before it is unmapped; a view that outlives it only loses the page lock."""
+
+    def __init__(self, numel, dtype):
+        self.tensor = host_empty(numel, dtype)
+        self.tensor.zero_()  # first touch: the pages the registration locks are the final ones
+        self._ptr = self.tensor.data_ptr()
+        nbytes = self.tensor.numel() * self.tensor.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(self._ptr, nbytes, 0) if nbytes else 0
+        if int(err) != 0:
+            raise RuntimeError(f"SuperOffloadAdamW: cudaHostRegister of {nbytes} bytes failed ({err})")
+        self._registered = nbytes > 0
+
+    def __del__(self):
+        if getattr(self, "_registered", False):
+            torch.cuda.cudart().cudaHostUnregister(self._ptr)
+
+
 @torch.no_grad()
 def first_touch(bufs, pool):
     """First touch of freshly allocated host buffers by the pool's threads: one so_adam_update
@@ -171,7 +192,12 @@ def register(session, subgroups, *, device, param_dtype, moment_dtype, fsdp, mas
         sg.exp_avg_sq.zero_()
         keep = [sg.master, sg.exp_avg, sg.exp_avg_sq]
         if grad_dtype:
-            sg.grad = torch.zeros(sg.numel, dtype=TORCH_DTYPES[grad_dtype], pin_memory=pinned_grads)
+            if pinned_grads:
+                pinned = PinnedHostBuffer(sg.numel, TORCH_DTYPES[grad_dtype])
+                sg.grad = pinned.tensor
+                keep.append(pinned)
+            else:
+                sg.grad = torch.zeros(sg.numel, dtype=TORCH_DTYPES[grad_dtype])
             keep.append(sg.grad)
             for info in sg.params:
                 info.grad_buffer = sg.grad[sg.span(info)]

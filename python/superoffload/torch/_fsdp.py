@@ -26,6 +26,12 @@ import threading
 
 import torch
 
+from ._buffers import PinnedHostBuffer
+
+# Pinned buffers a later micro-step's gradient lands in before the thread adds it: enough for
+# the copy of one gradient to overlap the addition of the one before.
+STAGING_BUFFERS = 3
+
 
 def _fsdp_module_class():
     try:
@@ -125,6 +131,7 @@ class GradientTaker:
         self._hooked = set()
         self._hooks = []
         self._stream = torch.cuda.Stream(device) if self.cuda else None
+        self._staging = None  # a queue of free PinnedHostBuffers, made at the first micro-step 2
         self._queue = queue.Queue()
         self._error = None
         self._thread = None
@@ -178,17 +185,28 @@ class GradientTaker:
                 self.taken.add(id(info))
                 self._written(info)
             return
+        staging = None if first else self._take_staging(buf.dtype)
+        dst = buf if first else staging.tensor[:buf.numel()]
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
-            dst = buf if first else torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
             dst.copy_(grad, non_blocking=True)
             grad.record_stream(self._stream)
             done = torch.cuda.Event()
             done.record(self._stream)
         if last:
             self.taken.add(id(info))
-        self._queue.put((info, done, None if first else dst, last))
+        self._queue.put((info, done, None if first else (staging, dst), last))
+
+    def _take_staging(self, dtype):
+        """A free staging buffer, waiting for the thread to release one: the pinned memory of
+        the later micro-steps stays bounded however far the backward runs ahead."""
+        if self._staging is None:
+            largest = max(info.numel for info in self._by_sharded.values())
+            self._staging = queue.Queue()
+            for _ in range(STAGING_BUFFERS):
+                self._staging.put(PinnedHostBuffer(largest, dtype))
+        return self._staging.get()
 
     def _check_thread(self):
         if self.cuda and self._thread is None:
@@ -201,13 +219,15 @@ class GradientTaker:
             try:
                 if item is None:
                     return
-                info, done, added, last = item
+                info, done, staged, last = item
                 done.synchronize()
                 if self._error is None:
-                    if added is not None:
-                        info.grad_buffer.add_(added)
+                    if staged is not None:
+                        info.grad_buffer.add_(staged[1])
                     if last:
                         self._written(info)
+                if staged is not None:
+                    self._staging.put(staged[0])
             except BaseException as e:  # raised on the training thread by flush()
                 self._error = e
             finally:
