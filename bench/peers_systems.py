@@ -73,9 +73,9 @@ class Context:
             total = total + loss.detach()
         return total
 
-    def build_model(self, dtype=None):
+    def build_model(self, dtype=None, device=None):
         shape = argparse.Namespace(**self.spec, dtype=dtype or self.dtype, activation_checkpointing=True)
-        return self.e2e.build_model(shape, self.device)
+        return self.e2e.build_model(shape, device or self.device)
 
     def init_distributed(self):
         import torch.distributed as dist
@@ -93,10 +93,12 @@ class Context:
         fully_shard(model, mesh=mesh, **policies)
         return model
 
-    def fully_shard_offloaded(self, model, reduce_dtype):
-        """FSDP2 with CPUOffloadPolicy: f32 shards in (pinned) host memory, compute in this
-        context's dtype; what the model's construction left cached goes back to the device."""
+    def offloaded_model(self, dtype, reduce_dtype):
+        """FSDP2 with CPUOffloadPolicy: shards of `dtype` in (pinned) host memory, compute in this
+        context's dtype. Built on the host, so its weights never have to fit the GPU (or a cap):
+        fully_shard moves one layer at a time through the device on its way to the host shards."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+        model = self.build_model(dtype=dtype, device=torch.device("cpu"))
         self.fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=reduce_dtype),
                          offload_policy=CPUOffloadPolicy(pin_memory=self.cuda))
         if self.cuda:
@@ -199,7 +201,7 @@ class Ours(Trainer):
             # weights; bf16: the weights' copy the session writes beside its own f32 masters),
             # compute in the context's dtype, the gradients in it too (taken before FSDP2 would
             # reduce them).
-            self.model = ctx.fully_shard_offloaded(ctx.build_model(dtype=offload), reduce_dtype=None)
+            self.model = ctx.offloaded_model(offload, reduce_dtype=None)
         else:
             self.model = ctx.build_model()
             if sharded:
@@ -370,7 +372,7 @@ class DeepSpeedZero3(Trainer):
 class Fsdp2CpuOffload(Trainer):
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.model = ctx.fully_shard_offloaded(ctx.build_model(dtype=torch.float32), reduce_dtype=torch.float32)
+        self.model = ctx.offloaded_model(torch.float32, reduce_dtype=torch.float32)
         self.opt = torch.optim.AdamW(self.model.parameters(), fused=True, **HPARAMS)
         self.config = {"masters": "f32 on the CPU", "compute": str(ctx.dtype),
                        "optimizer": "torch.optim.AdamW(fused=True) on the CPU"}
