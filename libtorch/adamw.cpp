@@ -484,12 +484,12 @@ void AdamW::save(::torch::serialize::OutputArchive& archive) const {
     std::ifstream in(file.path(), std::ios::binary);
     std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     if (!in.good() && !in.eof()) fail(SO_STATUS_IO, "cannot read back " + file.path());
-    archive.write("superoffload/session",
+    archive.write("superoffload_session",
                   ::torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, ::torch::kUInt8).clone());
-    archive.write("superoffload/layout", c10::IValue(s.layout()));
+    archive.write("superoffload_layout", c10::IValue(s.layout()));
     for (std::size_t g = 0; g < param_groups_.size(); g++) {
         const GroupHparams hp = hparams_of(param_groups_[g], g);
-        archive.write("superoffload/group" + std::to_string(g),
+        archive.write("superoffload_group" + std::to_string(g),
                       ::torch::tensor({hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay}, ::torch::kFloat64));
     }
 }
@@ -500,7 +500,7 @@ void AdamW::load(::torch::serialize::InputArchive& archive) {
     s.wait_last_step();
     Tensor bytes;
     c10::IValue layout;
-    if (!archive.try_read("superoffload/session", bytes) || !archive.try_read("superoffload/layout", layout)) {
+    if (!archive.try_read("superoffload_session", bytes) || !archive.try_read("superoffload_layout", layout)) {
         fail(SO_STATUS_BAD_CHECKPOINT, "the archive holds no superoffload::torch::AdamW state");
     }
     if (!layout.isString() || layout.toStringRef() != s.layout()) {
@@ -511,7 +511,7 @@ void AdamW::load(::torch::serialize::InputArchive& archive) {
     std::vector<GroupHparams> hparams;
     for (std::size_t g = 0; g < param_groups_.size(); g++) {
         Tensor t;
-        if (!archive.try_read("superoffload/group" + std::to_string(g), t) || t.numel() != 5) {
+        if (!archive.try_read("superoffload_group" + std::to_string(g), t) || t.numel() != 5) {
             fail(SO_STATUS_BAD_CHECKPOINT, "the archive has no hyperparameters for param group " + std::to_string(g));
         }
         const Tensor v = t.to(::torch::kFloat64).contiguous();

@@ -245,7 +245,7 @@ else
     cmake --install "$build_dir/torch" --prefix "$prefix" >/dev/null
     rm -rf "$build_dir/snippets-torch"
     # That environment's python3 first on PATH: the quick start asks it for torch's CMake config.
-    PATH="$(dirname "$torch_python"):$PATH" "$torch_python" scripts/check_snippets.py --lang sh,cmake,cpp \
+    PATH="$(dirname "$torch_python"):$PATH" "$torch_python" scripts/check_snippets.py --lang sh,cmake,c,cpp \
         --prefix "$prefix" --work "$build_dir/snippets-torch" README.md
 fi
 
