@@ -10,12 +10,14 @@
 #   scripts/bench.sh session
 #   scripts/bench.sh cuda --lib dist/lib/libsuperoffload.so --only overlap --cores 2,3,4,5
 #   scripts/bench.sh e2e --modes d,a,x --clipped-only
+#   scripts/bench.sh libtorch --bin build-gpu/bench/libtorch/so_llama_bench
 #
 # It runs from the repository root: relative paths in ARGS are taken from there. The Rust
 # programs (bench/rust) are built in release mode with cargo first; with SO_BENCH_PREFIX set
 # to an install prefix, its bin/ programs run instead and no cargo is needed. The Python ones
 # run with $PYTHON (default python3) and need what their --help says (torch, a GPU, the
-# superoffload package). Figures measured with them are in docs/performance.md.
+# superoffload package); the shell ones (sh:) run the programs of the CMake build their --help
+# names. Figures measured with them are in docs/performance.md.
 #
 # Environment:
 #   SO_BENCH_PREFIX   install prefix whose bin/ holds the Rust programs (no build)
@@ -42,6 +44,7 @@ torch-compare|py:bench/torch_compare.py|the kernels vs torch.optim.AdamW(fused=T
 pool-contention|py:bench/pool_contention.py|one kernel update while other processes or PCIe copies share the pool's cores
 cuda|py:bench/cuda_bench.py|GPU: gradient copies in pieces, a synthetic layered backward overlapped with the session, the device Adam kernel
 e2e|py:examples/torch_optimizer/bench_e2e.py|GPU: a 1.1B Llama-style model trained end to end, ours vs torch AdamW (--smoke: CPU)
+libtorch|sh:bench/libtorch/run.sh|GPU: a 1.1B Llama-style model trained from C++, superoffload::torch::AdamW vs torch's fused AdamW, clipping and not
 EOF
     if [ -f bench/peers.py ]; then
         printf 'peers|py:bench/peers.py|%s\n' "$(docline bench/peers.py)"
@@ -136,6 +139,7 @@ case "$entry" in
         exec "$program" "$@"
         ;;
     py:*) exec "$py" "${entry#py:}" "$@" ;;
+    sh:*) exec bash "${entry#sh:}" "$@" ;;
     set)
         if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
             echo "scripts/bench.sh session: overlap_bench with its defaults, with --fwd-ms 0.5 --bwd-ms 1.5 and with"

@@ -23,6 +23,14 @@ run_example() {
 
 if so_want libtorch; then
   so_step "libtorch trainer"
+  # The component torch, built against this machine's torch and installed into the prefix.
+  if [ ! -f "$prefix/lib/cmake/SuperOffload/SuperOffloadTorchTargets.cmake" ]; then
+    torch_cmake="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+    { cmake -S . -B build-gpu-torch -DCMAKE_BUILD_TYPE=Release -DSO_PREBUILT_DIR="$prefix" -DSO_BUILD_TESTS=OFF \
+        -DCMAKE_PREFIX_PATH="$torch_cmake" && cmake --build build-gpu-torch -j "$threads" &&
+      cmake --install build-gpu-torch --prefix "$prefix"; } > "$out/libtorch_component.txt" 2>&1 ||
+      tail -20 "$out/libtorch_component.txt"
+  fi
   run_example libtorch 300 25 examples/libtorch_trainer/run.sh "$prefix"
 fi
 if so_want jax; then

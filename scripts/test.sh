@@ -22,7 +22,10 @@
 #   8. the Python package (scripts/python_test.sh): the wheel, its install into a fresh virtual
 #      environment without Rust or a compiler, the torch-free layer tests, then torch,
 #      transformers and accelerate, the READMEs' Python snippets and the host-mode torch,
-#      FSDP2 and Trainer tests.
+#      FSDP2 and Trainer tests;
+#   9. the libtorch component (SuperOffload::torch) against the torch of that environment and
+#      the install of step 4 (SO_PREBUILT_DIR): built, its ctest torch_adamw, installed into
+#      that prefix, then the README's libtorch quick start built and run against it.
 #
 # Runs on a fresh Debian machine with a Rust toolchain (rustfmt included), gcc/g++ and
 # pkg-config. What is missing of cmake, valgrind and clang-format-14 is installed with
@@ -35,7 +38,8 @@
 #   SO_JOBS             parallel build and test jobs (default: the number of CPUs)
 #   SO_SKIP_CARGO_TEST=1  skip `cargo test` (only the CMake/ctest parts)
 #   SO_INSTALL_TOOLS=0  install no optional tool (valgrind, clang-format-14)
-#   SO_SKIP=LIST        skip parts, a comma list of: ptx, style, clippy, valgrind, sanitize, python
+#   SO_SKIP=LIST        skip parts, a comma list of: ptx, style, clippy, valgrind, sanitize, python,
+#                       libtorch
 #   SO_FREE_DISK=1      remove cargo's debug target (target/debug) once the Rust tests have run:
 #                       no later part uses it, and the torch install needs the room (.ci/run)
 set -euo pipefail
@@ -221,6 +225,28 @@ else
     section "Python package: wheel, fresh environment, layer and torch tests (scripts/python_test.sh)"
     run_or_skip "Python torch tests: too little free disk for torch (scripts/python_test.sh said why above)" \
         env SO_BUILD_DIR="$build_dir" bash scripts/python_test.sh
+fi
+
+# ---------------------------------------------------------------- the libtorch component
+# Against the torch that scripts/python_test.sh installed and the install above: no second
+# library build, two libtorch translation units (the component, its test) and the quick start's.
+torch_python="${SO_PY_WORK:-$so_root/target/python-test}/venv/bin/python"
+if ! wanted libtorch; then
+    skip "libtorch component (SO_SKIP)"
+elif [ ! -x "$torch_python" ] || ! "$torch_python" -c 'import torch' 2>/dev/null; then
+    skip "libtorch component: no torch in the Python test environment ($torch_python)"
+else
+    section "libtorch component: SuperOffload::torch against the test environment's torch, its ctest, the README's libtorch quick start"
+    torch_cmake="$("$torch_python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+    cmake -S . -B "$build_dir/torch" -DCMAKE_BUILD_TYPE=Release -DSO_PREBUILT_DIR="$prefix" \
+        -DSO_TORCH_BENCH=OFF -DCMAKE_PREFIX_PATH="$torch_cmake"
+    cmake --build "$build_dir/torch" -j "$jobs" --target superoffload_torch torch_adamw_test
+    ctest --test-dir "$build_dir/torch" --output-on-failure -R '^torch_adamw$'
+    cmake --install "$build_dir/torch" --prefix "$prefix" >/dev/null
+    rm -rf "$build_dir/snippets-torch"
+    # That environment's python3 first on PATH: the quick start asks it for torch's CMake config.
+    PATH="$(dirname "$torch_python"):$PATH" "$torch_python" scripts/check_snippets.py --lang sh,cmake,c,cpp \
+        --prefix "$prefix" --work "$build_dir/snippets-torch" README.md
 fi
 
 section "Summary"

@@ -38,11 +38,11 @@ bool compare_exact(const char* what, const RunOut& a, const RunOut& b, int64_t f
             ok = false;
             const double d = (a.masters[k] - b.masters[k]).abs().max().item<double>();
             const int64_t n = (a.masters[k] != b.masters[k]).sum().item<int64_t>();
-            std::printf("    sub-group %zu master weights differ: %" PRId64 " elements, max |diff| %.3g\n", k, n, d);
+            std::printf("    parameter %zu master weights differ: %" PRId64 " elements, max |diff| %.3g\n", k, n, d);
         }
         if (!bits_equal(a.model[k], b.model[k])) {
             ok = false;
-            std::printf("    sub-group %zu model weights differ\n", k);
+            std::printf("    parameter %zu model weights differ\n", k);
         }
     }
     std::printf("  %s: losses of steps %" PRId64 "..%" PRId64 " and final master + model weights %s\n", what, from,

@@ -9,7 +9,7 @@
 
 namespace trainer {
 
-/** Bitwise comparison of losses from `from` on and of every sub-group's weights. */
+/** Bitwise comparison of losses from `from` on and of every parameter's weights. */
 bool compare_exact(const char* what, const RunOut& a, const RunOut& b, int64_t from, int64_t steps);
 
 void write_losses(const std::string& path, const RunOut& r, int64_t steps);

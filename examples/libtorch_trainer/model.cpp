@@ -36,15 +36,20 @@ GPTImpl::GPTImpl(const Config& c) : tied(c.tied) {
     }
 }
 
-torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const std::function<void(size_t)>& before) {
-    before(0);
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx, superoffload::torch::AdamW* opt) {
+    auto wait_for = [opt](const torch::nn::Module& layer) {
+        if (opt != nullptr) opt->wait_for(layer);
+    };
+    wait_for(*tok);
+    wait_for(*pos);
     auto positions = torch::arange(idx.size(1), idx.options());
     auto x = tok(idx) + pos(positions);
-    for (size_t l = 0; l < blocks.size(); l++) {
-        before(1 + l);
-        x = blocks[l](x);
+    for (auto& block : blocks) {
+        wait_for(*block);
+        x = block(x);
     }
-    before(1 + blocks.size());
+    wait_for(*ln_f);
+    if (!tied) wait_for(*head);
     x = ln_f(x);
     return tied ? torch::nn::functional::linear(x, tok->weight) : head(x);
 }

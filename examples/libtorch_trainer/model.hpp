@@ -4,11 +4,10 @@
 
 #include "config.hpp"
 
+#include <superoffload/torch.hpp>
 #include <torch/torch.h>
 
-#include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <vector>
 
 namespace trainer {
@@ -24,8 +23,8 @@ TORCH_MODULE(Block);
 
 struct GPTImpl : torch::nn::Module {
     explicit GPTImpl(const Config& c);
-    /** `before(k)` is called before the forward touches sub-group k's parameters. */
-    torch::Tensor forward(const torch::Tensor& idx, const std::function<void(size_t)>& before);
+    /** With an offloading optimizer, each layer waits for its own weights before it runs. */
+    torch::Tensor forward(const torch::Tensor& idx, superoffload::torch::AdamW* opt);
     bool tied;
     torch::nn::Embedding tok{nullptr}, pos{nullptr};
     std::vector<Block> blocks;

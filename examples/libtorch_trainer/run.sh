@@ -9,39 +9,15 @@
 # Exits non-zero if any check fails.
 #
 # Environment: PYTHON (default python3: only used to find torch's CMake config), BUILD_DIR
-# (default: build/ next to this script), SO_CUDA_EXTRA_INCLUDE (CUDA headers for a CUDA build
-# of torch on a machine without a CUDA toolkit; see CMakeLists.txt).
+# (default: build/ next to this script). The prefix must hold the component torch, built against
+# this torch (the top-level CMakeLists.txt, with torch's CMake config on CMAKE_PREFIX_PATH).
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 example_prefix "[trainer flags...]" "$@"
 shift
 example_require_module torch "set PYTHON to an interpreter that can"
 torch_cmake="$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
-torch_cuda="$("$py" -c 'import torch; print(torch.version.cuda or "")')"
-
-extra=()
-if [ -n "$torch_cuda" ]; then
-    nvcc=""
-    for cand in "${CUDACXX:-}" "$(command -v nvcc 2>/dev/null || true)" "${CUDA_HOME:-/nonexistent}/bin/nvcc" \
-                /usr/local/cuda/bin/nvcc; do
-        if [ -n "$cand" ] && [ -x "$cand" ]; then nvcc="$cand"; break; fi
-    done
-    if [ -n "$nvcc" ]; then
-        # torch's CMake config enables the CUDA language: it needs nvcc.
-        export CUDACXX="$nvcc" PATH="$(dirname "$nvcc"):$PATH"
-        echo "run.sh: torch is a CUDA $torch_cuda build; nvcc: $nvcc"
-    else
-        site="$("$py" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')"
-        incs="${SO_CUDA_EXTRA_INCLUDE:-}"
-        for d in "$site"/nvidia/*/include "$site"/nvidia/cuda_runtime/include /usr/local/cuda/include; do
-            if [ -f "$d/cuda_runtime_api.h" ]; then incs="${incs:+$incs;}$d"; fi
-        done
-        echo "run.sh: torch is a CUDA $torch_cuda build but there is no nvcc: configuring with a torch::cudart stand-in (headers: ${incs:-none})"
-        extra+=(-DSO_TORCH_CUDA_SHIM=ON "-DSO_CUDA_INCLUDE_DIRS=$incs")
-    fi
-fi
-
-example_cmake_build "-DCMAKE_PREFIX_PATH=$torch_cmake;$prefix" ${extra[@]+"${extra[@]}"}
+example_cmake_build "-DCMAKE_PREFIX_PATH=$torch_cmake;$prefix"
 bin="$build/so_torch_trainer"
 
 status=0

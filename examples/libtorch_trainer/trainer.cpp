@@ -1,5 +1,5 @@
 // A GPT-style decoder trained from C++ with libtorch, its Adam state offloaded to the CPU
-// through a superoffload session. No Python at run time.
+// through superoffload::torch::AdamW (the component SuperOffload::torch). No Python at run time.
 //
 // Model: token + position embedding, L pre-norm blocks (causal self-attention through
 // torch::scaled_dot_product_attention, GELU MLP), final LayerNorm, LM head tied to the token
@@ -8,30 +8,19 @@
 // sees the same batches).
 //
 // Placement. CUDA mode (used when torch::cuda::is_available(), unless --device cpu): the
-// model's parameters are bf16 on the GPU; the f32 master weights and both Adam moments live
-// in host memory, owned by a CUDA session. CPU mode: the model's parameters are f32 tensors
-// on the CPU and a host session keeps separate f32 master weights. --param-dtype bf16|f32
-// overrides the model's dtype in either mode (bf16 on the CPU mimics the GPU's numerics).
+// model's parameters are bf16 on the GPU (--param-dtype f32 for f32); the optimizer keeps f32
+// master weights and both Adam moments in host memory. CPU mode: f32 parameters on the CPU,
+// which are the optimizer's master weights.
 //
-// Sub-groups, registered in forward order: "embed" (token and position embeddings; the tied
-// head's weight is the token embedding), one per block ("block<k>", all its parameters),
-// "head" (final norm, and the head's weight when untied). Each sub-group's parameters are
-// views into one flat buffer, which is the sub-group's `device_param` in CUDA mode; its
-// slices are named after the parameters. Two param groups: the blocks (weight decay) and
-// embeddings + head (no decay); both follow a linear warm-up + cosine LR schedule set with
-// so_session_set_group before each step.
-//
-// One step: set the LR; forward, where before the embeddings, each block and the head the
-// current stream waits (so_ticket_enqueue_wait: the host for a pending ticket, the stream
-// for its publication) for that sub-group's final ticket of the previous step, or in CPU
-// mode the host waits for it and copies the sub-group's master weights into the model;
-// so_session_begin_step; backward, during which a gradient hook on every parameter hands
-// its gradient to the session as soon as autograd has produced it (so_session_grad_device
-// with at::cuda::getCurrentCUDAStream(), then record_stream on the session's copy stream;
-// so_session_grad_copy in CPU mode), so sub-groups are stepped speculatively on the
-// session's CPU-Adam thread while the backward of earlier layers goes on; so_session_step
-// with max_norm 1.0 (torch's clip_grad_norm_ semantics), which publishes the final weights
-// of each sub-group into the model once decided (CUDA) while the next forward already runs
+// The optimizer: two param groups, the blocks (weight decay) and embeddings, final norm and
+// head (no decay), both following a linear warm-up + cosine LR schedule set in param_groups()
+// before each step; sub-groups of one block's size, so each block is a sub-group of its own.
+// The model's forward calls opt.wait_for(layer) before each layer, which waits only for that
+// layer's sub-groups of the previous step (CUDA: the stream waits); backward hands each
+// gradient to the session as autograd produces it, so sub-groups are stepped speculatively on
+// the session's CPU-Adam thread while the backward of earlier layers goes on; step() clips at
+// max_norm 1.0 (torch's clip_grad_norm_ semantics) and returns at once, and the session
+// publishes each sub-group's final weights into the model while the next forward already runs
 // on the layers that are final.
 //
 // Checks (--check, default "parity,exact,resume"; exit status 1 if one fails, 2 on errors):
@@ -42,15 +31,16 @@
 //           session's losses must also show learning. With f32 parameters the two agree to
 //           ~1e-7 (rounding order only); with bf16 model copies a 1-ulp difference of an f32
 //           master can flip a bf16 weight, so the runs drift apart slowly: at the CUDA
-//           defaults ~1.2e-4 mean (measured on the CPU with --param-dtype bf16).
+//           defaults ~1.2e-4 mean.
 //   exact   clipping that never triggers (max_norm 1e6, so every clip coefficient is 1 and
 //           each speculative step is kept, whether its pass ran or was cancelled at step()):
 //           the speculative session must end bit for bit
 //           equal (losses, master weights, model weights) to a session with speculation off.
 //   resume  a run with speculation off (clipping triggers; a speculative run resumes bit for
-//           bit as well, see tests/reproducibility.rs) saves a checkpoint (so_session_save + the step counter)
-//           half-way; a fresh model (other init seed) and a fresh session load it (so_session_load) and train to the
-//           end: losses and final weights must equal the uninterrupted run's bit for bit.
+//           bit as well, see tests/reproducibility.rs) saves a checkpoint (torch::save of the
+//           optimizer + the step counter) half-way; a fresh model (other init seed) and optimizer
+//           load it (torch::load) and train to the end: losses and final weights must equal the
+//           uninterrupted run's bit for bit.
 // --save-at/--ckpt and --resume run one training in a process of its own (run.sh uses them
 // to check a resume across processes, with --losses-out files compared by --compare).
 // The bit-for-bit checks need a deterministic forward and backward: the program sets
@@ -60,8 +50,7 @@
 
 #include <torch/torch.h>
 
-#include "superoffload.h"
-#include "superoffload.hpp"
+#include <superoffload/torch.hpp>
 
 #include "comparisons.hpp"
 #include "config.hpp"
@@ -86,14 +75,6 @@ namespace so = superoffload;
 
 namespace {
 
-/** Throws with the library's message if a C call failed. */
-void so_check(so_status status, const char* what) {
-    if (status != SO_STATUS_OK) {
-        std::string msg = so::last_error_message();
-        throw std::runtime_error(std::string(what) + " failed: " + so_status_str(status) + ": " + msg);
-    }
-}
-
 /** Does what the command line asks: --help, --compare, one training run, or the checks. */
 int run(const Args& args) {
     if (args.has("help")) {
@@ -113,17 +94,9 @@ int run(const Args& args) {
     if (dev == "cuda" && !have_gpu) throw std::runtime_error("--device cuda: torch sees no CUDA device");
     c.cuda = dev == "cuda" || (dev == "auto" && have_gpu);
     if (dev != "auto" && dev != "cpu" && dev != "cuda") throw std::invalid_argument("--device auto|cpu|cuda");
-#if !SO_TRAINER_CUDA
     if (c.cuda) {
-        throw std::runtime_error(
-            "torch sees a CUDA device but this trainer was built without CUDA support (the CMake configuration "
-            "found no CUDA-enabled torch with CUDA headers: see SO_TRAINER_CUDA in CMakeLists.txt), or pass "
-            "--device cpu");
-    }
-#endif
-    if (c.cuda) {
-        so_status st = so_cuda_available();
-        if (st != SO_STATUS_OK) so_check(st, "so_cuda_available (torch sees a GPU, superoffload does not)");
+        if (!so::cuda_available())
+            throw std::runtime_error("torch sees a GPU, superoffload does not (so_cuda_available)");
         c.vocab = 256, c.seq = 128, c.dim = 384, c.layers = 6, c.heads = 6, c.batch = 16, c.steps = 80, c.warmup = 8;
         c.lr = 1e-3;
     }
@@ -143,6 +116,7 @@ int run(const Args& args) {
     c.math_sdpa = args.str("sdpa", "math") == "math";
     const std::string pd = args.str("param-dtype", c.cuda ? "bf16" : "f32");
     if (pd != "bf16" && pd != "f32") throw std::invalid_argument("--param-dtype bf16|f32");
+    if (pd == "bf16" && !c.cuda) throw std::invalid_argument("--param-dtype bf16 needs CUDA (CPU parameters are f32)");
     c.bf16 = pd == "bf16";
     c.log_every = static_cast<int>(args.i64("log-every", c.log_every));
     if (c.dim % c.heads != 0) throw std::invalid_argument("--dim must be a multiple of --heads");
@@ -164,11 +138,9 @@ int run(const Args& args) {
         GPT probe(c);
         int64_t n = 0;
         for (auto& p : probe->parameters()) n += p.numel();
-        so_pool_info info{};
-        info.struct_size = sizeof info;
-        so_check(so_pool_get_info(nullptr, &info), "so_pool_get_info");
+        const so::PoolInfo info = so::PoolRef::from_raw(nullptr).info();
         std::printf("superoffload %s; torch %s; mode %s, %s model parameters%s\n", so::version_string(), TORCH_VERSION,
-                    c.cuda ? "CUDA (parameters on the GPU, CUDA session)" : "CPU (host session)",
+                    c.cuda ? "CUDA (parameters on the GPU, a CUDA session)" : "CPU (a host session)",
                     c.bf16 ? "bf16" : "f32", c.cuda || have_gpu ? "" : " [no GPU]");
         std::printf("model: vocab %" PRId64 ", seq %" PRId64 ", dim %" PRId64 ", layers %" PRId64 ", heads %" PRId64
                     ", %s head, %" PRId64 " parameters in %" PRId64 " sub-groups; batch %" PRId64 ", %" PRId64

@@ -1,4 +1,4 @@
-// One training run: the model, its optimizer (a superoffload session or torch::optim::AdamW),
+// One training run: the model, its optimizer (superoffload::torch::AdamW or torch::optim::AdamW),
 // checkpoints, the loop and its results.
 #ifndef SO_TORCH_TRAINER_TRAINING_RUN_HPP
 #define SO_TORCH_TRAINER_TRAINING_RUN_HPP
@@ -28,7 +28,7 @@ struct RunSpec {
     std::string ckpt_dir;   // where
     std::string resume_dir; // start from this checkpoint
     bool quiet = false;
-    size_t gpu_subgroups = 0; // the first sub-groups kept on the GPU (SO_PLACEMENT_DEVICE)
+    size_t gpu_subgroups = 0; // the first sub-groups kept on the GPU (Placement::Device)
 };
 
 struct StepStats {
@@ -40,8 +40,8 @@ struct RunOut {
     int64_t first_step = 0;
     std::vector<double> loss;           // indexed by step; NaN where not run
     std::vector<double> norm;           // global gradient norm per step
-    std::vector<torch::Tensor> masters; // per sub-group, f32 CPU (session: its master; torch: its f32 masters)
-    std::vector<torch::Tensor> model;   // per sub-group flat model weights, on the CPU
+    std::vector<torch::Tensor> masters; // per parameter, the f32 master weights, on the CPU
+    std::vector<torch::Tensor> model;   // per parameter, the model's weights, on the CPU
     StepStats stats;
     bool every_step_kept = true;    // each step: clip coefficient 1, every sub-group kept or stepped once
     bool every_step_stepped = true; // each step: every sub-group stepped at step() (speculation off)
