@@ -24,6 +24,7 @@
 
 mod c_api;
 mod call_frame;
+mod device;
 #[cfg(test)]
 mod tests;
 
@@ -31,9 +32,11 @@ pub use c_api::{XLA_FFI_CallFrame, XLA_FFI_Error};
 
 use super::boundary::{LAST_ERROR, ffi_boundary};
 use super::session::session_by_id;
+use crate::cuda::{self, CudaTransport};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, FloatsMut};
 use crate::session::{NormSource, Session, StepArgs};
+use c_api::XlaType;
 use call_frame::{Frame, Request};
 
 /// XLA's call frame (`XLA_FFI_CallFrame*` of `xla/ffi/api/c_api.h`); the header declares it
@@ -49,6 +52,31 @@ fn session<'a>(frame: &Frame<'_>) -> Result<&'a Session> {
     // SAFETY: a live session's id; a session is not destroyed while a program that uses it
     // runs (the handlers' contract, as every call's).
     unsafe { session_by_id(id, "attribute session") }
+}
+
+/// Where a call runs: a host session's on XLA's CPU platform, or a CUDA session's on the GPU
+/// stream XLA gives the call.
+enum Place<'a> {
+    Host,
+    Cuda(&'a CudaTransport, cuda::Stream),
+}
+
+/// The place of a call, from its session and whether XLA gives it a GPU stream: a host
+/// session must not take device addresses for host memory, nor a CUDA session the reverse.
+fn place<'a>(s: &'a Session, frame: &Frame<'_>) -> Result<Place<'a>> {
+    match (s.transport_as::<CudaTransport>(), frame.gpu_stream()) {
+        (None, None) => Ok(Place::Host),
+        (Some(t), Some(stream)) => Ok(Place::Cuda(t, stream.cast())),
+        (None, Some(_)) => Err(Error::unsupported(
+            "this call runs on a GPU and its session is a host session (parameters on JAX's CPU platform at init): \
+             initialise the optimizer with the parameters on the device the step runs on",
+        )),
+        (Some(_), None) => Err(Error::unsupported(
+            "this call has no GPU stream (it runs on XLA's CPU platform) and its session is a CUDA session \
+             (parameters on a GPU at init): initialise the optimizer with the parameters on the device the step \
+             runs on",
+        )),
+    }
 }
 
 /// Runs a handler: answers XLA's metadata request, or executes `body` on the checked frame.
@@ -87,8 +115,14 @@ fn begin_step(frame: &Frame<'_>) -> Result<()> {
         ));
     }
     let rets = frame.rets_exactly(1, "so_xla_begin_step (the loss scale)")?;
-    // SAFETY: XLA's operand buffers, read during the call.
-    let (lr, loss_scale) = unsafe { (args[0].scalar_f64()?, args[1].scalar_f64()?) };
+    let place = place(s, frame)?;
+    let (lr, loss_scale) = match place {
+        // SAFETY: XLA's operand buffers, read during the call.
+        Place::Host => unsafe { (args[0].scalar_f64()?, args[1].scalar_f64()?) },
+        Place::Cuda(t, stream) => {
+            (device::read_scalar(t, &args[0], stream)?, device::read_scalar(t, &args[1], stream)?)
+        }
+    };
     let loss_scale = loss_scale as f32;
     if s.step_in_progress() {
         // A step a failed execution left unfinished (begun, never given to so_xla_step):
@@ -100,8 +134,11 @@ fn begin_step(frame: &Frame<'_>) -> Result<()> {
     s.set_group_hparams(group, hparams)?;
     s.begin_step((loss_scale != 0.0).then_some(loss_scale), 1)?;
     let used = if loss_scale != 0.0 { loss_scale } else { s.loss_scale() };
-    // SAFETY: XLA's result buffer, ours during the call.
-    unsafe { rets[0].write_f32(used) }
+    match place {
+        // SAFETY: XLA's result buffer, ours during the call.
+        Place::Host => unsafe { rets[0].write_f32(used) },
+        Place::Cuda(t, stream) => device::write(t, &rets[0], XlaType::F32, 1, &used.to_ne_bytes(), stream),
+    }
 }
 
 fn hand_over(frame: &Frame<'_>) -> Result<()> {
@@ -112,6 +149,9 @@ fn hand_over(frame: &Frame<'_>) -> Result<()> {
         return Err(Error::invalid("so_xla_hand_over takes the gradient as its first operand"));
     };
     let rets = frame.rets_exactly(1, "so_xla_hand_over (the gradient, passed through)")?;
+    if let Place::Cuda(t, stream) = place(s, frame)? {
+        return device::hand_over(s, t, stream, slice, grad, &rets[0]);
+    }
     // SAFETY: XLA's operand, read during the call; the result is ours. They are the same
     // buffer when XLA aliases them (`input_output_aliases={0: 0}`), so the gradient is read
     // (handed over) before the result is written, and only written when they differ.
@@ -136,15 +176,34 @@ fn step(frame: &Frame<'_>) -> Result<()> {
     let s = session(frame)?;
     let max_norm = frame.attr_f64("max_norm")?;
     let rets = frame.rets_exactly(1, "so_xla_step (the step's ticket)")?;
+    let place = place(s, frame)?;
+    if let Place::Cuda(t, stream) = place {
+        // The step's publication follows what XLA queued before this call (the backward,
+        // and the previous step's reads of the published weights); the gradients the
+        // hand-overs lent become XLA's again once their copies have passed.
+        t.set_compute_stream(stream)?;
+        t.wait_for_gradient_copies(stream)?;
+    }
     let ticket = s.step(StepArgs { max_norm, norm: NormSource::Local, overflow: false })?;
-    // SAFETY: XLA's result buffer, ours during the call.
-    unsafe { rets[0].write_u32(&[ticket as u32, (ticket >> 32) as u32]) }
+    let words = [ticket as u32, (ticket >> 32) as u32];
+    match place {
+        // SAFETY: XLA's result buffer, ours during the call.
+        Place::Host => unsafe { rets[0].write_u32(&words) },
+        Place::Cuda(t, stream) => {
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+            device::write(t, &rets[0], XlaType::U32, words.len(), &bytes, stream)
+        }
+    }
 }
 
 fn read_weights(frame: &Frame<'_>) -> Result<()> {
     let s = session(frame)?;
     let slice = frame.attr_u32("slice")?;
     let rets = frame.rets_exactly(1, "so_xla_read_weights (the slice's weights)")?;
+    if let Place::Cuda(t, stream) = place(s, frame)? {
+        let sg = frame.attr_u32("subgroup")?;
+        return device::read_weights(s, t, stream, sg, frame.attr_u64("offset")?, &rets[0]);
+    }
     // SAFETY: XLA's result buffer, ours during the call.
     let out: FloatsMut<'_> = unsafe { rets[0].floats_mut()? };
     s.read_slice_weights(slice, out)
