@@ -7,7 +7,8 @@
 use super::c_api::XlaType;
 use super::call_frame::BufferRef;
 use crate::cuda::{self, CudaTransport, Stream};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Status};
+use crate::kernels::DType;
 use crate::session::Session;
 
 /// The value of a one-element f32 or f64 device buffer, once `stream` has computed it.
@@ -59,11 +60,34 @@ pub(super) fn hand_over(
     Ok(())
 }
 
+/// The device address of elements `offset..offset + numel` of the parameter sub-group `sg`
+/// publishes into, checked to lie within it and to have `dtype`.
+fn published_range(t: &CudaTransport, sg: u32, offset: u64, numel: usize, dtype: DType) -> Result<u64> {
+    let (param, param_dtype, param_numel) = t.published_param(sg)?;
+    if dtype != param_dtype {
+        return Err(Error::invalid(format!("the weights are {dtype:?}; sub-group {sg} publishes {param_dtype:?}")));
+    }
+    let offset = usize::try_from(offset).map_err(|_| Error::invalid("attribute offset is out of range"))?;
+    if offset.checked_add(numel).is_none_or(|end| end > param_numel) {
+        return Err(Error::invalid(format!(
+            "elements {offset}..+{numel} are beyond sub-group {sg}'s {param_numel} elements"
+        )));
+    }
+    Ok(param + (offset * dtype.size()) as u64)
+}
+
+/// Waits until sub-group `sg`'s latest step is final (on the host, for its final ticket
+/// alone) and makes `stream` wait for its publication.
+fn after_publication(s: &Session, sg: u32, stream: Stream) -> Result<()> {
+    let ticket = s.final_ticket(sg)?;
+    s.wait(ticket, None)?;
+    cuda::enqueue_wait(s, ticket, stream)
+}
+
 /// Copies slice weights from the device parameter sub-group `sg` publishes into (`offset`
-/// elements in) into `out`, once the sub-group's latest step is final: the host waits for its
-/// final ticket alone, then XLA's stream waits for that sub-group's publication before the
-/// copy. The session publishes the next step only after the work XLA queued before that
-/// step's `so_xla_step` (the compute stream), so this copy is never overwritten under it.
+/// elements in) into `out`, once the sub-group's latest step is final and published. The
+/// session publishes the next step only after the work XLA queued before that step's
+/// `so_xla_step` (the compute stream), so this copy is never overwritten under it.
 pub(super) fn read_weights(
     s: &Session,
     t: &CudaTransport,
@@ -73,23 +97,32 @@ pub(super) fn read_weights(
     out: &BufferRef<'_>,
 ) -> Result<()> {
     let (dst, numel, dtype) = out.device_floats()?;
-    let (param, param_dtype, param_numel) = t.published_param(sg)?;
-    if dtype != param_dtype {
-        return Err(Error::invalid(format!(
-            "so_xla_read_weights' result is {dtype:?}; sub-group {sg} publishes {param_dtype:?}"
-        )));
-    }
-    let offset = usize::try_from(offset).map_err(|_| Error::invalid("attribute offset is out of range"))?;
-    if offset.checked_add(numel).is_none_or(|end| end > param_numel) {
-        return Err(Error::invalid(format!(
-            "elements {offset}..+{numel} are beyond sub-group {sg}'s {param_numel} elements"
-        )));
-    }
-    let ticket = s.final_ticket(sg)?;
-    s.wait(ticket, None)?;
-    cuda::enqueue_wait(s, ticket, stream)?;
+    let src = published_range(t, sg, offset, numel, dtype)?;
+    after_publication(s, sg, stream)?;
     if numel > 0 {
-        let src = param + (offset * dtype.size()) as u64;
+        t.copy_on_stream(dst, src, numel * dtype.size(), stream)?;
+    }
+    Ok(())
+}
+
+/// Copies `weights` into the device parameter sub-group `sg` publishes into (`offset`
+/// elements in), between steps, after its latest publication: what the next read returns
+/// where the next step publishes nothing (a skipped step), e.g. weights just loaded.
+pub(super) fn write_weights(
+    s: &Session,
+    t: &CudaTransport,
+    stream: Stream,
+    sg: u32,
+    offset: u64,
+    weights: &BufferRef<'_>,
+) -> Result<()> {
+    if s.step_in_progress() {
+        return Err(Error::new(Status::InvalidState, "the weights are written between steps; a step is in progress"));
+    }
+    let (src, numel, dtype) = weights.device_floats()?;
+    let dst = published_range(t, sg, offset, numel, dtype)?;
+    after_publication(s, sg, stream)?;
+    if numel > 0 {
         t.copy_on_stream(dst, src, numel * dtype.size(), stream)?;
     }
     Ok(())
