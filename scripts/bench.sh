@@ -42,6 +42,7 @@ torch-compare|py:bench/torch_compare.py|the kernels vs torch.optim.AdamW(fused=T
 pool-contention|py:bench/pool_contention.py|one kernel update while other processes or PCIe copies share the pool's cores
 cuda|py:bench/cuda_bench.py|GPU: gradient copies in pieces, a synthetic layered backward overlapped with the session, the device Adam kernel
 e2e|py:examples/torch_optimizer/bench_e2e.py|GPU: a 1.1B Llama-style model trained end to end, ours vs torch AdamW (--smoke: CPU)
+jax-llama|py:bench/jax_llama.py|GPU: a 1.1B Llama-style model in plain JAX, superoffload.jax vs optax.adamw, one process per system (--smoke: CPU)
 EOF
     if [ -f bench/peers.py ]; then
         printf 'peers|py:bench/peers.py|%s\n' "$(docline bench/peers.py)"
