@@ -184,8 +184,8 @@ fn step(frame: &Frame<'_>) -> Result<()> {
         // The step's publication follows what XLA queued before this call (the backward,
         // and the previous step's reads of the published weights); the gradients the
         // hand-overs lent become XLA's again once their copies have passed.
-        t.set_compute_stream(stream)?;
         t.wait_for_gradient_copies(stream)?;
+        t.set_compute_stream(stream)?;
     }
     let ticket = s.step(StepArgs { max_norm, norm: NormSource::Local, overflow: false })?;
     let words = [ticket as u32, (ticket >> 32) as u32];
