@@ -2150,7 +2150,7 @@ so_status so_session_copy_stream(const struct so_session *session,
 SO_NODISCARD so_status so_session_pinned_bytes(const struct so_session *session, size_t *out_bytes);
 
 /**
- * @brief XLA FFI handler that begins a step of a host session: sets the learning rate of
+ * @brief XLA FFI handler that begins a step of a session: sets the learning rate of
  * a param group (`so_session_set_group`, its other hyperparameters unchanged), then
  * `so_session_begin_step` with one micro-step.
  *
@@ -2166,8 +2166,13 @@ SO_NODISCARD so_status so_session_pinned_bytes(const struct so_session *session,
  *
  * Register it with XLA for the execute stage (the handler answers XLA's metadata request
  * with FFI API version 0.1), e.g. `jax.ffi.register_ffi_target(name,
- * jax.ffi.pycapsule(address), platform="cpu")`. Errors come back as XLA errors with the
- * library's message (also `so_last_error_message` on the calling thread).
+ * jax.ffi.pycapsule(address), platform="cpu")`: on XLA's CPU platform for a host session,
+ * on its CUDA platform (`platform="CUDA"`) for a CUDA session, whose operands and results
+ * are then device buffers and whose work is queued on the call's stream
+ * (`XLA_FFI_Stream_Get`); here the learning rate and loss scale are read once the stream has
+ * computed them (the host waits for it). A call whose session does not match its platform
+ * is refused (`SO_STATUS_UNSUPPORTED`). Errors come back as XLA errors with the library's
+ * message (also `so_last_error_message` on the calling thread).
  * @note Thread-safety: as the session's calls; the session must outlive every execution of
  *       a program that names it (a destroyed one is refused with `SO_STATUS_NOT_FOUND`).
  *
@@ -2177,9 +2182,11 @@ SO_NODISCARD so_status so_session_pinned_bytes(const struct so_session *session,
 so_xla_error_t so_xla_begin_step(so_xla_call_frame_t call_frame);
 
 /**
- * @brief XLA FFI handler that hands a slice's gradient to a host session
- * (`so_session_grad_copy`): a sub-group whose slices are complete may be stepped
- * speculatively from here on, while the rest of the backward runs.
+ * @brief XLA FFI handler that hands a slice's gradient to a session
+ * (`so_session_grad_copy`; on the CUDA platform `so_session_grad_device` on the call's
+ * stream): a sub-group whose slices are complete may be stepped speculatively from here on,
+ * while the rest of the backward runs. On the CUDA platform the gradient is lent to the
+ * session's copy streams until `so_xla_step`, which consumes it.
  *
  * Attributes: `session`, `slice` (the slice id). Operands: the gradient (float32, bfloat16
  * or float16 as the session's gradient dtype, the slice's element count in any shape), then
@@ -2194,9 +2201,12 @@ so_xla_error_t so_xla_begin_step(so_xla_call_frame_t call_frame);
 so_xla_error_t so_xla_hand_over(so_xla_call_frame_t call_frame);
 
 /**
- * @brief XLA FFI handler that ends a step of a host session (`so_session_step` with the
+ * @brief XLA FFI handler that ends a step of a session (`so_session_step` with the
  * local norm): returns at once; the CPU-Adam thread clips by the global norm, skips on an
- * inf or NaN gradient, and makes each sub-group final in registration order.
+ * inf or NaN gradient, and makes each sub-group final in registration order. On the CUDA
+ * platform the call's stream becomes the session's compute stream
+ * (`so_session_set_compute_stream`: the step publishes after what XLA queued before this
+ * call) and waits for the gradient copies, so that XLA may reuse the gradients' memory.
  *
  * Attributes: `session`, `max_norm` (float; 0 for no clipping). Operands: any buffers that
  * order the call after every hand-over (their results). Result: a uint32[2] buffer, the
@@ -2210,21 +2220,43 @@ so_xla_error_t so_xla_hand_over(so_xla_call_frame_t call_frame);
 so_xla_error_t so_xla_step(so_xla_call_frame_t call_frame);
 
 /**
- * @brief XLA FFI handler that reads a slice's updated weights from a host session: waits
- * for its sub-group's final ticket alone (`so_session_final_ticket`; the sub-groups after
- * it may still be stepping), then copies the slice's master weights, rounded to nearest
- * even where the result is narrower.
+ * @brief XLA FFI handler that reads a slice's updated weights from a session: waits for its
+ * sub-group's final ticket alone (`so_session_final_ticket`; the sub-groups after it may
+ * still be stepping), then copies the slice's master weights, rounded to nearest even where
+ * the result is narrower. On the CUDA platform the call's stream then waits for the
+ * sub-group's publication (`so_ticket_enqueue_wait`) and the slice is copied, on the GPU,
+ * from the device parameter the sub-group publishes into (`so_subgroup_desc.device_param`).
  *
- * Attributes: `session`, `slice`. Operands: any buffers that order the call (the
- * `so_xla_step` result). Result: the weights (float32, bfloat16 or float16, the slice's
- * element count in any shape). Registration and errors as `so_xla_begin_step`; a CUDA
- * session is refused (`SO_STATUS_UNSUPPORTED`: it publishes to the device).
+ * Attributes: `session`, `slice`; on the CUDA platform also `subgroup` (the slice's
+ * sub-group) and `offset` (the slice's first element in it). Operands: any buffers that
+ * order the call (the `so_xla_step` result). Result: the weights (float32, bfloat16 or
+ * float16, the slice's element count in any shape; on the CUDA platform the device
+ * parameter's dtype). Registration and errors as `so_xla_begin_step`.
  * @note Thread-safety: as `so_xla_begin_step`.
  *
  * # Safety
  * As `so_xla_begin_step`.
  */
 so_xla_error_t so_xla_read_weights(so_xla_call_frame_t call_frame);
+
+/**
+ * @brief XLA FFI handler that writes weights into the device parameter a sub-group of a CUDA
+ * session publishes into (`so_subgroup_desc.device_param`), between steps, once its latest
+ * publication has landed: what the next `so_xla_read_weights` returns where the next step
+ * publishes nothing (a skipped step), e.g. after master weights were loaded from a
+ * checkpoint.
+ *
+ * Attributes: `session`, `subgroup`, `offset` (the first element written). Operands: the
+ * weights (the device parameter's dtype, any shape), then any buffers that order the call.
+ * Result: a uint32 scalar, 0. XLA's CUDA platform only (a host session has no device
+ * parameter: `SO_STATUS_UNSUPPORTED`); during a step `SO_STATUS_INVALID_STATE`.
+ * Registration and errors as `so_xla_begin_step`.
+ * @note Thread-safety: as `so_xla_begin_step`.
+ *
+ * # Safety
+ * As `so_xla_begin_step`.
+ */
+so_xla_error_t so_xla_write_weights(so_xla_call_frame_t call_frame);
 
 /**
  * Returns the ABI version of the loaded library; compare with `SO_ABI_VERSION`.

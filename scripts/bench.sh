@@ -45,6 +45,7 @@ pool-contention|py:bench/pool_contention.py|one kernel update while other proces
 cuda|py:bench/cuda_bench.py|GPU: gradient copies in pieces, a synthetic layered backward overlapped with the session, the device Adam kernel
 e2e|py:examples/torch_optimizer/bench_e2e.py|GPU: a 1.1B Llama-style model trained end to end, ours vs torch AdamW (--smoke: CPU)
 libtorch|sh:bench/libtorch/run.sh|GPU: a 1.1B Llama-style model trained from C++, superoffload::torch::AdamW vs torch's fused AdamW, clipping and not
+jax-llama|py:bench/jax_llama.py|GPU: a 1.1B Llama-style model in plain JAX, superoffload.jax vs optax.adamw, one process per system (--smoke: CPU)
 EOF
     if [ -f bench/peers.py ]; then
         printf 'peers|py:bench/peers.py|%s\n' "$(docline bench/peers.py)"

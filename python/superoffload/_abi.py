@@ -302,6 +302,7 @@ FUNCTIONS = {
     "so_xla_hand_over": (c_void_p, [c_void_p]),
     "so_xla_step": (c_void_p, [c_void_p]),
     "so_xla_read_weights": (c_void_p, [c_void_p]),
+    "so_xla_write_weights": (c_void_p, [c_void_p]),
     "so_abi_version": (c_u32, []),
     "so_version_string": (c_char_p, []),
     "so_status_str": (c_char_p, [c_u32]),

@@ -83,6 +83,10 @@ impl SgDevice {
         self.numel
     }
 
+    pub(super) fn param_dtype(&self) -> DType {
+        self.param_dtype
+    }
+
     /// The state of a device-placed sub-group.
     pub(super) fn device(&self) -> Option<&DeviceState> {
         self.device.as_ref()

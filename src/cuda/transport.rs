@@ -185,6 +185,47 @@ impl CudaTransport {
         Ok(())
     }
 
+    /// The device parameter sub-group `sg` publishes into: (address, dtype, elements).
+    pub fn published_param(&self, sg: u32) -> Result<(CUdeviceptr, DType, usize)> {
+        let state = self.state.lock().unwrap();
+        let dev = state.attached(sg)?;
+        Ok((dev.param_at(0), dev.param_dtype(), dev.numel()))
+    }
+
+    /// Makes `stream` wait for every gradient copy queued so far, so that the work queued on it
+    /// afterwards may reuse the device gradients those copies read (a caller whose allocator
+    /// cannot `record_stream`, such as XLA's buffer assignment).
+    pub fn wait_for_gradient_copies(&self, stream: CUstream) -> Result<()> {
+        self.enter()?;
+        driver::refuse_capturing(stream)?;
+        self.events.record(self.copy_stream())?.wait_in(stream)
+    }
+
+    /// Copies `dst.len()` bytes from device address `src` into `dst` in the order of `stream`,
+    /// and waits for it on the host (small values a caller's stream computed, e.g. a learning
+    /// rate).
+    pub fn read_on_stream(&self, dst: &mut [u8], src: CUdeviceptr, stream: CUstream) -> Result<()> {
+        self.enter()?;
+        driver::refuse_capturing(stream)?;
+        driver::memcpy_dtoh_async(dst.as_mut_ptr(), src, dst.len(), stream)?;
+        driver::stream_synchronize(stream)
+    }
+
+    /// Copies `src` to device address `dst` in the order of `stream`. `src` is pageable: the
+    /// driver stages it before returning, so it may be dropped at once.
+    pub fn write_on_stream(&self, dst: CUdeviceptr, src: &[u8], stream: CUstream) -> Result<()> {
+        self.enter()?;
+        driver::refuse_capturing(stream)?;
+        driver::memcpy_htod_async(dst, src.as_ptr(), src.len(), stream)
+    }
+
+    /// Copies `bytes` between device addresses in the order of `stream`.
+    pub fn copy_on_stream(&self, dst: CUdeviceptr, src: CUdeviceptr, bytes: usize, stream: CUstream) -> Result<()> {
+        self.enter()?;
+        driver::refuse_capturing(stream)?;
+        driver::memcpy_dtod_async(dst, src, bytes, stream)
+    }
+
     /// Waits for `events`, which then go back to the pool. Called without the state lock: a
     /// host thread waiting for a copy must not block the training thread's hand-offs.
     fn wait_and_free(&self, events: Vec<Event>) -> Result<()> {

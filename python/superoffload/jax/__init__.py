@@ -11,12 +11,13 @@ libsuperoffload's CPU-Adam thread while backward runs, from inside a jitted trai
         return loss, params, state
 
 The library's XLA FFI handlers (exported by libsuperoffload itself) are registered with JAX for the
-CPU platform when this module is imported: nothing is compiled on the user's machine.
+CPU platform when this module is imported, and for the CUDA platform when an optimizer is initialised
+with parameters on a GPU: nothing is compiled on the user's machine.
 """
 try:
     import jax as _jax  # noqa: F401
 except ImportError as _e:
-    raise ImportError("superoffload.jax needs jax (the CPU build from the package index is enough): "
+    raise ImportError("superoffload.jax needs jax (the CPU build from the package index is enough for the CPU): "
                       "pip install 'superoffload[jax]'") from _e
 
 from .._core import SuperOffloadError

@@ -1,5 +1,8 @@
 """The library's XLA FFI handlers (`so_xla_*`, exported by libsuperoffload itself), registered with
-JAX for the CPU platform at import, and the `jax.ffi.ffi_call`s a jitted step makes with them.
+JAX for the CPU platform at import and for the CUDA platform when an optimizer is initialised with
+parameters on a GPU, and the `jax.ffi.ffi_call`s a jitted step makes with them. The same handlers
+serve both platforms: each call finds out from its session (a host or a CUDA session) and from XLA
+(whether the call has a GPU stream) where it runs, and refuses a mismatch.
 
 Nothing is compiled: the handlers' addresses come from the loaded library through ctypes and are
 handed to XLA as PyCapsules (`jax.ffi.register_ffi_target`). Each call names the session by its
@@ -20,16 +23,17 @@ TARGETS = {
     "hand_over": ("superoffload_hand_over", "so_xla_hand_over"),
     "step": ("superoffload_step", "so_xla_step"),
     "read_weights": ("superoffload_read_weights", "so_xla_read_weights"),
+    "write_weights": ("superoffload_write_weights", "so_xla_write_weights"),
 }
-PLATFORM = "cpu"
+# JAX's platform names: "cpu", and "CUDA" for NVIDIA GPUs (jax.Device.platform says "gpu").
+CPU, CUDA = "cpu", "CUDA"
 
-_registered = False
+_registered = set()
 
 
-def register():
-    """Registers the handlers with XLA for the CPU platform (once per process)."""
-    global _registered
-    if _registered:
+def register(platform=CPU):
+    """Registers the handlers with XLA for `platform` (once per process and platform)."""
+    if platform in _registered:
         return
     lib = _core.lib()
     for target, export in TARGETS.values():
@@ -39,10 +43,11 @@ def register():
             raise ImportError(f"superoffload.jax: {_core.library_path()} does not export {export}: it is older than "
                               "this package; install the package and the library together") from None
         try:
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform=PLATFORM)
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform=platform)
         except Exception as e:  # XLA's own message says why (e.g. an FFI API version it does not accept)
-            raise ImportError(f"superoffload.jax: XLA refused the FFI handler {export} ({target}): {e}") from e
-    _registered = True
+            raise ImportError(f"superoffload.jax: XLA refused the FFI handler {export} ({target}) for the "
+                              f"{platform} platform: {e}") from e
+    _registered.add(platform)
 
 
 def _attrs(session, **more):
@@ -70,10 +75,19 @@ def step(handed, session, max_norm):
     return call(*handed, **_attrs(session, max_norm=np.float64(max_norm)))
 
 
-def read_weights(ticket, shape, dtype, session, slice_id):
-    """A slice's weights after the step of `ticket` (waits for its own sub-group alone)."""
+def read_weights(ticket, shape, dtype, session, slice_id, subgroup, offset):
+    """A slice's weights after the step of `ticket` (waits for its own sub-group alone). `subgroup`
+    and `offset` (the slice's place in it) name where a CUDA session publishes them."""
     call = jax.ffi.ffi_call(TARGETS["read_weights"][0], jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True)
-    return call(ticket, **_attrs(session, slice=np.uint32(slice_id)))
+    return call(ticket, **_attrs(session, slice=np.uint32(slice_id), subgroup=np.uint32(subgroup),
+                                 offset=np.uint64(offset)))
+
+
+def write_weights(weights, session, subgroup, offset):
+    """Writes `weights` (on the GPU) into the device parameter a CUDA session's sub-group publishes
+    into, `offset` elements in (between steps); returns a uint32 scalar to wait for."""
+    call = jax.ffi.ffi_call(TARGETS["write_weights"][0], jax.ShapeDtypeStruct((), jnp.uint32), has_side_effect=True)
+    return call(weights, **_attrs(session, subgroup=np.uint32(subgroup), offset=np.uint64(offset)))
 
 
 def wait_for_dispatched_steps():

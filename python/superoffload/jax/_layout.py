@@ -33,6 +33,7 @@ class SubGroup:
     numel: int
     master: np.ndarray = None  # f32, borrowed by the session
     id: int = -1
+    published: object = None  # CUDA sessions: the GPU array the session publishes the weights into
 
 
 def host_f32(numel):
@@ -52,22 +53,35 @@ def leaf_name(path):
     return name if name else "<root>"
 
 
+def _device_of(name, x):
+    """The one device a leaf is on (None for a host array such as numpy's: the CPU)."""
+    if not isinstance(x, jax.Array):
+        return None
+    devices = x.devices()
+    if len(devices) != 1:
+        raise ValueError(f"parameter {name} is spread over {len(devices)} devices; superoffload.jax steps parameters "
+                         "that are each on one device (no sharding)")
+    device = next(iter(devices))
+    if device.platform not in ("cpu", "gpu", "cuda"):
+        raise ValueError(f"parameter {name} is on {device.platform}; superoffload.jax runs on JAX's CPU platform "
+                         "and on NVIDIA GPUs (CUDA)")
+    return None if device.platform == "cpu" else device
+
+
 def describe(params):
-    """(leaves, treedef) of a parameter tree, each leaf checked: a concrete float array (f32, bf16
-    or f16), all of one dtype."""
+    """(leaves, treedef, device) of a parameter tree, each leaf checked: a concrete float array
+    (f32, bf16 or f16), all of one dtype, all on the CPU (device None) or all on one GPU (that
+    jax.Device)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     if not flat:
         raise ValueError("the parameter tree has no leaves")
-    leaves = []
+    leaves, devices = [], {}
     for path, x in flat:
         name = leaf_name(path)
         if isinstance(x, jax.core.Tracer):
             raise TypeError(f"parameter {name} is a tracer: call init() (and load_state_dict()) outside jax.jit, "
                             "on concrete parameters")
-        platforms = {d.platform for d in x.devices()} if isinstance(x, jax.Array) else {"cpu"}
-        if platforms != {"cpu"}:
-            raise ValueError(f"parameter {name} is on {', '.join(sorted(platforms))}: superoffload.jax runs on JAX's "
-                             "CPU platform (e.g. JAX_PLATFORMS=cpu, or jax.device_put(params, jax.devices('cpu')[0]))")
+        devices.setdefault(_device_of(name, x), name)
         dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
         if dtype not in DTYPES:
             raise TypeError(f"parameter {name} is {dtype}; superoffload.jax steps float32, bfloat16 or float16 "
@@ -80,7 +94,11 @@ def describe(params):
     if len(dtypes) > 1:
         raise TypeError(f"the parameters mix dtypes {sorted(str(d) for d in dtypes)}: the session takes gradients "
                         "of one dtype; cast the parameters to one (the master weights are float32 either way)")
-    return leaves, treedef
+    if len(devices) > 1:
+        where = ", ".join(f"{name} on {device or 'the CPU'}" for device, name in devices.items())
+        raise ValueError(f"the parameters are on several devices ({where}): put them all on the CPU or all on one "
+                         "GPU (jax.device_put(params, device)); the step runs where they are")
+    return leaves, treedef, next(iter(devices))
 
 
 def partition(leaves, sub_group_numel):

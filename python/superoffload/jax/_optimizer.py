@@ -64,6 +64,14 @@ def _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay, max_grad_no
         raise ValueError(f"loss_scale must be finite and > 0, not {loss_scale!r}")
 
 
+def _cuda_ordinal(device):
+    """The CUDA device ordinal of a JAX GPU device (0 for none: a host session ignores it)."""
+    if device is None:
+        return 0
+    ordinal = getattr(device, "local_hardware_id", None)
+    return int(device.id if ordinal is None else ordinal)
+
+
 class SuperOffloadAdamW:
     """AdamW whose f32 master weights and moments live in host memory, in a libsuperoffload session.
 
@@ -104,7 +112,7 @@ class SuperOffloadAdamW:
         self.speculation = speculation
         self.sub_group_numel = int(sub_group_numel)
         self.cores = None if cores is None else list(cores)
-        self._session = None
+        self._session = self._device = None
         self._lock = threading.Lock()
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -117,11 +125,13 @@ class SuperOffloadAdamW:
             if self._session is not None:
                 raise RuntimeError("init() was already called on this optimizer: it holds one parameter tree "
                                    "(create another SuperOffloadAdamW for another)")
-            leaves, treedef = _layout.describe(params)
+            leaves, treedef, device = _layout.describe(params)
             subgroups = _layout.partition(leaves, self.sub_group_numel)
             dtype = _layout.DTYPES[leaves[0].dtype]
-            session = _core.Session(speculation=self.speculation, grad_dtype=dtype, accum_dtype=dtype,
-                                    moment_dtype="f32", cores=self.cores)
+            if device is not None:
+                _ffi.register(_ffi.CUDA)
+            session = _core.Session(cuda=device is not None, device=_cuda_ordinal(device), speculation=self.speculation,
+                                    grad_dtype=dtype, accum_dtype=dtype, moment_dtype="f32", cores=self.cores)
             try:
                 group = session.add_group(self._lr_at(0), self.b1, self.b2, self.eps, self.weight_decay)
                 for sg in subgroups:
@@ -129,7 +139,14 @@ class SuperOffloadAdamW:
                     for leaf in sg.leaves:
                         sg.master[leaf.offset:leaf.offset + leaf.numel] = np.asarray(leaf.value).reshape(-1)
                     slices = [(leaf.name, leaf.offset, leaf.numel) for leaf in sg.leaves]
-                    sg.id, ids = session.add_subgroup(group, sg.master.ctypes.data, sg.numel, slices, keep=sg.master)
+                    published = {}
+                    if device is not None:
+                        # A GPU buffer of the sub-group's own, holding the current weights: the session
+                        # publishes each step's weights into it, and the step's reads copy them out.
+                        sg.published = jax.block_until_ready(jax.device_put(sg.master.astype(leaves[0].dtype), device))
+                        published = dict(device_param=sg.published.unsafe_buffer_pointer(), device_param_dtype=dtype)
+                    sg.id, ids = session.add_subgroup(group, sg.master.ctypes.data, sg.numel, slices, keep=sg.master,
+                                                      **published)
                     for leaf, slice_id in zip(sg.leaves, ids):
                         leaf.slice_id = slice_id
             except BaseException:
@@ -138,12 +155,18 @@ class SuperOffloadAdamW:
             finally:
                 for leaf in leaves:
                     leaf.value = None
-            self._session, self._session_id, self._group = session, session.id(), group
+            self._session, self._session_id, self._group, self._device = session, session.id(), group, device
             self._leaves, self._treedef, self._subgroups = leaves, treedef, subgroups
         return self._initial_state(0)
 
     def _initial_state(self, count):
-        return SuperOffloadState(count=jnp.asarray(count, jnp.int32), ticket=jnp.zeros((2,), jnp.uint32))
+        state = SuperOffloadState(count=np.asarray(count, np.int32), ticket=np.zeros((2,), np.uint32))
+        return jax.device_put(state, self.device)
+
+    @property
+    def device(self):
+        """The jax.Device the parameters and the step are on: the CPU, or the GPU of a CUDA session."""
+        return self._device if self._device is not None else jax.devices("cpu")[0]
 
     def _lr_at(self, count):
         lr = self.learning_rate(count) if callable(self.learning_rate) else self.learning_rate
@@ -215,7 +238,9 @@ class SuperOffloadAdamW:
         handed = [g for leaf, g in zip(self._leaves, self._treedef.flatten_up_to(grads)) if leaf.slice_id is not None]
         max_norm = 0.0 if self.max_grad_norm is None else self.max_grad_norm
         ticket = _ffi.step(handed, session, max_norm)
-        new = [x if leaf.slice_id is None else _ffi.read_weights(ticket, leaf.shape, leaf.dtype, session, leaf.slice_id)
+        new = [x if leaf.slice_id is None else
+               _ffi.read_weights(ticket, leaf.shape, leaf.dtype, session, leaf.slice_id,
+                                 self._subgroups[leaf.subgroup].id, leaf.offset)
                for leaf, x in zip(self._leaves, leaves)]
         new_params = jax.tree_util.tree_unflatten(self._treedef, new)
         new_state = SuperOffloadState(count=state.count + 1, ticket=ticket)

@@ -7,7 +7,6 @@ import ctypes as C
 import numpy as np
 
 import jax
-import jax.numpy as jnp
 
 from .. import _core
 from .._abi import Status
@@ -144,5 +143,20 @@ def load_state_dict(opt, sd):
         raise
     params = [np.zeros(leaf.shape, leaf.dtype) if leaf.slice_id is None else
               master.reshape(leaf.shape).astype(leaf.dtype) for leaf, master, _, _ in plan]
-    params = jax.tree_util.tree_unflatten(opt._treedef, [jnp.asarray(p) for p in params])
-    return params, opt._initial_state(count)
+    params = [jax.device_put(p, opt.device) for p in params]
+    if opt._device is not None:
+        _republish(opt, params)
+    return jax.tree_util.tree_unflatten(opt._treedef, params), opt._initial_state(count)
+
+
+def _republish(opt, params):
+    """A CUDA session's reads copy each step's weights from the GPU buffers the session publishes
+    into, and a skipped step publishes nothing: those buffers get the loaded weights too."""
+    session_id = opt._session_id
+    written = [(leaf, opt._subgroups[leaf.subgroup].id) for leaf in opt._leaves if leaf.slice_id is not None]
+
+    @jax.jit
+    def write(weights):
+        return [_ffi.write_weights(w, session_id, sg, leaf.offset) for (leaf, sg), w in zip(written, weights)]
+
+    jax.block_until_ready(write([p for p, leaf in zip(params, opt._leaves) if leaf.slice_id is not None]))

@@ -150,7 +150,34 @@ pub struct XLA_FFI_Error {
 
 pub(super) type ErrorCreate = unsafe extern "C" fn(args: *mut ErrorCreateArgs) -> *mut XLA_FFI_Error;
 
-/// `XLA_FFI_Api`, up to the one function the handlers call.
+/// `XLA_FFI_Error_Destroy_Args`.
+#[repr(C)]
+pub struct ErrorDestroyArgs {
+    pub struct_size: usize,
+    pub extension_start: *mut ExtensionBase,
+    pub error: *mut XLA_FFI_Error,
+}
+
+pub(super) type ErrorDestroy = unsafe extern "C" fn(args: *mut ErrorDestroyArgs);
+
+/// XLA's opaque execution context (`XLA_FFI_ExecutionContext`), the call frame's `ctx`.
+pub struct ExecutionContext {
+    _private: [u8; 0],
+}
+
+/// `XLA_FFI_Stream_Get_Args`: the platform's stream of the call (a `CUstream` on CUDA).
+#[repr(C)]
+pub struct StreamGetArgs {
+    pub struct_size: usize,
+    pub extension_start: *mut ExtensionBase,
+    pub ctx: *mut ExecutionContext,
+    pub stream: *mut c_void,
+}
+
+pub(super) type StreamGet = unsafe extern "C" fn(args: *mut StreamGetArgs) -> *mut XLA_FFI_Error;
+
+/// `XLA_FFI_Api`, up to `XLA_FFI_Stream_Get`, the last function the handlers call (the order
+/// of its functions is fixed within a major version).
 #[repr(C)]
 pub struct Api {
     pub struct_size: usize,
@@ -158,6 +185,12 @@ pub struct Api {
     pub api_version: ApiVersion,
     pub internal_api: *const c_void,
     pub error_create: Option<ErrorCreate>,
+    /// `XLA_FFI_Error_GetMessage`, not called.
+    pub error_get_message: *const c_void,
+    pub error_destroy: Option<ErrorDestroy>,
+    /// `XLA_FFI_Handler_Register`, not called.
+    pub handler_register: *const c_void,
+    pub stream_get: Option<StreamGet>,
 }
 
 /// `XLA_FFI_Buffer`.
@@ -213,7 +246,7 @@ pub struct XLA_FFI_CallFrame {
     pub struct_size: usize,
     pub extension_start: *mut ExtensionBase,
     pub api: *const Api,
-    pub ctx: *mut c_void,
+    pub ctx: *mut ExecutionContext,
     pub stage: i32,
     pub args: Operands,
     pub rets: Operands,

@@ -7,8 +7,8 @@ use std::mem::{offset_of, size_of};
 
 use super::c_api::{
     API_VERSION, ATTR_SCALAR, Api, ApiVersion, Attrs, BUFFER, Buffer, EXTENSION_METADATA, ErrorCreate, ErrorCreateArgs,
-    ExtensionBase, MAX_EXTENSIONS, Metadata, MetadataExtension, Operands, STAGE_EXECUTE, Scalar, XLA_FFI_CallFrame,
-    XLA_FFI_Error, XlaType, error_code, type_name,
+    ErrorDestroyArgs, ExtensionBase, MAX_EXTENSIONS, Metadata, MetadataExtension, Operands, STAGE_EXECUTE, Scalar,
+    StreamGetArgs, XLA_FFI_CallFrame, XLA_FFI_Error, XlaType, error_code, type_name,
 };
 use crate::error::{Error, Result, Status};
 use crate::ffi::args::RawBuf;
@@ -193,6 +193,39 @@ impl<'a> Frame<'a> {
         unsafe { buffers(&self.raw.args, "argument") }
     }
 
+    /// The call's GPU stream (a `CUstream` on XLA's CUDA platform), or None where XLA has none
+    /// to give: on its CPU platform `XLA_FFI_Stream_Get` fails (that error is destroyed here).
+    pub(crate) fn gpu_stream(&self) -> Option<*mut c_void> {
+        // SAFETY: the API was checked in `open` (its size covers `stream_get`); XLA's, valid
+        // for the call.
+        let api = unsafe { &*self.raw.api };
+        let get = api.stream_get?;
+        if self.raw.ctx.is_null() {
+            return None;
+        }
+        let mut args = StreamGetArgs {
+            struct_size: size_of::<StreamGetArgs>(),
+            extension_start: std::ptr::null_mut(),
+            ctx: self.raw.ctx,
+            stream: std::ptr::null_mut(),
+        };
+        // SAFETY: XLA's function with its complete argument struct and the call's context.
+        let error = unsafe { get(&mut args) };
+        if !error.is_null() {
+            if let Some(destroy) = api.error_destroy {
+                let mut args = ErrorDestroyArgs {
+                    struct_size: size_of::<ErrorDestroyArgs>(),
+                    extension_start: std::ptr::null_mut(),
+                    error,
+                };
+                // SAFETY: the error XLA just made, destroyed once.
+                unsafe { destroy(&mut args) };
+            }
+            return None;
+        }
+        (!args.stream.is_null()).then_some(args.stream)
+    }
+
     pub(crate) fn rets(&self) -> Result<Vec<BufferRef<'a>>> {
         // SAFETY: as in `args`.
         unsafe { buffers(&self.raw.rets, "result") }
@@ -351,6 +384,14 @@ impl BufferRef<'_> {
         Ok(unsafe { raw.floats_mut() })
     }
 
+    /// A floating-point buffer on the device: its address, element count and dtype (a
+    /// dangling address where it has no elements: nothing is copied then).
+    pub(crate) fn device_floats(&self) -> Result<(u64, usize, DType)> {
+        let dtype = self.float_dtype()?;
+        let (ptr, n) = self.checked_data(dtype.size())?;
+        Ok((ptr as u64, n, dtype))
+    }
+
     /// The floating-point buffer as the library's checked buffer argument.
     fn float_buf(&self) -> Result<RawBuf<'_>> {
         let dtype = self.float_dtype()?;
@@ -369,6 +410,18 @@ impl BufferRef<'_> {
     /// # Safety
     /// XLA's buffer, valid for reads during the call.
     pub(crate) unsafe fn scalar_f64(&self) -> Result<f64> {
+        let (kind, ptr) = self.float_scalar()?;
+        // SAFETY: one aligned element of that type (the caller's contract).
+        Ok(unsafe {
+            match kind {
+                XlaType::F64 => ptr.cast::<f64>().read(),
+                _ => f64::from(ptr.cast::<f32>().read()),
+            }
+        })
+    }
+
+    /// The type (f32 or f64) and address of a one-element float buffer.
+    pub(crate) fn float_scalar(&self) -> Result<(XlaType, *mut c_void)> {
         let kind = XlaType::from_raw(self.dtype).filter(|t| matches!(t, XlaType::F32 | XlaType::F64));
         let Some(kind) = kind else {
             return Err(Error::invalid(format!(
@@ -381,13 +434,7 @@ impl BufferRef<'_> {
         if n != 1 {
             return Err(Error::invalid(format!("{} has {n} elements; a scalar expected", self.what)));
         }
-        // SAFETY: one aligned element of that type (the caller's contract).
-        Ok(unsafe {
-            match kind {
-                XlaType::F64 => ptr.cast::<f64>().read(),
-                _ => f64::from(ptr.cast::<f32>().read()),
-            }
-        })
+        Ok((kind, ptr))
     }
 
     /// Writes `values` into an unsigned 32-bit buffer of exactly that many elements.
@@ -411,6 +458,15 @@ impl BufferRef<'_> {
     /// # Safety
     /// As [`BufferRef::write_u32`]; `T` is the element type of `kind`.
     unsafe fn write<T: Copy>(&self, kind: XlaType, values: &[T]) -> Result<()> {
+        let ptr = self.destination(kind, values.len())?;
+        // SAFETY: `values.len()` aligned elements of XLA's buffer, writable (the caller's
+        // contract).
+        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), ptr.cast::<T>(), values.len()) };
+        Ok(())
+    }
+
+    /// The address of a buffer of exactly `count` elements of `kind` (checked), to write.
+    pub(crate) fn destination(&self, kind: XlaType, count: usize) -> Result<*mut c_void> {
         if XlaType::from_raw(self.dtype) != Some(kind) {
             return Err(Error::invalid(format!(
                 "{} is {}; {} expected",
@@ -420,11 +476,9 @@ impl BufferRef<'_> {
             )));
         }
         let (ptr, n) = self.checked_data(kind.size())?;
-        if n != values.len() {
-            return Err(Error::invalid(format!("{} has {n} elements; {} expected", self.what, values.len())));
+        if n != count {
+            return Err(Error::invalid(format!("{} has {n} elements; {count} expected", self.what)));
         }
-        // SAFETY: `n` aligned elements of XLA's buffer, writable (the caller's contract).
-        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), ptr.cast::<T>(), n) };
-        Ok(())
+        Ok(ptr)
     }
 }

@@ -1,10 +1,12 @@
-//! `so_xla_*`: XLA FFI handlers over a host session, so that a compiled XLA program (a jitted
-//! JAX train step on the CPU platform) hands its gradients to the session as backward
-//! produces them and reads the updated weights back, with no compiler, XLA header or
-//! extension module on the user's machine: the functions are the library's own exports,
-//! registered with XLA by address (`jax.ffi.register_ffi_target(name,
-//! jax.ffi.pycapsule(address), platform="cpu")`). The call frame is decoded against XLA's C
-//! API (`c_api.rs` declares its layout, `call_frame.rs` decodes it); each handler then does what one C call of the session API does.
+//! `so_xla_*`: XLA FFI handlers over a session, so that a compiled XLA program (a jitted JAX
+//! train step) hands its gradients to the session as backward produces them and reads the
+//! updated weights back, with no compiler, XLA header or extension module on the user's
+//! machine: the functions are the library's own exports, registered with XLA by address
+//! (`jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(address), platform=...)`), for XLA's
+//! CPU platform (a host session) and its CUDA platform (a CUDA session; `device.rs`: the
+//! operands are device buffers, the work is queued on the stream XLA gives the call). The
+//! call frame is decoded against XLA's C API (`c_api.rs` declares its layout, `call_frame.rs`
+//! decodes it); each handler then does what one C call of the session API does.
 //!
 //! One step of a compiled program, in data-dependency order (XLA may run independent calls
 //! concurrently; the session serialises them):
@@ -18,12 +20,14 @@
 //!
 //! Attributes are scalars: `session` (the session's `so_session_id`, unsigned 64-bit: never
 //! reused, so a program that outlives its session is refused instead of reaching another),
-//! `group`, `slice` (unsigned 32-bit), `max_norm` (a float). A handler that fails returns an
+//! `group`, `slice`, `subgroup` (unsigned 32-bit), `offset` (unsigned 64-bit), `max_norm` (a
+//! float). A handler that fails returns an
 //! XLA error with the library's message (also the thread's last error) and changes nothing
 //! beyond what its session call would have on failure.
 
 mod c_api;
 mod call_frame;
+mod device;
 #[cfg(test)]
 mod tests;
 
@@ -31,9 +35,11 @@ pub use c_api::{XLA_FFI_CallFrame, XLA_FFI_Error};
 
 use super::boundary::{LAST_ERROR, ffi_boundary};
 use super::session::session_by_id;
+use crate::cuda::{self, CudaTransport};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, FloatsMut};
 use crate::session::{NormSource, Session, StepArgs};
+use c_api::XlaType;
 use call_frame::{Frame, Request};
 
 /// XLA's call frame (`XLA_FFI_CallFrame*` of `xla/ffi/api/c_api.h`); the header declares it
@@ -49,6 +55,31 @@ fn session<'a>(frame: &Frame<'_>) -> Result<&'a Session> {
     // SAFETY: a live session's id; a session is not destroyed while a program that uses it
     // runs (the handlers' contract, as every call's).
     unsafe { session_by_id(id, "attribute session") }
+}
+
+/// Where a call runs: a host session's on XLA's CPU platform, or a CUDA session's on the GPU
+/// stream XLA gives the call.
+enum Place<'a> {
+    Host,
+    Cuda(&'a CudaTransport, cuda::Stream),
+}
+
+/// The place of a call, from its session and whether XLA gives it a GPU stream: a host
+/// session must not take device addresses for host memory, nor a CUDA session the reverse.
+fn place<'a>(s: &'a Session, frame: &Frame<'_>) -> Result<Place<'a>> {
+    match (s.transport_as::<CudaTransport>(), frame.gpu_stream()) {
+        (None, None) => Ok(Place::Host),
+        (Some(t), Some(stream)) => Ok(Place::Cuda(t, stream.cast())),
+        (None, Some(_)) => Err(Error::unsupported(
+            "this call runs on a GPU and its session is a host session (parameters on JAX's CPU platform at init): \
+             initialise the optimizer with the parameters on the device the step runs on",
+        )),
+        (Some(_), None) => Err(Error::unsupported(
+            "this call has no GPU stream (it runs on XLA's CPU platform) and its session is a CUDA session \
+             (parameters on a GPU at init): initialise the optimizer with the parameters on the device the step \
+             runs on",
+        )),
+    }
 }
 
 /// Runs a handler: answers XLA's metadata request, or executes `body` on the checked frame.
@@ -87,8 +118,14 @@ fn begin_step(frame: &Frame<'_>) -> Result<()> {
         ));
     }
     let rets = frame.rets_exactly(1, "so_xla_begin_step (the loss scale)")?;
-    // SAFETY: XLA's operand buffers, read during the call.
-    let (lr, loss_scale) = unsafe { (args[0].scalar_f64()?, args[1].scalar_f64()?) };
+    let place = place(s, frame)?;
+    let (lr, loss_scale) = match place {
+        // SAFETY: XLA's operand buffers, read during the call.
+        Place::Host => unsafe { (args[0].scalar_f64()?, args[1].scalar_f64()?) },
+        Place::Cuda(t, stream) => {
+            (device::read_scalar(t, &args[0], stream)?, device::read_scalar(t, &args[1], stream)?)
+        }
+    };
     let loss_scale = loss_scale as f32;
     if s.step_in_progress() {
         // A step a failed execution left unfinished (begun, never given to so_xla_step):
@@ -100,8 +137,11 @@ fn begin_step(frame: &Frame<'_>) -> Result<()> {
     s.set_group_hparams(group, hparams)?;
     s.begin_step((loss_scale != 0.0).then_some(loss_scale), 1)?;
     let used = if loss_scale != 0.0 { loss_scale } else { s.loss_scale() };
-    // SAFETY: XLA's result buffer, ours during the call.
-    unsafe { rets[0].write_f32(used) }
+    match place {
+        // SAFETY: XLA's result buffer, ours during the call.
+        Place::Host => unsafe { rets[0].write_f32(used) },
+        Place::Cuda(t, stream) => device::write(t, &rets[0], XlaType::F32, 1, &used.to_ne_bytes(), stream),
+    }
 }
 
 fn hand_over(frame: &Frame<'_>) -> Result<()> {
@@ -112,6 +152,9 @@ fn hand_over(frame: &Frame<'_>) -> Result<()> {
         return Err(Error::invalid("so_xla_hand_over takes the gradient as its first operand"));
     };
     let rets = frame.rets_exactly(1, "so_xla_hand_over (the gradient, passed through)")?;
+    if let Place::Cuda(t, stream) = place(s, frame)? {
+        return device::hand_over(s, t, stream, slice, grad, &rets[0]);
+    }
     // SAFETY: XLA's operand, read during the call; the result is ours. They are the same
     // buffer when XLA aliases them (`input_output_aliases={0: 0}`), so the gradient is read
     // (handed over) before the result is written, and only written when they differ.
@@ -136,21 +179,57 @@ fn step(frame: &Frame<'_>) -> Result<()> {
     let s = session(frame)?;
     let max_norm = frame.attr_f64("max_norm")?;
     let rets = frame.rets_exactly(1, "so_xla_step (the step's ticket)")?;
+    let place = place(s, frame)?;
+    if let Place::Cuda(t, stream) = place {
+        // The step's publication follows what XLA queued before this call (the backward,
+        // and the previous step's reads of the published weights); the gradients the
+        // hand-overs lent become XLA's again once their copies have passed.
+        t.wait_for_gradient_copies(stream)?;
+        t.set_compute_stream(stream)?;
+    }
     let ticket = s.step(StepArgs { max_norm, norm: NormSource::Local, overflow: false })?;
-    // SAFETY: XLA's result buffer, ours during the call.
-    unsafe { rets[0].write_u32(&[ticket as u32, (ticket >> 32) as u32]) }
+    let words = [ticket as u32, (ticket >> 32) as u32];
+    match place {
+        // SAFETY: XLA's result buffer, ours during the call.
+        Place::Host => unsafe { rets[0].write_u32(&words) },
+        Place::Cuda(t, stream) => {
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+            device::write(t, &rets[0], XlaType::U32, words.len(), &bytes, stream)
+        }
+    }
 }
 
 fn read_weights(frame: &Frame<'_>) -> Result<()> {
     let s = session(frame)?;
     let slice = frame.attr_u32("slice")?;
     let rets = frame.rets_exactly(1, "so_xla_read_weights (the slice's weights)")?;
+    if let Place::Cuda(t, stream) = place(s, frame)? {
+        let sg = frame.attr_u32("subgroup")?;
+        return device::read_weights(s, t, stream, sg, frame.attr_u64("offset")?, &rets[0]);
+    }
     // SAFETY: XLA's result buffer, ours during the call.
     let out: FloatsMut<'_> = unsafe { rets[0].floats_mut()? };
     s.read_slice_weights(slice, out)
 }
 
-/// @brief XLA FFI handler that begins a step of a host session: sets the learning rate of
+fn write_weights(frame: &Frame<'_>) -> Result<()> {
+    let s = session(frame)?;
+    let args = frame.args()?;
+    let Some(weights) = args.first() else {
+        return Err(Error::invalid("so_xla_write_weights takes the weights as its first operand"));
+    };
+    let rets = frame.rets_exactly(1, "so_xla_write_weights (a uint32 scalar)")?;
+    let Place::Cuda(t, stream) = place(s, frame)? else {
+        return Err(Error::unsupported(
+            "so_xla_write_weights writes the device parameter of a CUDA session; a host session has none",
+        ));
+    };
+    let sg = frame.attr_u32("subgroup")?;
+    device::write_weights(s, t, stream, sg, frame.attr_u64("offset")?, weights)?;
+    device::write(t, &rets[0], XlaType::U32, 1, &0u32.to_ne_bytes(), stream)
+}
+
+/// @brief XLA FFI handler that begins a step of a session: sets the learning rate of
 /// a param group (`so_session_set_group`, its other hyperparameters unchanged), then
 /// `so_session_begin_step` with one micro-step.
 ///
@@ -166,8 +245,13 @@ fn read_weights(frame: &Frame<'_>) -> Result<()> {
 ///
 /// Register it with XLA for the execute stage (the handler answers XLA's metadata request
 /// with FFI API version 0.1), e.g. `jax.ffi.register_ffi_target(name,
-/// jax.ffi.pycapsule(address), platform="cpu")`. Errors come back as XLA errors with the
-/// library's message (also `so_last_error_message` on the calling thread).
+/// jax.ffi.pycapsule(address), platform="cpu")`: on XLA's CPU platform for a host session,
+/// on its CUDA platform (`platform="CUDA"`) for a CUDA session, whose operands and results
+/// are then device buffers and whose work is queued on the call's stream
+/// (`XLA_FFI_Stream_Get`); here the learning rate and loss scale are read once the stream has
+/// computed them (the host waits for it). A call whose session does not match its platform
+/// is refused (`SO_STATUS_UNSUPPORTED`). Errors come back as XLA errors with the library's
+/// message (also `so_last_error_message` on the calling thread).
 /// @note Thread-safety: as the session's calls; the session must outlive every execution of
 ///       a program that names it (a destroyed one is refused with `SO_STATUS_NOT_FOUND`).
 ///
@@ -181,9 +265,11 @@ pub unsafe extern "C" fn so_xla_begin_step(call_frame: so_xla_call_frame_t) -> s
     unsafe { outcome(call_frame, status) }
 }
 
-/// @brief XLA FFI handler that hands a slice's gradient to a host session
-/// (`so_session_grad_copy`): a sub-group whose slices are complete may be stepped
-/// speculatively from here on, while the rest of the backward runs.
+/// @brief XLA FFI handler that hands a slice's gradient to a session
+/// (`so_session_grad_copy`; on the CUDA platform `so_session_grad_device` on the call's
+/// stream): a sub-group whose slices are complete may be stepped speculatively from here on,
+/// while the rest of the backward runs. On the CUDA platform the gradient is lent to the
+/// session's copy streams until `so_xla_step`, which consumes it.
 ///
 /// Attributes: `session`, `slice` (the slice id). Operands: the gradient (float32, bfloat16
 /// or float16 as the session's gradient dtype, the slice's element count in any shape), then
@@ -202,9 +288,12 @@ pub unsafe extern "C" fn so_xla_hand_over(call_frame: so_xla_call_frame_t) -> so
     unsafe { outcome(call_frame, status) }
 }
 
-/// @brief XLA FFI handler that ends a step of a host session (`so_session_step` with the
+/// @brief XLA FFI handler that ends a step of a session (`so_session_step` with the
 /// local norm): returns at once; the CPU-Adam thread clips by the global norm, skips on an
-/// inf or NaN gradient, and makes each sub-group final in registration order.
+/// inf or NaN gradient, and makes each sub-group final in registration order. On the CUDA
+/// platform the call's stream becomes the session's compute stream
+/// (`so_session_set_compute_stream`: the step publishes after what XLA queued before this
+/// call) and waits for the gradient copies, so that XLA may reuse the gradients' memory.
 ///
 /// Attributes: `session`, `max_norm` (float; 0 for no clipping). Operands: any buffers that
 /// order the call after every hand-over (their results). Result: a uint32[2] buffer, the
@@ -222,15 +311,18 @@ pub unsafe extern "C" fn so_xla_step(call_frame: so_xla_call_frame_t) -> so_xla_
     unsafe { outcome(call_frame, status) }
 }
 
-/// @brief XLA FFI handler that reads a slice's updated weights from a host session: waits
-/// for its sub-group's final ticket alone (`so_session_final_ticket`; the sub-groups after
-/// it may still be stepping), then copies the slice's master weights, rounded to nearest
-/// even where the result is narrower.
+/// @brief XLA FFI handler that reads a slice's updated weights from a session: waits for its
+/// sub-group's final ticket alone (`so_session_final_ticket`; the sub-groups after it may
+/// still be stepping), then copies the slice's master weights, rounded to nearest even where
+/// the result is narrower. On the CUDA platform the call's stream then waits for the
+/// sub-group's publication (`so_ticket_enqueue_wait`) and the slice is copied, on the GPU,
+/// from the device parameter the sub-group publishes into (`so_subgroup_desc.device_param`).
 ///
-/// Attributes: `session`, `slice`. Operands: any buffers that order the call (the
-/// `so_xla_step` result). Result: the weights (float32, bfloat16 or float16, the slice's
-/// element count in any shape). Registration and errors as `so_xla_begin_step`; a CUDA
-/// session is refused (`SO_STATUS_UNSUPPORTED`: it publishes to the device).
+/// Attributes: `session`, `slice`; on the CUDA platform also `subgroup` (the slice's
+/// sub-group) and `offset` (the slice's first element in it). Operands: any buffers that
+/// order the call (the `so_xla_step` result). Result: the weights (float32, bfloat16 or
+/// float16, the slice's element count in any shape; on the CUDA platform the device
+/// parameter's dtype). Registration and errors as `so_xla_begin_step`.
 /// @note Thread-safety: as `so_xla_begin_step`.
 ///
 /// # Safety
@@ -239,6 +331,29 @@ pub unsafe extern "C" fn so_xla_step(call_frame: so_xla_call_frame_t) -> so_xla_
 pub unsafe extern "C" fn so_xla_read_weights(call_frame: so_xla_call_frame_t) -> so_xla_error_t {
     // SAFETY: the frame is XLA's (this function's contract).
     let status: Status = ffi_boundary!({ unsafe { handle(call_frame, read_weights) } });
+    // SAFETY: as above.
+    unsafe { outcome(call_frame, status) }
+}
+
+/// @brief XLA FFI handler that writes weights into the device parameter a sub-group of a CUDA
+/// session publishes into (`so_subgroup_desc.device_param`), between steps, once its latest
+/// publication has landed: what the next `so_xla_read_weights` returns where the next step
+/// publishes nothing (a skipped step), e.g. after master weights were loaded from a
+/// checkpoint.
+///
+/// Attributes: `session`, `subgroup`, `offset` (the first element written). Operands: the
+/// weights (the device parameter's dtype, any shape), then any buffers that order the call.
+/// Result: a uint32 scalar, 0. XLA's CUDA platform only (a host session has no device
+/// parameter: `SO_STATUS_UNSUPPORTED`); during a step `SO_STATUS_INVALID_STATE`.
+/// Registration and errors as `so_xla_begin_step`.
+/// @note Thread-safety: as `so_xla_begin_step`.
+///
+/// # Safety
+/// As `so_xla_begin_step`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn so_xla_write_weights(call_frame: so_xla_call_frame_t) -> so_xla_error_t {
+    // SAFETY: the frame is XLA's (this function's contract).
+    let status: Status = ffi_boundary!({ unsafe { handle(call_frame, write_weights) } });
     // SAFETY: as above.
     unsafe { outcome(call_frame, status) }
 }

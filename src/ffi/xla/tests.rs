@@ -1,13 +1,16 @@
 //! The handlers driven by call frames laid out as XLA lays them out, with an API whose
-//! `XLA_FFI_Error_Create` records the error: XLA's metadata request, one whole step on a host
-//! session (begin, hand-overs, step, reads), and the refusals.
+//! `XLA_FFI_Error_Create` records the error and whose `XLA_FFI_Stream_Get` answers as XLA's CPU
+//! platform does (an error) or as a GPU platform would (a stream): XLA's metadata request, one
+//! whole step on a host session (begin, hand-overs, step, reads), and the refusals.
 
 use std::ffi::{CStr, c_void};
 use std::mem::size_of;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::c_api::{
     API_VERSION, ATTR_SCALAR, Api, ApiVersion, Attrs, BUFFER, Buffer, ByteSpan, EXTENSION_METADATA, ErrorCreateArgs,
-    ExtensionBase, Metadata, MetadataExtension, Operands, STAGE_EXECUTE, Scalar, XlaType,
+    ErrorDestroyArgs, ExecutionContext, ExtensionBase, Metadata, MetadataExtension, Operands, STAGE_EXECUTE, Scalar,
+    StreamGetArgs, XlaType,
 };
 use super::*;
 use crate::ffi::session::{so_session, so_session_create, so_session_destroy, so_session_id};
@@ -24,7 +27,37 @@ unsafe extern "C" fn record_error(args: *mut ErrorCreateArgs) -> *mut XLA_FFI_Er
     Box::into_raw(Box::new((code, message))).cast()
 }
 
-fn api() -> Api {
+/// Errors the fake API destroyed (XLA's CPU platform answers every `XLA_FFI_Stream_Get` with
+/// one, which the handler must destroy).
+static DESTROYED: AtomicUsize = AtomicUsize::new(0);
+
+unsafe extern "C" fn destroy_error(args: *mut ErrorDestroyArgs) {
+    // SAFETY: an error `record_error` or `no_stream` made from a Box, destroyed once.
+    drop(unsafe { Box::from_raw((*args).error.cast::<Made>()) });
+    DESTROYED.fetch_add(1, Ordering::Relaxed);
+}
+
+/// `XLA_FFI_Stream_Get` on XLA's CPU platform: an error.
+unsafe extern "C" fn no_stream(_args: *mut StreamGetArgs) -> *mut XLA_FFI_Error {
+    Box::into_raw(Box::new((12, "XLA FFI GPU context is not available".to_string()))).cast()
+}
+
+/// `XLA_FFI_Stream_Get` on a GPU platform: a stream (never used: the sessions here are host
+/// sessions, which refuse it).
+unsafe extern "C" fn some_stream(args: *mut StreamGetArgs) -> *mut XLA_FFI_Error {
+    // SAFETY: the handler passes a complete, writable argument struct.
+    unsafe { (*args).stream = std::ptr::dangling_mut::<u64>().cast() };
+    std::ptr::null_mut()
+}
+
+/// Where the fake XLA runs the call.
+#[derive(Clone, Copy)]
+enum Platform {
+    Cpu,
+    Gpu,
+}
+
+fn api(platform: Platform) -> Api {
     Api {
         struct_size: size_of::<Api>(),
         extension_start: std::ptr::null_mut(),
@@ -36,6 +69,13 @@ fn api() -> Api {
         },
         internal_api: std::ptr::null(),
         error_create: Some(record_error),
+        error_get_message: std::ptr::null(),
+        error_destroy: Some(destroy_error),
+        handler_register: std::ptr::null(),
+        stream_get: Some(match platform {
+            Platform::Cpu => no_stream,
+            Platform::Gpu => some_stream,
+        }),
     }
 }
 
@@ -68,7 +108,21 @@ fn call_at(
     rets: &[Buf],
     attrs: &[(&str, Attr)],
 ) -> std::result::Result<(), Made> {
-    let api = api();
+    call_on(Platform::Cpu, handler, stage, args, rets, attrs)
+}
+
+/// As `call_at`, on `platform`.
+fn call_on(
+    platform: Platform,
+    handler: Handler,
+    stage: i32,
+    args: &[Buf],
+    rets: &[Buf],
+    attrs: &[(&str, Attr)],
+) -> std::result::Result<(), Made> {
+    let api = api(platform);
+    // XLA's execution context is opaque; the fake API's `XLA_FFI_Stream_Get` never reads it.
+    let ctx: *mut ExecutionContext = std::ptr::dangling_mut::<u64>().cast();
     let descriptors = |bufs: &[Buf]| -> Vec<Buffer> {
         bufs.iter()
             .map(|b| Buffer {
@@ -120,7 +174,7 @@ fn call_at(
         struct_size: size_of::<XLA_FFI_CallFrame>(),
         extension_start: std::ptr::null_mut(),
         api: &api,
-        ctx: std::ptr::null_mut(),
+        ctx,
         stage,
         args: operands(args.len(), &arg_types, &arg_ptrs),
         rets: operands(rets.len(), &ret_types, &ret_ptrs),
@@ -150,6 +204,7 @@ fn call(handler: Handler, args: &[Buf], rets: &[Buf], attrs: &[(&str, Attr)]) ->
 /// XLA's error codes the tests expect.
 const INVALID_ARGUMENT: i32 = 3;
 const NOT_FOUND: i32 = 5;
+const UNIMPLEMENTED: i32 = 12;
 
 #[test]
 fn every_handler_answers_the_metadata_request() {
@@ -292,6 +347,32 @@ fn a_step_through_the_handlers_matches_the_session_api() {
     assert_eq!(s.group_hparams(0).unwrap().lr, f64::from(1e-2f32));
     assert_eq!([&w[..], &b[..]].concat(), master.to_vec(), "the weights read are the master weights");
     assert_ne!(master[0], 0.5);
+    // SAFETY: no call on it is running.
+    unsafe { so_session_destroy(handle) };
+}
+
+#[test]
+fn the_cpu_platform_stream_error_is_destroyed_and_a_gpu_call_of_a_host_session_refused() {
+    let mut master = [1.0f32; 8];
+    let handle = session_with_two_slices(&mut master);
+    let session = id_of(handle);
+    let (mut ticket, mut scale) = ([0u32; 2], 0.0f32);
+    let destroyed = DESTROYED.load(Ordering::Relaxed);
+    begin(session, 1e-2, &mut scale, &mut ticket).unwrap();
+    assert!(DESTROYED.load(Ordering::Relaxed) > destroyed, "XLA's error from XLA_FFI_Stream_Get is destroyed");
+    let mut out = [0f32; 6];
+    let (code, message) = call_on(
+        Platform::Gpu,
+        so_xla_read_weights,
+        STAGE_EXECUTE,
+        &[],
+        &[Buf::of(XlaType::F32, &mut out, &[6])],
+        &[("session", Attr::U64(session)), ("slice", Attr::U32(0))],
+    )
+    .unwrap_err();
+    assert_eq!(code, UNIMPLEMENTED, "{message}");
+    assert!(message.contains("runs on a GPU and its session is a host session"), "{message}");
+    assert_eq!(out, [0f32; 6], "nothing was written");
     // SAFETY: no call on it is running.
     unsafe { so_session_destroy(handle) };
 }

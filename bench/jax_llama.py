@@ -1,0 +1,269 @@
+"""GPU: a 1.1B Llama-style model in plain JAX, superoffload.jax vs optax.adamw, one process per system (--smoke: CPU).
+
+TinyLlama's shape by default (22 layers, hidden 2048, intermediate 5632, 32 heads, 4 KV heads, vocab
+32000, RMSNorm, SwiGLU, rotary positions, jax.nn.dot_product_attention), bf16 compute, sequence 2048,
+8 x 2048 tokens per optimizer step, random tokens. Systems:
+
+  optax  optax.adamw with its state on the GPU: f32 parameters, cast to bf16 in the forward;
+  ours   superoffload.jax.adamw: bf16 parameters on the GPU, f32 master weights and moments in host
+         memory, stepped by the CPU-Adam thread during backward.
+
+Each (system, clipping) pair runs in a process of its own (the parent starts them and collects their
+JSON); clipping "none" never clips, "every" clips every step (max_grad_norm 1e-3, far below the
+gradient norm). Every step's time is printed, and the JSON holds them all, with the model TFLOPS of
+the median step after the warm-up (6 N per token plus attention's 12 L d s, the causal mask not
+discounted, recomputation not counted).
+
+  python bench/jax_llama.py --steps 12 --json out/jax_llama.json         # both systems, both clip modes
+  python bench/jax_llama.py --systems ours --clip every --layers 44      # one configuration
+  python bench/jax_llama.py --smoke                                      # a tiny model on the CPU
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+SYSTEMS = ("optax", "ours")
+CLIP_MODES = {"none": None, "every": 1e-3}
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--systems", default="optax,ours", help="comma-separated: optax, ours")
+    p.add_argument("--clip", default="none,every", help="comma-separated: none, every")
+    p.add_argument("--steps", type=int, default=12, help="timed steps after the warm-up")
+    p.add_argument("--warmup", type=int, default=2, help="steps not timed (the first compiles)")
+    p.add_argument("--layers", type=int, default=22)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
+    p.add_argument("--remat", action="store_true", help="recompute each layer in backward (jax.checkpoint)")
+    p.add_argument("--attention", default=None, choices=[None, "xla", "cudnn"],
+                   help="jax.nn.dot_product_attention's implementation (default: JAX chooses)")
+    p.add_argument("--cores", default=None, help="ours: CPU cores for the session's pool, e.g. 0-15")
+    p.add_argument("--timeout", type=int, default=900, help="seconds each child process may run")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (checks the script)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.smoke:
+        args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads = 2, 64, 128, 4, 2
+        args.vocab, args.seq, args.batch, args.steps, args.warmup = 256, 32, 2, 3, 1
+    return args
+
+
+def cores(spec):
+    if not spec:
+        return None
+    out = []
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        out.extend(range(int(a), int(b or a) + 1))
+    return out
+
+
+# ---- the model ----------------------------------------------------------------------------------
+
+def init_params(args, dtype, seed=0):
+    """A list in forward order: the embedding, each layer, the final norm and the output head."""
+    import jax
+    import jax.numpy as jnp
+    h, f, hd = args.hidden, args.intermediate, args.hidden // args.heads
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 4 + 7 * args.layers))
+
+    def dense(shape, scale=0.02):
+        return (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(dtype)
+
+    layers = [{"attn_norm": jnp.ones(h, dtype), "wq": dense((h, args.heads * hd)),
+               "wk": dense((h, args.kv_heads * hd)), "wv": dense((h, args.kv_heads * hd)),
+               "wo": dense((args.heads * hd, h)), "mlp_norm": jnp.ones(h, dtype), "w_gate": dense((h, f)),
+               "w_up": dense((h, f)), "w_down": dense((f, h))} for _ in range(args.layers)]
+    return [{"embed": dense((args.vocab, h))}, *layers, {"norm": jnp.ones(h, dtype), "head": dense((h, args.vocab))}]
+
+
+def make_loss(args):
+    import jax
+    import jax.numpy as jnp
+    hd = args.hidden // args.heads
+    inv = 1.0 / (10000.0 ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    angles = jnp.arange(args.seq, dtype=jnp.float32)[:, None] * inv[None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+    def rms_norm(x, w):
+        x32 = x.astype(jnp.float32)
+        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-5)).astype(x.dtype) * w
+
+    def rotary(x):  # [B, S, N, hd]
+        a, b = x[..., : hd // 2].astype(jnp.float32), x[..., hd // 2:].astype(jnp.float32)
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
+        return jnp.concatenate([a * c - b * s, a * s + b * c], axis=-1).astype(x.dtype)
+
+    def block(x, p):
+        bsz = x.shape[0]
+        y = rms_norm(x, p["attn_norm"])
+        q = rotary((y @ p["wq"]).reshape(bsz, args.seq, args.heads, hd))
+        k = rotary((y @ p["wk"]).reshape(bsz, args.seq, args.kv_heads, hd))
+        v = (y @ p["wv"]).reshape(bsz, args.seq, args.kv_heads, hd)
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=args.attention)
+        x = x + o.reshape(bsz, args.seq, args.heads * hd) @ p["wo"]
+        y = rms_norm(x, p["mlp_norm"])
+        return x + (jax.nn.silu(y @ p["w_gate"]) * (y @ p["w_up"])) @ p["w_down"]
+
+    if args.remat:
+        block = jax.checkpoint(block)
+
+    def loss_fn(params, tokens):
+        params = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)  # bf16 compute
+        x = params[0]["embed"][tokens[:, :-1]]
+        for p in params[1:-1]:
+            x = block(x, p)
+        logits = rms_norm(x, params[-1]["norm"]) @ params[-1]["head"]
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+    return loss_fn
+
+
+def model_flops_per_step(args, n_params):
+    tokens = args.batch * args.seq
+    non_embedding = n_params - args.vocab * args.hidden  # the lookup is no matrix product
+    return 6 * non_embedding * tokens + 12 * args.layers * args.hidden * args.seq * tokens
+
+
+# ---- one system in this process -----------------------------------------------------------------
+
+def run_child(args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    system, clip = args.child.split(":")
+    max_grad_norm = CLIP_MODES[clip]
+    loss_fn = make_loss(args)
+    device = jax.devices()[0]
+    rng = np.random.default_rng(0)
+    batches = [jax.device_put(rng.integers(0, args.vocab, (args.batch, args.seq + 1), dtype=np.int32), device)
+               for _ in range(4)]
+    metrics = None
+    if system == "optax":
+        import optax
+        params = jax.device_put(init_params(args, jnp.float32), device)  # committed, as the step's outputs
+        tx = optax.adamw(3e-4, weight_decay=0.01)
+        if max_grad_norm:
+            tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), tx)
+        state = jax.device_put(tx.init(params), device)
+
+        @jax.jit
+        def step(params, state, tokens):
+            loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+            updates, state = tx.update(grads, state, params)
+            return loss, optax.apply_updates(params, updates), state
+    else:
+        import superoffload.jax as sojax
+        params = jax.device_put(init_params(args, jnp.bfloat16), device)
+        opt = sojax.adamw(3e-4, weight_decay=0.01, max_grad_norm=max_grad_norm, cores=cores(args.cores))
+        state = opt.init(params)
+        step = jax.jit(lambda p, s, t: opt.step(loss_fn, p, s, t), donate_argnums=(0,))
+        metrics = opt.metrics
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    times, losses, clip_coefs = [], [], []
+    for i in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        loss, params, state = step(params, state, batches[i % len(batches)])
+        jax.block_until_ready((loss, params))
+        took = time.perf_counter() - start
+        losses.append(float(loss))
+        extra = ""
+        if metrics is not None:
+            m = metrics(state)
+            clip_coefs.append(m["clip_coef"])
+            extra = f" clip_coef {m['clip_coef']:.3g} speculative {m['speculative']} kept {m['kept']}"
+        if i >= args.warmup:
+            times.append(took)
+        print(f"{system} clip={clip} step {i}{' (warm-up)' if i < args.warmup else ''}: {took * 1e3:.1f} ms "
+              f"loss {float(loss):.4f}{extra}", flush=True)
+    median = float(np.median(times))
+    flops = model_flops_per_step(args, n_params)
+    stats = device.memory_stats() or {}
+    result = {"system": system, "clip": clip, "max_grad_norm": max_grad_norm, "params": n_params,
+              "tokens_per_step": args.batch * args.seq, "step_s": times, "median_step_s": median,
+              "model_tflops": flops / median / 1e12, "losses": losses, "clip_coefs": clip_coefs,
+              "peak_device_bytes": stats.get("peak_bytes_in_use"), "device": device.device_kind,
+              "jax": jax.__version__}
+    print(f"{system} clip={clip}: {n_params / 1e9:.3f} B parameters, median step {median * 1e3:.1f} ms, "
+          f"{result['model_tflops']:.1f} model TFLOPS, peak device memory "
+          f"{(result['peak_device_bytes'] or 0) / 2**30:.1f} GiB", flush=True)
+    print("RESULT " + json.dumps(result), flush=True)
+    if metrics is not None:
+        opt.close()
+
+
+# ---- the parent: one child process per configuration --------------------------------------------
+
+def without_json(argv):
+    """The command line for a child: the parent's, less --json (the parent writes the file)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--json":
+            skip = True
+        elif not a.startswith("--json="):
+            out.append(a)
+    return out
+
+
+def main():
+    args = parse()
+    if args.child:
+        if args.smoke:
+            os.environ["JAX_PLATFORMS"] = "cpu"
+        run_child(args)
+        return 0
+    results, failures = [], []
+    passthrough = without_json(sys.argv[1:])
+    for system in args.systems.split(","):
+        if system not in SYSTEMS:
+            raise SystemExit(f"unknown system {system!r}; choose from {SYSTEMS}")
+        for clip in args.clip.split(","):
+            if clip not in CLIP_MODES:
+                raise SystemExit(f"unknown clip mode {clip!r}; choose from {tuple(CLIP_MODES)}")
+            env = dict(os.environ)
+            env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+            if args.smoke:
+                env["JAX_PLATFORMS"] = "cpu"
+            cmd = [sys.executable, __file__, *passthrough, "--child", f"{system}:{clip}"]
+            print(f"== {system}, clipping {clip}: {' '.join(cmd)}", flush=True)
+            try:
+                proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      timeout=args.timeout)
+                output, code = proc.stdout, proc.returncode
+            except subprocess.TimeoutExpired as e:
+                output, code = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+            for line in output.splitlines():
+                if line.startswith("RESULT "):
+                    results.append(json.loads(line[len("RESULT "):]))
+                else:
+                    print(line, flush=True)
+            if code != 0:
+                failures.append({"system": system, "clip": clip, "exit": code, "tail": output[-2000:]})
+                print(f"FAILED {system} clip={clip}: exit {code}", flush=True)
+    for r in results:
+        print(f"{r['system']:>5} clip={r['clip']:<5} median {r['median_step_s'] * 1e3:8.1f} ms "
+              f"{r['model_tflops']:6.1f} TFLOPS  steps (ms): " + " ".join(f"{t * 1e3:.0f}" for t in r["step_s"]))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"config": {k: v for k, v in vars(args).items() if k not in ("child", "json")},
+                       "results": results, "failures": failures}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
