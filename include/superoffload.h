@@ -651,7 +651,7 @@ typedef struct so_loss_scaler_options {
    */
   float init_scale;
   /**
-   * Multiplies the scale after `growth_interval` steps without overflow; > 1.
+   * Multiplies the scale after `growth_interval` consecutive steps without overflow; > 1.
    */
   float growth_factor;
   /**
@@ -659,7 +659,7 @@ typedef struct so_loss_scaler_options {
    */
   float backoff_factor;
   /**
-   * Steps without overflow before the scale grows; >= 1.
+   * Consecutive steps without overflow before the scale grows; >= 1.
    */
   uint32_t growth_interval;
   /**
@@ -702,8 +702,9 @@ typedef struct so_session_options {
    */
   bool bias_correction;
   /**
-   * `SO_DTYPE_F32` or `SO_DTYPE_BF16` (bf16 moments cannot be rolled back: with a
-   * `copy_dtype`, their speculative step writes the copy alone, the rest after the decision).
+   * dtype of both moments: `SO_DTYPE_F32` or `SO_DTYPE_BF16` (bf16 moments cannot be
+   * rolled back: with a `copy_dtype`, their speculative step writes the copy alone, the
+   * rest after the decision).
    */
   uint32_t moment_dtype;
   /**
@@ -1011,13 +1012,16 @@ typedef struct so_step_result {
    */
   uint32_t speculative;
   /**
-   * Gradients that arrived for a sub-group after its speculative step.
+   * Gradients that arrived for a sub-group after it was complete (whether or not it
+   * speculated).
    */
   uint32_t late_gradients;
   /**
-   * Speculative steps kept as taken. Each of `kept`, `rescaled`, `rolled_back` and
-   * `redone` counts a speculative step alike whether its pass ran, was preempted or was
-   * cancelled: the three write the same bits.
+   * Speculative steps kept as taken (same factor and hyperparameters); the final pass
+   * steps what the speculative pass had not reached (all of it, where it was cancelled).
+   * Each of `kept`, `rescaled`, `rolled_back` and `redone` counts a speculative step
+   * alike whether its pass ran, was preempted or was cancelled: the three write the same
+   * bits.
    */
   uint32_t kept;
   /**

@@ -24,13 +24,11 @@ use crate::error::{Error, Result, Status};
 use crate::kernels::{DType, Floats, FloatsMut};
 use crate::session::{DeviceParam, DevicePass, HandOff, HandedSumsq, HostState, Placement, Transport};
 
-/// How a CUDA session moves data.
+/// How a CUDA session moves data. Fields as
+/// [`so_cuda_options`](crate::ffi::cuda::so_cuda_options) documents them, in Rust types.
 #[derive(Clone, Copy, Debug)]
 pub struct CudaOptions {
-    /// Device ordinal.
     pub device: i32,
-    /// Gradients larger than this go to the host in pieces of this size, alternating two
-    /// copy streams, so that other streams' copies get in between.
     pub piece_bytes: usize,
 }
 

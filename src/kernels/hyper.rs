@@ -14,7 +14,8 @@ pub enum AdamMode {
 /// Hyperparameters of one Adam step, as the caller states them (in double, like Python
 /// floats). Each per-call constant of the f32 arithmetic is derived from these in f64 and
 /// rounded once: so `beta2 = 0.999` gives `1 - beta2 = 1e-3` to f32 precision, not
-/// `1 - 0.999f32`.
+/// `1 - 0.999f32`. Fields as [`so_adam_hparams`](crate::ffi::kernels::so_adam_hparams)
+/// documents them, in Rust types.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamHyper {
     pub mode: AdamMode,
@@ -24,7 +25,6 @@ pub struct AdamHyper {
     pub eps: f64,
     pub weight_decay: f64,
     pub bias_correction: bool,
-    /// The step being taken, counting from 1.
     pub step: u64,
 }
 

@@ -36,13 +36,13 @@ pub fn device_constants(hp: &AdamHyper) -> ([f32; 9], bool) {
     StepConstants::new(hp).for_device()
 }
 
-/// Options of [`update`].
+/// Options of [`update`]. Fields as
+/// [`so_update_options`](crate::ffi::kernels::so_update_options) documents them, in Rust
+/// types; `grad_sumsq` is the Rust API's own (C asks through `so_adam_update`'s
+/// `out_grad_sumsq`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct UpdateOptions {
-    /// Multiplies every gradient element as it is loaded (after promotion to f32).
     pub grad_scale: f32,
-    /// Refuse the step, touching nothing, when any scaled gradient element is inf or NaN.
-    /// Costs a read-only pass over the gradient before the step.
     pub check_finite: bool,
     /// Also compute the f64 sum of squares of the scaled gradient.
     pub grad_sumsq: bool,

@@ -44,15 +44,12 @@ impl Isa {
     }
 }
 
-/// How to build a [`Pool`].
+/// How to build a [`Pool`]. Fields as [`so_pool_options`](crate::ffi::pool::so_pool_options)
+/// documents them, in Rust types: `None` for a NULL `cores` and for `SO_ISA_AUTO`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PoolOptions {
-    /// Number of threads; 0 means one per listed core, or else one per CPU this process may
-    /// run on.
     pub num_threads: usize,
-    /// CPU cores to pin the threads to, one thread per core, in this order.
     pub cores: Option<Vec<usize>>,
-    /// Instruction set; `None` picks the widest the CPU supports.
     pub isa: Option<Isa>,
 }
 

@@ -503,6 +503,8 @@ fn pin_all(shared: &Shared, data: &mut SgData) -> Result<Vec<usize>> {
 /// session's (or the caller's borrowed) buffers: host memory, or device addresses when
 /// `placement` is [`Placement::Device`] for the host copies, which are brought up to date
 /// by the call. They stay valid until the sub-group is removed or the session destroyed.
+/// Fields as [`so_subgroup_state`](crate::ffi::session::so_subgroup_state) documents them, in
+/// Rust types.
 #[derive(Clone, Copy, Debug)]
 pub struct SubGroupState {
     pub placement: Placement,

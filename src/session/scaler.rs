@@ -4,18 +4,16 @@
 use super::factors::check_loss_scale;
 use crate::error::{Error, Result};
 
-/// Settings of the built-in loss scaler.
+/// Settings of the built-in loss scaler. Fields as
+/// [`so_loss_scaler_options`](crate::ffi::session::so_loss_scaler_options) documents them, in
+/// Rust types.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LossScalerOptions {
     pub init_scale: f32,
-    /// Multiplies the scale after `growth_interval` consecutive steps without overflow.
     pub growth_factor: f32,
-    /// Multiplies the scale on an overflow that exhausts the hysteresis.
     pub backoff_factor: f32,
     pub growth_interval: u32,
-    /// Overflowing steps tolerated before backing off (1 = back off at once, as torch).
     pub hysteresis: u32,
-    /// The scale never goes below this.
     pub min_scale: f32,
 }
 

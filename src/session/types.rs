@@ -8,7 +8,8 @@ use super::scaler::LossScalerOptions;
 use crate::error::Result;
 use crate::kernels::{AdamHyper, AdamMode, DType, Pool};
 
-/// Hyperparameters of a param group; changeable at any time.
+/// Hyperparameters of a param group; changeable at any time. Fields as
+/// [`so_group_hparams`](crate::ffi::session::so_group_hparams) documents them, in Rust types.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GroupHparams {
     pub lr: f64,
@@ -100,41 +101,26 @@ pub enum GradientHome {
     Device,
 }
 
-/// How a session is set up.
+/// How a session is set up. Fields as
+/// [`so_session_options`](crate::ffi::session::so_session_options) documents them, in Rust
+/// types: `None` for a NULL pointer, `SO_DTYPE_NONE` or a `host_memory_limit` of 0, and
+/// [`Self::GPU_BUDGET_AUTO`] for `SO_GPU_BUDGET_AUTO`.
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
-    /// Pool for the optimizer passes; `None` with `cores` builds one pinned to them, with
-    /// neither the process-wide default pool is used.
     pub pool: Option<Arc<Pool>>,
     pub cores: Option<Vec<usize>>,
     pub mode: AdamMode,
     pub bias_correction: bool,
-    /// dtype of both moments: f32, or bf16 (no rollback: with a copy, speculation writes the
-    /// copy alone, ahead of the master weights and moments).
     pub moment_dtype: DType,
-    /// dtype of the gradients handed over.
     pub grad_dtype: DType,
-    /// dtype of the sub-group gradient buffers, where micro-steps accumulate.
     pub accum_dtype: DType,
     pub speculation: Speculation,
-    /// Host bytes the session may allocate (moments, gradient buffers, the low-precision
-    /// copy, late-gradient buffers); `None` for no limit.
     pub host_memory_limit: Option<usize>,
-    /// Rejected: AMSGrad keeps a running maximum that no rollback can undo.
     pub amsgrad: bool,
-    /// Built-in dynamic loss scaler (fp16).
     pub loss_scaler: Option<LossScalerOptions>,
-    /// Keep a bf16 or f16 copy of each sub-group's master weights, written in the same pass
-    /// as every update (what a transport can send to the device at half the bytes).
     pub copy_dtype: Option<DType>,
-    /// Automatic split: device bytes the session may use to keep the first sub-groups in
-    /// forward order on the device, chosen after a few measured steps (`policy.rs`); 0 (the
-    /// default): off; [`Self::GPU_BUDGET_AUTO`]: the device's free memory after the warm-up steps,
-    /// less a headroom. CUDA sessions only (a host session refuses any other value than 0).
     pub gpu_budget_bytes: usize,
-    /// Whether the copy of `copy_dtype` is kept in full on the host (see [`HostCopy`]).
     pub host_copy: HostCopy,
-    /// Where the gradients of host-stepped sub-groups wait (see [`GradientHome`]).
     pub gradient_home: GradientHome,
 }
 
@@ -167,7 +153,8 @@ impl Default for SessionOptions {
     }
 }
 
-/// A named slice of a sub-group: a parameter whose gradient arrives as one piece.
+/// A named slice of a sub-group: a parameter whose gradient arrives as one piece. Fields as
+/// [`so_slice_desc`](crate::ffi::session::so_slice_desc) documents them, in Rust types.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SliceDesc {
     pub name: String,
@@ -229,64 +216,38 @@ pub enum NormSource {
     Given(f64),
 }
 
-/// What `step()` is told.
+/// What `step()` is told. Fields as [`so_step_args`](crate::ffi::session::so_step_args)
+/// documents them, in Rust types; `norm` stands for its `norm_source` and `global_norm`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepArgs {
-    /// Clip the global norm to this (torch's `clip_grad_norm_`); 0 disables clipping.
     pub max_norm: f64,
     pub norm: NormSource,
-    /// The caller saw an overflow (e.g. on another rank): skip the step.
     pub overflow: bool,
 }
 
-/// The outcome of one optimizer step.
+/// The outcome of one optimizer step. Fields as
+/// [`so_step_result`](crate::ffi::session::so_step_result) documents them, in Rust types.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StepResult {
-    /// 1 for the first step of the session, then one more per `begin_step`.
     pub serial: u64,
     pub skipped: bool,
-    /// Of the unscaled gradient (inf or NaN when a gradient element was).
     pub global_norm: f64,
     pub clip_coef: f64,
-    /// The factor every gradient was finally stepped with: `clip_coef / loss_scale`.
     pub grad_factor: f32,
-    /// The loss scale this step's backward used.
     pub loss_scale: f32,
-    /// The loss scale for the next step (the built-in scaler's verdict, else unchanged).
     pub next_loss_scale: f32,
-    /// Speculative steps queued during backward.
     pub speculative: u32,
-    /// Gradients that arrived for a sub-group after it was complete.
     pub late_gradients: u32,
-    /// Speculative steps kept (same factor); the part a speculative pass had not reached (all
-    /// of it, where the pass was cancelled) is stepped by the final pass. Every counter of a
-    /// speculative step's fate (`kept`, `rescaled`, `rolled_back`, `redone`) counts it alike
-    /// whether its pass ran, was preempted or was cancelled: those write the same bits.
     pub kept: u32,
-    /// Speculative steps turned into the step with the final (clipped) factor.
     pub rescaled: u32,
-    /// Speculative steps undone: the step was skipped.
     pub rolled_back: u32,
-    /// Speculative steps undone and taken again (late gradient, changed hyperparameters).
     pub redone: u32,
-    /// Sub-groups stepped once, at finalization, that did not speculate.
     pub stepped: u32,
-    /// Why the step was skipped ([`SkipReason::None`] when it was not).
     pub skip_reason: SkipReason,
-    /// Speculative passes that had not started at `step()`: cancelled, their work done by the
-    /// final pass (counted in `kept`, `rescaled`, `rolled_back` or `redone` too).
     pub cancelled: u32,
-    /// Sub-groups stepped on the device (device placement).
     pub device_stepped: u32,
-    /// Elements the optimizer passes touched after `step()` was called (each pass over a
-    /// sub-group counts its elements): the work left after backward before the weights are
-    /// final (the state pass after publication is not counted).
     pub final_pass_elements: u64,
-    /// Seconds the compute stream (CUDA) or the calling threads (host mode) waited on this
-    /// session's tickets between the previous `step()` and this one: the optimizer time the
-    /// previous step left exposed.
     pub forward_wait_s: f64,
-    /// Sub-groups placed on the device during this step.
     pub device_subgroups: u32,
 }
 

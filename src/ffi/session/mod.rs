@@ -41,11 +41,11 @@ pub struct so_loss_scaler_options {
     pub struct_size: usize,
     /// Scale of the first step.
     pub init_scale: f32,
-    /// Multiplies the scale after `growth_interval` steps without overflow; > 1.
+    /// Multiplies the scale after `growth_interval` consecutive steps without overflow; > 1.
     pub growth_factor: f32,
     /// Multiplies the scale after an overflow exhausts the hysteresis; in (0, 1).
     pub backoff_factor: f32,
-    /// Steps without overflow before the scale grows; >= 1.
+    /// Consecutive steps without overflow before the scale grows; >= 1.
     pub growth_interval: u32,
     /// Overflowing steps tolerated before backing off; 1 backs off at once (torch).
     pub hysteresis: u32,
@@ -79,8 +79,9 @@ pub struct so_session_options {
     pub mode: u32,
     /// Divide the moments by `1 - beta^t`.
     pub bias_correction: bool,
-    /// `SO_DTYPE_F32` or `SO_DTYPE_BF16` (bf16 moments cannot be rolled back: with a
-    /// `copy_dtype`, their speculative step writes the copy alone, the rest after the decision).
+    /// dtype of both moments: `SO_DTYPE_F32` or `SO_DTYPE_BF16` (bf16 moments cannot be
+    /// rolled back: with a `copy_dtype`, their speculative step writes the copy alone, the
+    /// rest after the decision).
     pub moment_dtype: u32,
     /// dtype of the gradients handed to `so_session_grad_copy`.
     pub grad_dtype: u32,

@@ -77,11 +77,14 @@ pub struct so_step_result {
     pub next_loss_scale: f32,
     /// Speculative steps submitted during backward.
     pub speculative: u32,
-    /// Gradients that arrived for a sub-group after its speculative step.
+    /// Gradients that arrived for a sub-group after it was complete (whether or not it
+    /// speculated).
     pub late_gradients: u32,
-    /// Speculative steps kept as taken. Each of `kept`, `rescaled`, `rolled_back` and
-    /// `redone` counts a speculative step alike whether its pass ran, was preempted or was
-    /// cancelled: the three write the same bits.
+    /// Speculative steps kept as taken (same factor and hyperparameters); the final pass
+    /// steps what the speculative pass had not reached (all of it, where it was cancelled).
+    /// Each of `kept`, `rescaled`, `rolled_back` and `redone` counts a speculative step
+    /// alike whether its pass ran, was preempted or was cancelled: the three write the same
+    /// bits.
     pub kept: u32,
     /// Speculative steps rescaled to the final factor (one pass each).
     pub rescaled: u32,
