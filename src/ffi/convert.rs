@@ -10,6 +10,9 @@
 //! have no counterpart of the same name (pointer + length pairs, tagged values) are written
 //! out in the invocation, in a `to_core` or `to_c` section.
 //!
+//! A shared field is documented once, on the C struct (the contract); the core struct's doc
+//! links to it and says only what its Rust types add (`tests/architecture.rs` checks this).
+//!
 //! Enums cross as `uint32_t` and are mapped by [`abi_enum!`] (in `types.rs`).
 
 use std::ffi::c_void;
