@@ -548,6 +548,59 @@ fn a_lent_gradient_buffer_is_written_once_its_subgroup_settles() {
     assert_eq!(lent.wait_settled(0, Some(Duration::ZERO)), Ok(()), "settled after the step's ticket");
 }
 
+/// The passes that write the master weights and moments after a lent copy run in the order the
+/// sub-groups' gradients completed, which is about the order the next backward needs their
+/// gradient buffers in: here sub-group 0 (like the root group FSDP2 gathers first, whose
+/// output layer backward reaches first) and then the rest in backward order.
+#[test]
+fn state_passes_follow_the_order_gradients_completed_in() {
+    let (subgroups, n) = (6usize, 4096);
+    let s = Session::new(SessionOptions {
+        pool: Some(Arc::new(pool(Isa::best(), 1))),
+        copy_dtype: Some(DType::Bf16),
+        speculation: Speculation::Off,
+        ..SessionOptions::default()
+    })
+    .unwrap();
+    s.add_group(GroupHparams::default()).unwrap();
+    for k in 0..subgroups {
+        let master = Box::leak(vec![0.01f32; n].into_boxed_slice());
+        let copy = Box::leak(vec![bf16::ZERO; n].into_boxed_slice());
+        // SAFETY: both are leaked, so valid for the rest of the process.
+        let m = unsafe { Borrowed::new("m", master.as_mut_ptr().cast(), n, DType::F32) }.unwrap();
+        // SAFETY: as for `m`.
+        let c = unsafe { Borrowed::new("c", copy.as_mut_ptr().cast(), n, DType::Bf16) }.unwrap();
+        let slices = vec![SliceDesc { name: format!("w{k}"), offset: 0, numel: n }];
+        s.add_subgroup(SubGroupDesc { copy: Some(c), ..SubGroupDesc::new(0, m, slices) }).unwrap();
+    }
+    let arrival = [0, 5, 4, 3, 2, 1];
+    s.trace(true);
+    s.begin_step(None, 1).unwrap();
+    for &k in &arrival {
+        s.grad_copy(k, Floats::F32(&vec![0.01; n])).unwrap();
+    }
+    let t = s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false }).unwrap();
+    s.wait(t, None).unwrap();
+    let path = temp_path("state-order").with_extension("json");
+    s.save_trace(&path).unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let field = |line: &str, key: &str| -> Option<String> {
+        let at = line.find(key)? + key.len();
+        Some(line[at..].chars().take_while(|c| c.is_ascii_digit() || *c == '.').collect())
+    };
+    let mut passes: Vec<(f64, u32)> = text
+        .lines()
+        .filter_map(|line| {
+            let id = field(line, "\"name\":\"state, sub-group ")?.parse().ok()?;
+            Some((field(line, "\"ts\":")?.parse().ok()?, id))
+        })
+        .collect();
+    passes.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let order: Vec<u32> = passes.iter().map(|&(_, id)| id).collect();
+    assert_eq!(order, arrival, "the state passes' order");
+}
+
 #[test]
 fn a_lent_copy_holds_the_masters_rounded() {
     let n = 3000;

@@ -6,8 +6,11 @@
 //! one; within a step the decision (and the preparation before it) first, then
 //! finalizations, then speculative steps; among finalizations and among speculative steps,
 //! the sub-group the next forward needs first (registration order) first; last, the master
-//! weights and moments of sub-groups whose final pass wrote only the weights' copy, in backward order (the order the
-//! next step's gradients arrive in, each of which waits for them). A job is runnable
+//! weights and moments of sub-groups whose final pass wrote only the weights' copy, in the
+//! order their gradients completed in that step's backward: the next backward delivers its
+//! gradients in about that order, and each waits for its sub-group's pass (FSDP2 gathers
+//! the root's parameters, the output layer's among them, first in forward, but backward
+//! produces the output layer's gradient first). A job is runnable
 //! when it would not wait on the device: a speculative step once its sub-group's gradient
 //! has landed, the decision once every gradient of its step has (a CUDA caller reaches
 //! `step()` while the GPU is still in backward; a decision that waited there would hold up
@@ -64,7 +67,9 @@ pub(crate) enum Class {
 pub(crate) struct JobKey {
     pub serial: u64,
     pub class: Class,
-    pub forward: u32,
+    /// Among finalizations and speculative steps the sub-group's id (forward order); among
+    /// state passes its gradient's completion rank.
+    pub forward: u64,
     seq: u64,
 }
 
@@ -82,10 +87,18 @@ struct Queue {
     seq: u64,
     closed: bool,
     lifecycle: Vec<Lifecycle>,
+    /// When each sub-group's gradient last completed (`completions` at that time).
+    completed_at: Vec<u64>,
+    completions: u64,
 }
 
 impl Queue {
-    fn push(&mut self, serial: u64, class: Class, forward: u32, job: Job) {
+    fn record_completion(&mut self, id: u32) {
+        self.completions += 1;
+        self.completed_at[id as usize] = self.completions;
+    }
+
+    fn push(&mut self, serial: u64, class: Class, forward: u64, job: Job) {
         self.seq += 1;
         self.ready.insert(JobKey { serial, class, forward, seq: self.seq }, job);
     }
@@ -123,7 +136,7 @@ pub(crate) struct Scheduler {
 }
 
 impl Scheduler {
-    fn push(&self, serial: u64, class: Class, forward: u32, job: Job) {
+    fn push(&self, serial: u64, class: Class, forward: u64, job: Job) {
         let mut q = self.queue.lock().unwrap();
         q.push(serial, class, forward, job);
         self.update_preempt(&q);
@@ -148,6 +161,7 @@ impl Scheduler {
         let mut q = self.queue.lock().unwrap();
         debug_assert_eq!(q.lifecycle.len(), id as usize);
         q.lifecycle.push(Lifecycle::Idle);
+        q.completed_at.push(0);
     }
 
     pub(crate) fn remove_subgroup(&self, id: u32) {
@@ -167,14 +181,19 @@ impl Scheduler {
         self.queue.lock().unwrap().lifecycle[id as usize] = state;
     }
 
+    /// The sub-group's gradient of this step is complete, and it does not speculate.
     pub(crate) fn mark_complete(&self, id: u32) {
-        self.set_lifecycle(id, Lifecycle::Complete);
+        let mut q = self.queue.lock().unwrap();
+        q.lifecycle[id as usize] = Lifecycle::Complete;
+        q.record_completion(id);
     }
 
+    /// The sub-group's gradient of this step is complete: its speculative step is queued.
     pub(crate) fn submit_speculation(&self, serial: u64, sg: Arc<SubGroup>, ticket: Ticket) {
         let mut q = self.queue.lock().unwrap();
         q.lifecycle[sg.id as usize] = Lifecycle::SpecQueued(ticket);
-        let forward = sg.id;
+        q.record_completion(sg.id);
+        let forward = u64::from(sg.id);
         q.push(serial, Class::Speculate, forward, Job::Speculate(sg));
         self.update_preempt(&q);
         self.wake.notify_one();
@@ -193,7 +212,7 @@ impl Scheduler {
         let mut q = self.queue.lock().unwrap();
         if let Lifecycle::Speculated(Some(ticket)) = q.lifecycle[sg.id as usize] {
             q.lifecycle[sg.id as usize] = Lifecycle::SpecQueued(ticket);
-            let forward = sg.id;
+            let forward = u64::from(sg.id);
             q.push(serial, Class::Speculate, forward, Job::Speculate(sg));
             self.update_preempt(&q);
         }
@@ -204,19 +223,19 @@ impl Scheduler {
     pub(crate) fn cancel_speculation(&self, id: u32) -> Option<Ticket> {
         let mut q = self.queue.lock().unwrap();
         let Lifecycle::SpecQueued(ticket) = q.lifecycle[id as usize] else { return None };
-        q.ready.retain(|k, _| !(k.class == Class::Speculate && k.forward == id));
+        q.ready.retain(|k, _| !(k.class == Class::Speculate && k.forward == u64::from(id)));
         q.lifecycle[id as usize] = Lifecycle::Complete;
         self.update_preempt(&q);
         Some(ticket)
     }
 
     /// Queues the pass that writes the master weights and moments of a sub-group whose final
-    /// pass wrote only the weights' copy (a `u32::MAX - id` forward key: backward order).
+    /// pass wrote only the weights' copy, in the order the sub-groups' gradients completed.
     pub(crate) fn submit_state(&self, serial: u64, sg: Arc<SubGroup>, hp: AdamHyper, scale: f32) {
         let mut q = self.queue.lock().unwrap();
         q.lifecycle[sg.id as usize] = Lifecycle::StatePending;
-        let forward = u32::MAX - sg.id;
-        q.push(serial, Class::State, forward, Job::State { sg, hp, scale });
+        let completed = q.completed_at[sg.id as usize];
+        q.push(serial, Class::State, completed, Job::State { sg, hp, scale });
         self.update_preempt(&q);
         self.wake.notify_one();
     }
@@ -260,7 +279,7 @@ impl Scheduler {
             let id = sg.id as usize;
             let pending = match q.lifecycle[id] {
                 Lifecycle::SpecQueued(t) => {
-                    q.ready.retain(|k, _| !(k.class == Class::Speculate && k.forward == sg.id));
+                    q.ready.retain(|k, _| !(k.class == Class::Speculate && k.forward == u64::from(sg.id)));
                     cancelled += 1;
                     Some(t)
                 }
@@ -269,7 +288,7 @@ impl Scheduler {
                 other => unreachable!("sub-group {id} is {other:?} at its step's decision"),
             };
             q.lifecycle[id] = Lifecycle::FinalQueued(pending);
-            q.push(serial, Class::Finalize, sg.id, Job::Finalize(sg.clone()));
+            q.push(serial, Class::Finalize, u64::from(sg.id), Job::Finalize(sg.clone()));
         }
         self.update_preempt(&q);
         cancelled
