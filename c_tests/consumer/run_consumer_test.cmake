@@ -53,12 +53,18 @@ foreach(link "${SO_SONAME}" "libsuperoffload.so")
   endif()
 endforeach()
 # The C++ wrapper, where it is installed: the umbrella header and every topic header it
-# includes (those of the source tree's include/superoffload/).
+# includes (the source tree's umbrella names them; superoffload/torch.hpp is not among them:
+# it is installed with the component torch).
 if(EXISTS "${prefix}/include/superoffload.hpp")
-  file(GLOB topic_headers RELATIVE "${SO_CONSUMER_SOURCE_DIR}/../../include"
-       "${SO_CONSUMER_SOURCE_DIR}/../../include/superoffload/*.hpp")
+  file(STRINGS "${SO_CONSUMER_SOURCE_DIR}/../../include/superoffload.hpp" include_lines
+       REGEX "^#include \"superoffload/[a-z_]+\\.hpp\"")
+  set(topic_headers "")
+  foreach(line IN LISTS include_lines)
+    string(REGEX REPLACE "^#include \"(superoffload/[a-z_]+\\.hpp)\".*" "\\1" h "${line}")
+    list(APPEND topic_headers "${h}")
+  endforeach()
   if(NOT topic_headers)
-    message(FATAL_ERROR "no topic headers found under ${SO_CONSUMER_SOURCE_DIR}/../../include/superoffload")
+    message(FATAL_ERROR "no topic headers found in ${SO_CONSUMER_SOURCE_DIR}/../../include/superoffload.hpp")
   endif()
   foreach(h IN LISTS topic_headers)
     if(NOT EXISTS "${prefix}/include/${h}")
