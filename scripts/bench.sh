@@ -50,6 +50,7 @@ EOF
     if [ -f bench/peers.py ]; then
         printf 'peers|py:bench/peers.py|%s\n' "$(docline bench/peers.py)"
         printf 'peers-profile|py:bench/peers_profile.py|%s\n' "$(docline bench/peers_profile.py)"
+        printf 'fsdp2-engine|py:bench/fsdp2_engine.py|%s\n' "$(docline bench/fsdp2_engine.py)"
     fi
     cat <<'EOF'
 overlap-table|py:bench/overlap_table.py|tool: the overlap results of cuda --json files as a Markdown table

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""GPU: FSDP2's CPU offload engine alone: forward and backward, no optimizer, against the GPU's own
+
+What an optimizer over FSDP2's CPUOffloadPolicy cannot go below: the model of bench/peers.py
+(same shape, batch, activation checkpointing), one rank, each system in this process one after
+the other, --passes forward-and-backward passes each, the gradients dropped as backward
+produces them (so nothing is reduced or offloaded after it). The systems:
+
+  gpu                the model on the GPU, bf16
+  offload            fully_shard per decoder layer and at the root, CPUOffloadPolicy (pinned
+                     shards of --shard-dtype), MixedPrecisionPolicy(param_dtype=bf16)
+  offload-prefetch   the same, each layer prefetching the next two in forward and the two
+                     before it in backward (set_modules_to_forward_prefetch / _backward_)
+
+Prints every pass's seconds and the steady median, and writes --json.
+
+  python3 bench/fsdp2_engine.py --model 2.8b
+  python3 bench/fsdp2_engine.py --model 2.8b --shard-dtype f32 --systems offload
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from peers_systems import E2E_DIR, MODELS, Context  # noqa: E402
+
+SYSTEMS = ("gpu", "offload", "offload-prefetch")
+PREFETCH_DEPTH = 2
+
+
+def build(ctx, system, shard_dtype):
+    if system == "gpu":
+        return ctx.build_model()
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    model = ctx.build_model(dtype=shard_dtype)
+    ctx.fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=None),
+                    offload_policy=CPUOffloadPolicy(pin_memory=True))
+    if system == "offload-prefetch":
+        layers = list(model.model.layers)
+        for i, layer in enumerate(layers):
+            layer.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + PREFETCH_DEPTH])
+            layer.set_modules_to_backward_prefetch(layers[max(0, i - PREFETCH_DEPTH):i][::-1])
+    torch.cuda.empty_cache()
+    return model
+
+
+def drop_gradients(model, system):
+    """Every gradient set to None as soon as backward accumulated it: FSDP2 then reduces and
+    offloads nothing. Its unsharded parameters exist once a first forward gathered them."""
+    if system == "gpu":
+        params = list(model.parameters())
+    else:
+        from superoffload.torch import _fsdp
+        params = [fp._unsharded_param for fm in _fsdp.fsdp_modules(model) for fp in fm.fsdp_params]
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+
+
+def run(ctx, system, shard_dtype, passes):
+    model = build(ctx, system, shard_dtype)
+    times = []
+    for i in range(passes):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        ctx.forward_backward(model)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+        if i == 0:
+            drop_gradients(model, system)
+    steady = statistics.median(times[2:]) if len(times) > 2 else times[-1]
+    row = {"system": system, "shard_dtype": str(shard_dtype).replace("torch.", ""), "times_s": [round(t, 4) for t in times],
+           "steady_s": round(steady, 4), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    del model
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="2.8b", choices=list(MODELS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    ap.add_argument("--shard-dtype", choices=("bf16", "f32"), default="bf16")
+    ap.add_argument("--passes", type=int, default=8, help="forward and backward passes per system (default 8)")
+    ap.add_argument("--json", help="where the rows go")
+    args = ap.parse_args()
+    systems = args.systems.split(",")
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"unknown systems: {', '.join(sorted(unknown))}")
+    if not torch.cuda.is_available():
+        print("fsdp2_engine.py: no GPU")
+        sys.exit(77)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    sys.path.insert(0, E2E_DIR)
+    ctx = Context(argparse.Namespace(model=args.model, batch=0, device="cuda", cap_gib=0, clips=[0.0],
+                                     no_settle=True, micro_batches=1))
+    shard_dtype = torch.bfloat16 if args.shard_dtype == "bf16" else torch.float32
+    rows = []
+    for system in systems:
+        row = run(ctx, system, shard_dtype, args.passes)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    gpu = next((r["steady_s"] for r in rows if r["system"] == "gpu"), None)
+    for r in rows:
+        ratio = f", {r['steady_s'] / gpu:.3f}x the GPU's" if gpu else ""
+        print(f"{r['system']}: {r['steady_s']:.3f} s{ratio}, peak {r['peak_gib']} GiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
