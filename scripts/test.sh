@@ -3,8 +3,9 @@
 #
 #   0. the device kernels (PTX text) assembled with ptxas from NVIDIA's pip wheel, no GPU
 #      needed (scripts/check_ptx.sh);
-#   1. style: `cargo fmt --check`, `cargo clippy --workspace --all-targets -D warnings` and
-#      the C/C++ sources against .clang-format (scripts/check_format.sh);
+#   1. style: `cargo fmt --check`, `cargo clippy --workspace --all-targets -D warnings`,
+#      `cargo doc` without warnings and the C/C++ sources against .clang-format
+#      (scripts/check_format.sh);
 #   2. `cargo test --workspace` (the library and the benchmark crate), then the
 #      reproducibility harness, which needs the `fault-injection` feature;
 #   3. the CMake build and the ctest suite in c_tests/;
@@ -127,6 +128,9 @@ if wanted clippy; then
         # The fault-injection build (its switches, the reproducibility harness's chunk hook).
         cargo clippy --all-targets --locked --features fault-injection -j "$jobs" -- -D warnings
         echo "cargo clippy: clean"
+        # The API docs: every intra-doc link resolves, no rustdoc warning.
+        RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --lib --locked -j "$jobs"
+        echo "cargo doc: clean"
     else
         skip "cargo clippy: clippy is not installed (rustup component add clippy)"
     fi
