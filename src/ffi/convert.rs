@@ -11,7 +11,7 @@
 //! out in the invocation, in a `to_core` or `to_c` section.
 //!
 //! A shared field is documented once, on the C struct (the contract); the core struct's doc
-//! links to it and says only what its Rust types add (`tests/architecture.rs` checks this).
+//! links to it and says only what its Rust types add (`tests/architecture/abi_docs.rs` checks this).
 //!
 //! Enums cross as `uint32_t` and are mapped by [`abi_enum!`] (in `types.rs`).
 
