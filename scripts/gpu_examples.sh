@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The trainers and the remaining GPU measurements, on the GPU machine, against an install
-# prefix built elsewhere: the libtorch C++ trainer, the JAX FFI custom call, the PyTorch
+# prefix built elsewhere: the libtorch C++ trainer, the JAX FFI custom call and superoffload.jax
+# on CUDA, the PyTorch
 # extension (parity, FSDP2, end-to-end benchmark), the gpu_ ctest output in full, the
 # overlap benchmark with a backward longer than the forward, and the host-mode session
 # benchmarks on all cores.
@@ -36,6 +37,10 @@ fi
 if so_want jax; then
   so_step "JAX FFI"
   run_example jax 240 20 examples/jax_ffi/run.sh "$prefix"
+  so_step "superoffload.jax on the CUDA platform (python/tests/gpu_jax.py)"
+  timeout 300 env PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" python3 python/tests/gpu_jax.py \
+    > "$out/gpu_jax.txt" 2>&1; echo "exit $?" >> "$out/gpu_jax.txt"
+  tail -12 "$out/gpu_jax.txt"
 fi
 if so_want torch; then
   so_step "PyTorch extension: parity and FSDP2"
