@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The trainers and the remaining GPU measurements, on the GPU machine, against an install
 # prefix built elsewhere: the libtorch C++ trainer, the JAX FFI custom call and superoffload.jax
-# on CUDA, the PyTorch
-# extension (parity, FSDP2, end-to-end benchmark), the gpu_ ctest output in full, the
-# overlap benchmark with a backward longer than the forward, and the host-mode session
-# benchmarks on all cores.
+# on CUDA, the PyTorch extension (parity, FSDP2, end-to-end benchmark), the gpu_ ctest output in
+# full, the overlap benchmark with a backward longer than the forward, and the host-mode
+# session benchmarks on all cores.
 # Usage: scripts/gpu_examples.sh <prefix> [output dir] [parts: all | comma list of
 #        libtorch,jax,torch,e2e,gputests,overlap,host]
 set -uo pipefail
