@@ -108,3 +108,23 @@ def test_parameters_outside_the_model_are_refused_by_name():
     with pytest.raises(ValueError, match=r"parameter 0 of param group 1 \(shape \(3, 5\)\)"):
         SuperOffloadAdamW(groups, model=m)
     SuperOffloadAdamW([stray], lr=1e-3).close()  # without a model it has no forward order to miss
+
+
+def test_the_staging_of_later_micro_steps_counts_against_the_limit():
+    """Under FSDP2's offload on a GPU, later micro-steps' gradients pass through pinned staging
+    buffers: the limit counts them beside the gradient buffers they are added into."""
+    from types import SimpleNamespace
+
+    from superoffload.torch import _buffers, _fsdp
+
+    infos = [SimpleNamespace(numel=n) for n in (1000, 3000, 2000)]
+    staging = _fsdp.staging_bytes(infos, torch.bfloat16)
+    assert staging == _fsdp.STAGING_BUFFERS * 3000 * 2
+    subgroups = [SimpleNamespace(numel=i.numel) for i in infos]
+    common = dict(masters=False, moment_dtype="bf16", session_bytes=0, session_lower=[], grad_dtype="bf16")
+    state = 6000 * (2 * 2 + 2)  # two bf16 moments and a bf16 gradient a parameter
+    assert _buffers.check_host_memory(subgroups, limit=state, **common) == state
+    assert _buffers.check_host_memory(subgroups, limit=state + staging, staging_bytes=staging, **common) == state + staging
+    with pytest.raises(SuperOffloadError) as e:
+        _buffers.check_host_memory(subgroups, limit=state + staging - 1, staging_bytes=staging, **common)
+    assert more_bytes_needed(e.value.message) == 1 and "staging" in e.value.message

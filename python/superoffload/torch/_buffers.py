@@ -124,21 +124,24 @@ def session_host_bytes(subgroups, *, cuda, accum_dtype, copy_dtype, host_copy, g
     return numel * per_param, lower
 
 
-def check_host_memory(subgroups, *, masters, moment_dtype, session_bytes, session_lower, limit, grad_dtype=None):
+def check_host_memory(subgroups, *, masters, moment_dtype, session_bytes, session_lower, limit, grad_dtype=None,
+                      staging_bytes=0):
     """The host bytes this layer lends the session: the master arena (`masters`: this layer
-    allocates it), both moments and the gradient buffers (`grad_dtype`, or None). Raises
+    allocates it), both moments and the gradient buffers (`grad_dtype`, or None), with the
+    pinned buffers later micro-steps' gradients are staged in (`staging_bytes`). Raises
     SuperOffloadError (OUT_OF_RESOURCES) before anything is allocated when they and the
     session's `session_bytes` exceed host_memory_limit (`limit`; 0: none) or what the host can
     give, with what it needs, what there is and what lowers it (`session_lower`: the session's
     options that do)."""
     numel = sum(sg.numel for sg in subgroups)
     lent = 2 * numel * element_size(moment_dtype) + (4 * arena_numel(subgroups) if masters else 0)
-    lent += numel * element_size(grad_dtype) if grad_dtype else 0
+    lent += (numel * element_size(grad_dtype) if grad_dtype else 0) + staging_bytes
     need = lent + session_bytes
     lower = (['moment_dtype="bf16" (4 bytes per parameter less)'] if moment_dtype == "f32" else []) + session_lower
     lower.append("fewer parameters offloaded (freeze some, or a smaller model)")
     what = (f"the optimizer state of {numel:,} parameters ({'f32 master weights, ' if masters else ''}"
-            f"{moment_dtype} moments{f', {grad_dtype} gradients' if grad_dtype else ''}: {lent:,} bytes; the "
+            f"{moment_dtype} moments{f', {grad_dtype} gradients' if grad_dtype else ''}"
+            f"{' and their staging' if staging_bytes else ''}: {lent:,} bytes; the "
             f"session's buffers: {session_bytes:,} bytes)")
     if limit and need > limit:
         raise _core.SuperOffloadError(

@@ -33,6 +33,13 @@ from ._buffers import PinnedHostBuffer
 STAGING_BUFFERS = 3
 
 
+def staging_bytes(infos, dtype):
+    """The pinned host bytes a GradientTaker stages later micro-steps' gradients in (`dtype`, a
+    torch dtype): STAGING_BUFFERS of the largest parameter's gradient."""
+    largest = max((info.numel for info in infos), default=0)
+    return STAGING_BUFFERS * largest * torch.empty(0, dtype=dtype).element_size()
+
+
 def _fsdp_module_class():
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -132,6 +139,7 @@ class GradientTaker:
         self._hooks = []
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         self._staging = None  # a queue of free PinnedHostBuffers, made at the first micro-step 2
+        self.staging_bytes = 0
         self._queue = queue.Queue()
         self._error = None
         self._thread = None
@@ -203,6 +211,7 @@ class GradientTaker:
         the later micro-steps stays bounded however far the backward runs ahead."""
         if self._staging is None:
             largest = max(info.numel for info in self._by_sharded.values())
+            self.staging_bytes = staging_bytes(self._by_sharded.values(), dtype)
             self._staging = queue.Queue()
             for _ in range(STAGING_BUFFERS):
                 self._staging.put(PinnedHostBuffer(largest, dtype))

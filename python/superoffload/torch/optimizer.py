@@ -238,9 +238,12 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             gradient_home=gradient_home_name, grads_lent=take_dtype is not None, copies_lent=self._shard_copies)
         # Checked before anything is allocated; the session then keeps its own buffers within what
         # the lent master weights and moments leave of the limit (its 0 would mean no limit).
+        # A taker on a GPU stages later micro-steps' gradients in pinned buffers of its own.
+        staged = take_dtype is not None and compute.type == "cuda" and self.accumulation_steps > 1
+        staging = _fsdp.staging_bytes(infos, TORCH_DTYPES[take_dtype]) if staged else 0
         lent = _buffers.check_host_memory(self._subgroups, masters=masters, moment_dtype=moment_dtype,
                                           session_bytes=session_bytes, session_lower=session_lower,
-                                          limit=host_memory_limit, grad_dtype=take_dtype)
+                                          limit=host_memory_limit, grad_dtype=take_dtype, staging_bytes=staging)
         session_limit = max(1, host_memory_limit - lent) if host_memory_limit else 0
 
         if cores is None:
@@ -668,8 +671,10 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         return sum(sg.master.numel() * 4 for sg in self._subgroups)
 
     def _grad_bytes(self):
-        """The gradient buffers this optimizer lends the session (FSDP2 on one host rank)."""
-        return sum(sg.grad.numel() * sg.grad.element_size() for sg in self._subgroups if sg.grad is not None)
+        """The gradient buffers this optimizer lends the session (FSDP2 on one host rank), with
+        the pinned buffers later micro-steps' gradients are staged in."""
+        lent = sum(sg.grad.numel() * sg.grad.element_size() for sg in self._subgroups if sg.grad is not None)
+        return lent + (self._taker.staging_bytes if self._taker is not None else 0)
 
     def _device_state_bytes(self):
         return self.session.device_bytes() if self.cuda and not self.session.closed else 0
