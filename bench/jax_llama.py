@@ -17,6 +17,12 @@ discounted, recomputation not counted).
   python bench/jax_llama.py --steps 12 --json out/jax_llama.json         # both systems, both clip modes
   python bench/jax_llama.py --systems ours --clip every --layers 44      # one configuration
   python bench/jax_llama.py --smoke                                      # a tiny model on the CPU
+  python bench/jax_llama.py --largest --json out/jax_largest.json        # the deepest model each trains
+
+--largest: per system, the most layers (at the given width) with which a step clipping every step
+runs on the device: from --layers, doubling while it runs, then bisecting between the last depth
+that ran and the first that did not (out of memory, or past --timeout), one process per depth, up to
+--largest-max-layers.
 """
 import argparse
 import json
@@ -50,11 +56,16 @@ def parse():
     p.add_argument("--timeout", type=int, default=900, help="seconds each child process may run")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (checks the script)")
+    p.add_argument("--largest", action="store_true", help="search the most layers each system trains (see above)")
+    p.add_argument("--largest-max-layers", type=int, default=512, help="--largest: the deepest model tried")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--probe-layers", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.smoke:
         args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads = 2, 64, 128, 4, 2
         args.vocab, args.seq, args.batch, args.steps, args.warmup = 256, 32, 2, 3, 1
+    if args.probe_layers:
+        args.layers = args.probe_layers
     return args
 
 
@@ -218,6 +229,67 @@ def without_json(argv):
     return out
 
 
+def run_config(args, passthrough, system, clip, extra=(), echo=True):
+    """One child process: (its result, or None; a failure record, or None)."""
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    if args.smoke:
+        env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, __file__, *passthrough, *extra, "--child", f"{system}:{clip}"]
+    print(f"== {system}, clipping {clip}: {' '.join(cmd)}", flush=True)
+    try:
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=args.timeout)
+        output, code = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        output, code = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+    result = None
+    for line in output.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+        elif echo:
+            print(line, flush=True)
+    if code != 0:
+        print(f"FAILED {system} clip={clip}: exit {code}", flush=True)
+        return None, {"system": system, "clip": clip, "exit": code, "tail": output[-2000:]}
+    return result, None
+
+
+def largest(args, passthrough, systems):
+    """Per system, the deepest model (layers at the given width) whose clipped step runs."""
+    found = []
+    for system in systems:
+        ran = {}
+
+        def runs(layers):
+            if layers not in ran:
+                extra = ["--probe-layers", str(layers), "--steps", "1", "--warmup", "1"]
+                ran[layers] = run_config(args, passthrough, system, "every", extra, echo=False)[0]
+                print(f"{system}: {layers} layers {'ran' if ran[layers] else 'did not run'}", flush=True)
+            return ran[layers] is not None
+
+        good, bad = 0, None
+        layers = args.layers
+        while layers <= args.largest_max_layers:
+            if not runs(layers):
+                bad = layers
+                break
+            good, layers = layers, layers * 2
+        if bad is None:
+            bad = min(layers, args.largest_max_layers + 1)
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            good, bad = (mid, bad) if runs(mid) else (good, mid)
+        best = ran.get(good)
+        found.append({"system": system, "layers": good, "capped": good == args.largest_max_layers,
+                      "params": best["params"] if best else 0,
+                      "peak_device_bytes": best["peak_device_bytes"] if best else None})
+    for f in found:
+        print(f"{f['system']:>5}: {f['layers']}{'+' if f['capped'] else ''} layers, {f['params'] / 1e9:.3f} B "
+              f"parameters", flush=True)
+    return found
+
+
 def main():
     args = parse()
     if args.child:
@@ -225,34 +297,29 @@ def main():
             os.environ["JAX_PLATFORMS"] = "cpu"
         run_child(args)
         return 0
-    results, failures = [], []
-    passthrough = without_json(sys.argv[1:])
-    for system in args.systems.split(","):
+    systems = args.systems.split(",")
+    for system in systems:
         if system not in SYSTEMS:
             raise SystemExit(f"unknown system {system!r}; choose from {SYSTEMS}")
+    passthrough = without_json(sys.argv[1:])
+    if args.largest:
+        found = largest(args, passthrough, systems)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump({"config": {k: v for k, v in vars(args).items() if k not in ("child", "json")},
+                           "largest": found}, f, indent=1)
+        return 0
+    results, failures = [], []
+    for system in systems:
         for clip in args.clip.split(","):
             if clip not in CLIP_MODES:
                 raise SystemExit(f"unknown clip mode {clip!r}; choose from {tuple(CLIP_MODES)}")
-            env = dict(os.environ)
-            env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-            if args.smoke:
-                env["JAX_PLATFORMS"] = "cpu"
-            cmd = [sys.executable, __file__, *passthrough, "--child", f"{system}:{clip}"]
-            print(f"== {system}, clipping {clip}: {' '.join(cmd)}", flush=True)
-            try:
-                proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      timeout=args.timeout)
-                output, code = proc.stdout, proc.returncode
-            except subprocess.TimeoutExpired as e:
-                output, code = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
-            for line in output.splitlines():
-                if line.startswith("RESULT "):
-                    results.append(json.loads(line[len("RESULT "):]))
-                else:
-                    print(line, flush=True)
-            if code != 0:
-                failures.append({"system": system, "clip": clip, "exit": code, "tail": output[-2000:]})
-                print(f"FAILED {system} clip={clip}: exit {code}", flush=True)
+            result, failure = run_config(args, passthrough, system, clip)
+            if result is not None:
+                results.append(result)
+            if failure is not None:
+                failures.append(failure)
     for r in results:
         print(f"{r['system']:>5} clip={r['clip']:<5} median {r['median_step_s'] * 1e3:8.1f} ms "
               f"{r['model_tflops']:6.1f} TFLOPS  steps (ms): " + " ".join(f"{t * 1e3:.0f}" for t in r["step_s"]))
