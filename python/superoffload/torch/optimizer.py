@@ -236,11 +236,11 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         session_bytes, session_lower = _buffers.session_host_bytes(
             self._subgroups, cuda=self.cuda, accum_dtype=dt, copy_dtype=copy_dtype, host_copy=host_copy_name,
             gradient_home=gradient_home_name, grads_lent=take_dtype is not None, copies_lent=self._shard_copies)
-        # Checked before anything is allocated; the session then keeps its own buffers within what
-        # the lent master weights and moments leave of the limit (its 0 would mean no limit).
         # A taker on a GPU stages later micro-steps' gradients in pinned buffers of its own.
         staged = take_dtype is not None and compute.type == "cuda" and self.accumulation_steps > 1
         staging = _fsdp.staging_bytes(infos, TORCH_DTYPES[take_dtype]) if staged else 0
+        # Checked before anything is allocated; the session then keeps its own buffers within what
+        # the lent master weights and moments leave of the limit (its 0 would mean no limit).
         lent = _buffers.check_host_memory(self._subgroups, masters=masters, moment_dtype=moment_dtype,
                                           session_bytes=session_bytes, session_lower=session_lower,
                                           limit=host_memory_limit, grad_dtype=take_dtype, staging_bytes=staging)
