@@ -12,7 +12,11 @@ produces them (so nothing is reduced or offloaded after it). The systems:
   offload-prefetch   the same, each layer prefetching the next two in forward and the two
                      before it in backward (set_modules_to_forward_prefetch / _backward_)
 
-Prints every pass's seconds and the steady median, and writes --json.
+Prints every pass's seconds and the steady median, and writes --json. With --profile, one more
+pass under torch.profiler: the GPU's busy time (the union of every kernel and copy), the pass's
+span, and milliseconds per kind (kernels, and copies host to device, device to host, device to
+device), which say whether the offload's gathers are exposed or only add work beside the
+compute.
 
   python3 bench/fsdp2_engine.py --model 2.8b
   python3 bench/fsdp2_engine.py --model 2.8b --shard-dtype f32 --systems offload
@@ -63,7 +67,39 @@ def drop_gradients(model, system):
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
 
 
-def run(ctx, system, shard_dtype, passes):
+def profile_pass(ctx, model):
+    """One forward and backward under torch.profiler: busy and span milliseconds, and per kind."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ctx.forward_backward(model)
+        torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    intervals, by_kind = [], {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        start, end = e.time_range.start, e.time_range.end
+        intervals.append((start, end))
+        name = e.name.lower()
+        kind = next((k for k in ("htod", "dtoh", "dtod") if k in name.replace(" ", "")), None)
+        kind = f"memcpy {kind}" if "memcpy" in name and kind else ("memcpy" if "memcpy" in name else "kernel")
+        by_kind[kind] = by_kind.get(kind, 0.0) + (end - start) / 1e3
+    intervals.sort()
+    busy, current = 0.0, None
+    for start, end in intervals:
+        if current is None or start > current[1]:
+            busy += (current[1] - current[0]) if current else 0.0
+            current = [start, end]
+        else:
+            current[1] = max(current[1], end)
+    busy += (current[1] - current[0]) if current else 0.0
+    span = (intervals[-1][1] - intervals[0][0]) if intervals else 0.0
+    return {"gpu_busy_ms": round(busy / 1e3, 1), "span_ms": round(span / 1e3, 1),
+            "by_kind_ms": {k: round(v, 1) for k, v in sorted(by_kind.items())}}
+
+
+def run(ctx, system, shard_dtype, passes, profiled):
     model = build(ctx, system, shard_dtype)
     times = []
     for i in range(passes):
@@ -78,6 +114,8 @@ def run(ctx, system, shard_dtype, passes):
     steady = statistics.median(times[2:]) if len(times) > 2 else times[-1]
     row = {"system": system, "shard_dtype": str(shard_dtype).replace("torch.", ""), "times_s": [round(t, 4) for t in times],
            "steady_s": round(steady, 4), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    if profiled:
+        row["profile"] = profile_pass(ctx, model)
     del model
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -90,6 +128,7 @@ def main():
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
     ap.add_argument("--shard-dtype", choices=("bf16", "f32"), default="bf16")
     ap.add_argument("--passes", type=int, default=8, help="forward and backward passes per system (default 8)")
+    ap.add_argument("--profile", action="store_true", help="one more pass under torch.profiler (see above)")
     ap.add_argument("--json", help="where the rows go")
     args = ap.parse_args()
     systems = args.systems.split(",")
@@ -108,7 +147,7 @@ def main():
     shard_dtype = torch.bfloat16 if args.shard_dtype == "bf16" else torch.float32
     rows = []
     for system in systems:
-        row = run(ctx, system, shard_dtype, args.passes)
+        row = run(ctx, system, shard_dtype, args.passes, args.profile)
         rows.append(row)
         print(json.dumps(row), flush=True)
     gpu = next((r["steady_s"] for r in rows if r["system"] == "gpu"), None)
