@@ -11,6 +11,7 @@ the device buffers are allocated one sub-group at a time, each parameter's old s
 it moves, so the GPU never holds two copies of the weights."""
 import mmap
 import os
+import sys
 
 import torch
 
@@ -51,7 +52,8 @@ class PinnedHostBuffer:
         self._registered = nbytes > 0
 
     def __del__(self):
-        if getattr(self, "_registered", False):
+        # At interpreter exit the CUDA runtime may already be gone; the process's end unpins.
+        if getattr(self, "_registered", False) and not sys.is_finalizing():
             torch.cuda.cudart().cudaHostUnregister(self._ptr)
 
 
