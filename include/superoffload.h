@@ -2213,7 +2213,7 @@ so_xla_error_t so_xla_hand_over(so_xla_call_frame_t call_frame);
  * call) and waits for the gradient copies, so that XLA may reuse the gradients' memory.
  *
  * Attributes: `session`, `max_norm` (float; 0 for no clipping). Operands: any buffers that
- * order the call after every hand-over (their results). Result: a uint32[2] buffer, the
+ * order the call after every hand-over (their results). Result: a `uint32[2]` buffer, the
  * step's ticket (low word, high word) for `so_session_step_result`. Registration and
  * errors as `so_xla_begin_step`.
  * @note Thread-safety: as `so_xla_begin_step`.
