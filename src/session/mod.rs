@@ -249,12 +249,7 @@ impl Session {
         if final_ticket != 0 {
             self.shared.caller_wait(final_ticket, timeout, false)?;
         }
-        let start = Instant::now();
-        let settled = self.shared.sched.wait_settled(sg, deadline);
-        self.shared.caller_wait_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        settled
-            .map(|_| ())
-            .map_err(|()| Error::new(Status::Timeout, format!("sub-group {sg}: its state pass has not ended yet")))
+        self.shared.caller_wait_settled(sg, deadline)
     }
 
     /// Copies a slice's master weights into `out` (one element per element of the slice,

@@ -169,7 +169,7 @@ impl Protocol {
         // its state pass, when the final pass left the master weights and moments for later (the
         // gradient buffer is read).
         wait_final(shared, final_ticket);
-        wait_settled(shared, sg.id);
+        shared.caller_wait_settled(sg.id, None).ok(); // without a deadline it cannot time out
         if shared.sched.is_complete(sg.id) {
             self.add_late(reg, shared, &sg, index, range, deliver)?;
             drop(span.arg("late", true));
@@ -469,16 +469,6 @@ pub(crate) fn local_sumsq(shared: &Shared, serial: u64, ticket: Ticket, timeout:
 fn wait_final(shared: &Shared, ticket: Ticket) {
     if ticket != 0 {
         shared.caller_wait(ticket, None, false).ok();
-    }
-}
-
-/// Waits while the sub-group's state pass of the previous step is pending, counting
-/// the time as the caller's wait (it holds the backward up).
-fn wait_settled(shared: &Shared, sg: u32) {
-    let start = std::time::Instant::now();
-    if shared.sched.wait_settled(sg, None) == Ok(true) {
-        let waited = start.elapsed().as_nanos() as u64;
-        shared.caller_wait_ns.fetch_add(waited, Ordering::Relaxed);
     }
 }
 

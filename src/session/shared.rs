@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::buffers::HostBuf;
 use super::policy::Policy;
@@ -14,7 +14,7 @@ use super::tickets::{Ticket, Tickets};
 use super::trace::Tracer;
 use super::transport::Transport;
 use super::types::{SessionOptions, StepResult};
-use crate::error::Result;
+use crate::error::{Error, Result, Status};
 use crate::kernels::Pool;
 
 /// The session's parts that every component is given, each a component or a lock of its own.
@@ -62,6 +62,20 @@ impl Shared {
         let outcome = self.tickets.wait(ticket, timeout, all);
         self.caller_wait_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
         outcome
+    }
+
+    /// Waits, up to `deadline` (None: forever), while sub-group `sg`'s state pass is pending,
+    /// counting the time as the caller's wait (it holds the backward up); `Timeout` if the
+    /// deadline passed first.
+    pub(crate) fn caller_wait_settled(&self, sg: u32, deadline: Option<Instant>) -> Result<()> {
+        let start = Instant::now();
+        let settled = self.sched.wait_settled(sg, deadline);
+        if settled != Ok(false) {
+            self.caller_wait_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+        settled
+            .map(|_| ())
+            .map_err(|()| Error::new(Status::Timeout, format!("sub-group {sg}: its state pass has not ended yet")))
     }
 
     /// The built-in loss scaler's scale once the decision `decide_ticket` (0: none yet) has
