@@ -73,9 +73,9 @@ class Context:
             total = total + loss.detach()
         return total
 
-    def build_model(self, dtype=None, device=None):
+    def build_model(self, dtype=None, device=None, init_device=None):
         shape = argparse.Namespace(**self.spec, dtype=dtype or self.dtype, activation_checkpointing=True)
-        return self.e2e.build_model(shape, device or self.device)
+        return self.e2e.build_model(shape, device or self.device, init_device)
 
     def init_distributed(self):
         import torch.distributed as dist
@@ -95,11 +95,15 @@ class Context:
 
     def offloaded_model(self, dtype, reduce_dtype):
         """FSDP2 with CPUOffloadPolicy: shards of `dtype` in (pinned) host memory, compute in this
-        context's dtype. Under a cap built on the host, so its weights never have to fit the GPU:
-        fully_shard moves one layer at a time through the device on its way to the host shards
-        (the host's initialisation is slower: 89 s at 2.8 B)."""
+        context's dtype. Under a cap built on the host (its weights drawn on the GPU in pieces), so
+        its weights never have to fit the GPU: fully_shard moves one layer at a time through the
+        device on its way to the host shards."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-        model = self.build_model(dtype=dtype, device=torch.device("cpu") if self.cap_bytes else None)
+        if self.cap_bytes:
+            model = self.build_model(dtype=dtype, device=torch.device("cpu"),
+                                     init_device=self.device if self.cuda else None)
+        else:
+            model = self.build_model(dtype=dtype)
         self.fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=reduce_dtype),
                          offload_policy=CPUOffloadPolicy(pin_memory=self.cuda))
         if self.cuda:
