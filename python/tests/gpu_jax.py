@@ -22,6 +22,9 @@ import traceback
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _jax_trees import relative_error, same_bits  # noqa: E402
+
 SKIP = 77
 
 
@@ -140,23 +143,6 @@ class Checks:
                                                nu=put(sd["exp_avg_sq"]))
         return params, state
 
-    @staticmethod
-    def relative_error(a_tree, b_tree, jax):
-        worst = 0.0
-        for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)):
-            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-            diff = np.max(np.abs(a - b))
-            if diff:
-                worst = max(worst, diff / np.max(np.abs(b)))
-        return worst
-
-    def bits(self, tree):
-        return [np.asarray(x).view(np.uint32 if np.asarray(x).dtype == np.float32 else np.uint16).copy()
-                for x in self.jax.tree.leaves(tree)]
-
-    def same_bits(self, a, b):
-        return all(np.array_equal(x, y) for x, y in zip(self.bits(a), self.bits(b)))
-
     def on_gpu(self, tree):
         platforms = {d.platform for x in self.jax.tree.leaves(tree) for d in x.devices()}
         assert platforms == {"gpu"}, f"the step's results are on {platforms}, not the GPU"
@@ -187,7 +173,7 @@ class Checks:
             for name, (train, bound) in bounds.items():
                 ref_loss, ref, _ = train(*self.optax_from(tx, before), x, y)
                 assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss)), (float(loss), float(ref_loss))
-                err = self.relative_error(params, ref, self.jax)
+                err = relative_error(params, ref)
                 worst[name] = max(worst[name], err)
                 assert err <= bound, f"step {i}: relative difference {err:.3g} from {name} (bound {bound})"
         if max_grad_norm:
@@ -213,12 +199,12 @@ class Checks:
             _, params, state = step(params, state, *self.batch(99, nan=True))
             m = opt.metrics(state)
             assert m["skipped"] and m["skip_reason"] == "non_finite_gradient", m
-            assert self.same_bits(params, before), "a skipped step changed a parameter"
+            assert same_bits(params, before), "a skipped step changed a parameter"
             _, params, state = step(params, state, *self.batch(3))
             assert not opt.metrics(state)["skipped"]
             runs[scale] = params
             opt.close()
-        assert self.same_bits(runs[1.0], runs[1024.0]), "a loss scale of 1024 changed bits"
+        assert same_bits(runs[1.0], runs[1024.0]), "a loss scale of 1024 changed bits"
         return "skipped with every bit unchanged; loss scale 1024 == 1 bit for bit"
 
     def _train(self, opt, params, state, steps, first=0):
@@ -241,12 +227,12 @@ class Checks:
         second.init(self.params(5))  # other weights: all of them come from the state dict
         params, state = second.load_state_dict(pickle.loads(saved))
         self.on_gpu(params)
-        assert self.same_bits(params, p4), "the loaded parameters differ from the saved ones"
+        assert same_bits(params, p4), "the loaded parameters differ from the saved ones"
         p, s = self._train(second, params, state, 4, first=4)
         sd = second.state_dict(s)
-        assert self.same_bits(p, p8), "4 + 4 steps across a state dict != 8 steps (parameters)"
+        assert same_bits(p, p8), "4 + 4 steps across a state dict != 8 steps (parameters)"
         for key in ("master", "exp_avg", "exp_avg_sq"):
-            assert self.same_bits(sd[key], sd8[key]), f"4 + 4 steps != 8 steps ({key})"
+            assert same_bits(sd[key], sd8[key]), f"4 + 4 steps != 8 steps ({key})"
         assert sd["step"] == sd8["step"] and sd["count"] == sd8["count"]
         straight.close()
         second.close()
@@ -260,7 +246,7 @@ class Checks:
         params, state = opt.load_state_dict(saved)
         _, out, state = self.ours(opt)(params, state, *self.batch(99, nan=True))
         assert opt.metrics(state)["skipped"]
-        assert self.same_bits(out, params), "a skipped step after a load did not return the loaded weights"
+        assert same_bits(out, params), "a skipped step after a load did not return the loaded weights"
         opt.close()
         return "a skipped step right after load_state_dict returns the loaded weights"
 
@@ -284,19 +270,19 @@ class Checks:
 
     def cuda_equals_cpu_f32(self):
         out = self._both_platforms(self.jnp.float32, None)
-        assert self.same_bits(out["cuda"][1], out["cpu"][1]), "the master weights differ"
-        assert self.same_bits(out["cuda"][0], out["cpu"][0]), "the parameters differ"
+        assert same_bits(out["cuda"][1], out["cpu"][1]), "the master weights differ"
+        assert same_bits(out["cuda"][0], out["cpu"][0]), "the parameters differ"
         return "5 steps, f32: master weights and parameters bit for bit"
 
     def cuda_equals_cpu_bf16(self):
         out = self._both_platforms(self.jnp.bfloat16, None)
-        assert self.same_bits(out["cuda"][1], out["cpu"][1]), "the master weights differ"
-        assert self.same_bits(out["cuda"][0], out["cpu"][0]), "the bf16 parameters differ"
+        assert same_bits(out["cuda"][1], out["cpu"][1]), "the master weights differ"
+        assert same_bits(out["cuda"][0], out["cpu"][0]), "the bf16 parameters differ"
         return "5 steps, bf16 parameters (f32 masters): bit for bit"
 
     def cuda_near_cpu_clipped(self):
         out = self._both_platforms(self.jnp.float32, 0.5)
-        err = self.relative_error(out["cuda"][1], out["cpu"][1], self.jax)
+        err = relative_error(out["cuda"][1], out["cpu"][1])
         assert err <= 1e-6, f"relative difference {err:.3g}"
         return f"5 steps clipped at 0.5: relative difference {err:.3g}"
 

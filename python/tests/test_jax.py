@@ -17,6 +17,7 @@ optax = pytest.importorskip("optax", reason="the superoffload.jax tests need opt
 import jax.numpy as jnp  # noqa: E402
 
 import superoffload.jax as sojax  # noqa: E402
+from _jax_trees import relative_error, same_bits  # noqa: E402
 
 pytestmark = pytest.mark.jax
 
@@ -108,25 +109,6 @@ def optax_from(tx, sd):
     state = optax.tree_utils.tree_set(tx.init(params), count=count, mu=jax.tree.map(jnp.asarray, sd["exp_avg"]),
                                       nu=jax.tree.map(jnp.asarray, sd["exp_avg_sq"]))
     return params, state
-
-
-def relative_error(params, reference):
-    worst = 0.0
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        diff = np.max(np.abs(a - b))
-        if diff:
-            worst = max(worst, diff / np.max(np.abs(b)))
-    return worst
-
-
-def bits(tree):
-    return [np.asarray(x).view(np.uint32 if np.asarray(x).dtype == np.float32 else np.uint16).copy()
-            for x in jax.tree.leaves(tree)]
-
-
-def same_bits(a, b):
-    return all(np.array_equal(x, y) for x, y in zip(bits(a), bits(b)))
 
 
 @pytest.mark.parametrize("max_grad_norm, speculation", [(0.5, "on"), (None, "auto"), (0.5, "off")])

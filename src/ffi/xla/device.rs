@@ -84,44 +84,42 @@ fn after_publication(s: &Session, sg: u32, stream: Stream) -> Result<()> {
     cuda::enqueue_wait(s, ticket, stream)
 }
 
-/// Copies slice weights from the device parameter sub-group `sg` publishes into (`offset`
-/// elements in) into `out`, once the sub-group's latest step is final and published. The
-/// session publishes the next step only after the work XLA queued before that step's
-/// `so_xla_step` (the compute stream), so this copy is never overwritten under it.
-pub(super) fn read_weights(
-    s: &Session,
-    t: &CudaTransport,
-    stream: Stream,
-    sg: u32,
-    offset: u64,
-    out: &BufferRef<'_>,
-) -> Result<()> {
-    let (dst, numel, dtype) = out.device_floats()?;
-    let src = published_range(t, sg, offset, numel, dtype)?;
-    after_publication(s, sg, stream)?;
-    if numel > 0 {
-        t.copy_on_stream(dst, src, numel * dtype.size(), stream)?;
-    }
-    Ok(())
+/// Which way `copy_weights` copies, between an XLA buffer and the device parameter a
+/// sub-group publishes into.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Direction {
+    /// Into the buffer (a result), once the sub-group's latest step is final and published.
+    /// The session publishes the next step only after the work XLA queued before that step's
+    /// `so_xla_step` (the compute stream), so this copy is never overwritten under it.
+    Read,
+    /// From the buffer (an operand), between steps, after the latest publication: what the
+    /// next read returns where the next step publishes nothing (a skipped step), e.g. weights
+    /// just loaded.
+    Write,
 }
 
-/// Copies `weights` into the device parameter sub-group `sg` publishes into (`offset`
-/// elements in), between steps, after its latest publication: what the next read returns
-/// where the next step publishes nothing (a skipped step), e.g. weights just loaded.
-pub(super) fn write_weights(
+/// Copies slice weights between `buffer` and the device parameter sub-group `sg` publishes
+/// into (`offset` elements in), in `direction`, on `stream` after the sub-group's latest
+/// publication.
+pub(super) fn copy_weights(
     s: &Session,
     t: &CudaTransport,
     stream: Stream,
     sg: u32,
     offset: u64,
-    weights: &BufferRef<'_>,
+    buffer: &BufferRef<'_>,
+    direction: Direction,
 ) -> Result<()> {
-    if s.step_in_progress() {
+    if direction == Direction::Write && s.step_in_progress() {
         return Err(Error::new(Status::InvalidState, "the weights are written between steps; a step is in progress"));
     }
-    let (src, numel, dtype) = weights.device_floats()?;
-    let dst = published_range(t, sg, offset, numel, dtype)?;
+    let (buffer_address, numel, dtype) = buffer.device_floats()?;
+    let published = published_range(t, sg, offset, numel, dtype)?;
     after_publication(s, sg, stream)?;
+    let (dst, src) = match direction {
+        Direction::Read => (buffer_address, published),
+        Direction::Write => (published, buffer_address),
+    };
     if numel > 0 {
         t.copy_on_stream(dst, src, numel * dtype.size(), stream)?;
     }

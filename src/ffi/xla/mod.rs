@@ -41,6 +41,7 @@ use crate::kernels::{self, FloatsMut};
 use crate::session::{NormSource, Session, StepArgs};
 use c_api::XlaType;
 use call_frame::{Frame, Request};
+use device::Direction;
 
 /// XLA's call frame (`XLA_FFI_CallFrame*` of `xla/ffi/api/c_api.h`); the header declares it
 /// in build.rs's preamble as `struct XLA_FFI_CallFrame *`, so no XLA header is needed.
@@ -205,7 +206,7 @@ fn read_weights(frame: &Frame<'_>) -> Result<()> {
     let rets = frame.rets_exactly(1, "so_xla_read_weights (the slice's weights)")?;
     if let Place::Cuda(t, stream) = place(s, frame)? {
         let sg = frame.attr_u32("subgroup")?;
-        return device::read_weights(s, t, stream, sg, frame.attr_u64("offset")?, &rets[0]);
+        return device::copy_weights(s, t, stream, sg, frame.attr_u64("offset")?, &rets[0], Direction::Read);
     }
     // SAFETY: XLA's result buffer, ours during the call.
     let out: FloatsMut<'_> = unsafe { rets[0].floats_mut()? };
@@ -225,7 +226,7 @@ fn write_weights(frame: &Frame<'_>) -> Result<()> {
         ));
     };
     let sg = frame.attr_u32("subgroup")?;
-    device::write_weights(s, t, stream, sg, frame.attr_u64("offset")?, weights)?;
+    device::copy_weights(s, t, stream, sg, frame.attr_u64("offset")?, weights, Direction::Write)?;
     device::write(t, &rets[0], XlaType::U32, 1, &0u32.to_ne_bytes(), stream)
 }
 
