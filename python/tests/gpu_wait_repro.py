@@ -30,15 +30,15 @@ if mode.startswith("direct"):
     if "host" in mode:
         opt.synchronize(host=True)
     else:  # the GPU-side waits alone, as synchronize() did before it waited on the host first
-        opt.session.enqueue_wait_final(opt._all_sgs, torch.cuda.current_stream(dev).cuda_stream)
+        opt.session.enqueue_wait_final(opt._waits.all_sgs, torch.cuda.current_stream(dev).cuda_stream)
     print(mode, "read", [p.detach().float().cpu().sum().item() for p in m.parameters()][:2], flush=True)
 elif mode.startswith("loop"):
     for x, y in data:
         loss = loss_fn(m, x.to(dev), y.to(dev)); loss.backward(); opt.step()
         if "item" in mode: print(round(loss.item(), 4), end=" ", flush=True)
         if "state" in mode:  # the model hook's GPU-side waits alone, then a read
-            opt._pending.clear()
-            opt.session.enqueue_wait_final(opt._all_sgs, torch.cuda.current_stream(dev).cuda_stream)
+            opt._waits.pending.clear()
+            opt.session.enqueue_wait_final(opt._waits.all_sgs, torch.cuda.current_stream(dev).cuda_stream)
             print(float(m.head.weight.detach().float().cpu().sum()), end=" ", flush=True)
     torch.cuda.synchronize()
     print(mode, "loss", loss.item(), opt.last_step_result()["global_norm"], flush=True)

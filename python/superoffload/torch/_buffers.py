@@ -245,3 +245,22 @@ def _contiguous_shard(info):
     if not shard.is_contiguous():
         raise ValueError(f"SuperOffloadAdamW: the local shard of {info.name} is not contiguous")
     return shard.view(-1)
+
+
+def memory(session, subgroups, *, numel, gpu_numel, master_arena, staging_bytes, device_bytes):
+    """The optimizer's `memory()` (see there): `numel` trainable elements, `gpu_numel` of them
+    GPU-resident; `master_arena` as `register` returned it; `staging_bytes` of a GradientTaker."""
+    if master_arena is not None:
+        master = lent_master = master_arena.numel() * 4
+    else:  # host FSDP with f32 shards: the shards are the masters, not this optimizer's allocation
+        master, lent_master = sum(sg.master.numel() * 4 for sg in subgroups), 0
+    moments = sum(sg.exp_avg.numel() * sg.exp_avg.element_size() * 2 for sg in subgroups)
+    grads = sum(sg.grad.numel() * sg.grad.element_size() for sg in subgroups if sg.grad is not None)
+    grads += staging_bytes  # the pinned buffers later micro-steps' gradients are staged in
+    offloaded = numel - gpu_numel
+    host = session.host_bytes()
+    return {"params": offloaded, "session_host_bytes": host, "master_bytes": master, "moment_bytes": moments,
+            "grad_bytes": grads, "host_bytes": host + lent_master + moments + grads,
+            "host_bytes_per_param": (host + master + moments + grads) / max(offloaded, 1),
+            "pinned_bytes": session.pinned_bytes(), "gpu_resident_params": gpu_numel,
+            "gpu_resident_bytes": device_bytes}

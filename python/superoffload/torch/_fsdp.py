@@ -126,8 +126,8 @@ class GradientTaker:
 
     `begin(info)` is called before each parameter's first copy of a step (it begins the step
     once and waits until the parameter's buffer is free), `written(info)` hands a complete
-    gradient over; both come from the optimizer. The hooks run
-    on autograd's thread; the hand-overs on this object's thread, in the order of the copies."""
+    gradient over; both come from `_handoff.Handoff`. The hooks run on autograd's thread; the
+    hand-overs on this object's thread, in the order of the copies."""
 
     def __init__(self, modules, infos_by_param, accumulation_steps, begin, written, device):
         self.device = device
@@ -211,10 +211,11 @@ class GradientTaker:
         the later micro-steps stays bounded however far the backward runs ahead."""
         if self._staging is None:
             largest = max(info.numel for info in self._by_sharded.values())
-            self.staging_bytes = staging_bytes(self._by_sharded.values(), dtype)
             self._staging = queue.Queue()
             for _ in range(STAGING_BUFFERS):
-                self._staging.put(PinnedHostBuffer(largest, dtype))
+                buf = PinnedHostBuffer(largest, dtype)
+                self.staging_bytes += buf.tensor.numel() * buf.tensor.element_size()
+                self._staging.put(buf)
         return self._staging.get()
 
     def _check_thread(self):

@@ -192,7 +192,7 @@ class StateDictMixin:
         self._nsteps = int(so.get("steps", 0)) if so else (max(steps) if steps else 0)
         self._loaded = True
         self._expose_state()
-        self._pending.clear()
+        self._waits.pending.clear()
 
     def _saved_state_by_index(self, saved):
         by_name = {i.name: i.index for i in self._infos}
@@ -323,4 +323,4 @@ class StateDictMixin:
                           for gi in range(len(self.param_groups))]
         for g, hp in zip(self.param_groups, self._group_hp):
             g["lr"], g["betas"], g["eps"], g["weight_decay"] = hp[0], (hp[1], hp[2]), hp[3], hp[4]
-        self._pending.clear()
+        self._waits.pending.clear()

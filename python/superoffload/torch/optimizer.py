@@ -49,16 +49,15 @@ coefficient as torch.nn.utils.clip_grad_norm_).
 """
 import contextlib
 import logging
-import math
 import warnings
 
 import torch
 from torch.optim import Optimizer
 
 from .. import _abi, _core, _cores
-from . import _buffers, _fsdp, _options, _params
+from . import _buffers, _distributed, _fsdp, _handoff, _options, _params, _waits
 from ._metrics import Nvtx, StepTimes, metrics
-from ._params import DTYPE_NAMES, TORCH_DTYPES, is_dtensor, local
+from ._params import DTYPE_NAMES, TORCH_DTYPES, local
 from ._state_dict import StateDictMixin
 
 logger = logging.getLogger("superoffload")
@@ -179,8 +178,6 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         self._nsteps = 0
         self._loaded = False
         self._hooks = []
-        self._pending = set()
-        self._unowned = []
         self._times = StepTimes()
         self._nvtx = Nvtx(torch.cuda.is_available() if nvtx is None else nvtx)
         self.session = None
@@ -191,11 +188,11 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         self._by_param = {id(i.param): i for i in infos}
         self.device, self.param_dtype, self.fsdp = _params.common_placement(infos)
         self.cuda = self.device.type == "cuda"
-        self._setup_distributed(distributed, process_group)
+        self._norm_group = _distributed.NormGroup(infos, self.fsdp, distributed, process_group)
         # FSDP2 with the shards on the host: the sub-groups in the order forward gathers them and,
         # on one rank, the gradients taken before FSDP2 reduces them (see _fsdp.py).
         self._fsdp_modules = _fsdp.fsdp_modules(model) if self.fsdp and not self.cuda else None
-        self._taker = self._forward_waits = None
+        self._handoff = self._waits = None
         take_dtype = None
         if self._fsdp_modules:
             _fsdp.forward_order(infos, self._fsdp_modules)
@@ -257,42 +254,26 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             copy_dtype=copy_dtype, pool=self._pool, host_memory_limit=session_limit,
             piece_bytes=int(piece_bytes), loss_scaler=loss_scaler, gpu_budget_bytes=gpu_budget_bytes,
             host_copy=host_copy, gradient_home=gradient_home)
-        self._accum_torch = TORCH_DTYPES[dt]
         self._group_hp = [None] * len(self.param_groups)
         for gi, g in enumerate(self.param_groups):
             hp = _options.group_hparams(g)
             self.session.add_group(*hp)
             self._group_hp[gi] = hp
-        if self.cuda:
-            self._copy_stream = torch.cuda.ExternalStream(self.session.copy_stream(), device=self.device)
 
         self._master_arena = _buffers.register(
             self.session, self._subgroups, device=self.device, param_dtype=self.param_dtype,
             moment_dtype=moment_dtype, fsdp=self.fsdp, masters=masters, pool=self._pool, touch=bool(first_touch),
             grad_dtype=take_dtype, pinned_grads=compute is not None and compute.type == "cuda",
             shard_copies=self._shard_copies)
-        self._all_sgs = [sg.id for sg in self._subgroups]
-        if take_dtype:
-            self._taker = _fsdp.GradientTaker(self._fsdp_modules, self._by_param, self.accumulation_steps,
-                                              self._begin_gradient, self._hand_over_written, compute)
-        else:
-            for info in self._infos:
-                self._hooks.append(info.param.register_post_accumulate_grad_hook(self._make_hook(info)))
+        self._handoff = _handoff.Handoff(
+            self.session, infos, device=self.device, accum_dtype=TORCH_DTYPES[dt],
+            accumulation_steps=self.accumulation_steps, distributed=self.distributed, begin=self._begin,
+            times=self._times, nvtx=self._nvtx)
+        self._handoff.install(self._fsdp_modules, self._by_param, take_dtype, compute)
 
-        if wait == "auto":
-            wait = "module" if model is not None and (not self.fsdp or self._fsdp_modules) else "step"
-        if wait == "module":
-            if model is None:
-                raise ValueError('wait="module" needs model=')
-            if self.fsdp and not self._fsdp_modules:
-                raise ValueError('wait="module" under FSDP2 needs the shards on the host (CPUOffloadPolicy) and a '
-                                 'torch whose FSDP2 modules expose their state; use wait="step"')
-            if self._fsdp_modules:
-                self._forward_waits = _fsdp.ForwardWaits(self._fsdp_modules, self._by_param, self._make_module_wait)
-                self._unowned = [s for s in self._all_sgs if s not in self._forward_waits.covered]
-            else:
-                self._install_module_waits(model)
-        self.wait_mode = wait
+        self._waits = _waits.Waits(self.session, self.device, [sg.id for sg in self._subgroups], self._times,
+                                   self._nvtx)
+        self._waits.install(wait, model, self._by_param, self.fsdp, self._fsdp_modules)
         if model is not None:
             # model.state_dict() reads the weights, model.load_state_dict() writes them: both
             # after the latest step is final; a load also refreshes the master weights.
@@ -306,33 +287,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
                     mem["host_bytes_per_param"], moment_dtype, len(self._device_infos), speculation,
                     self.max_grad_norm or "off", _cores._fmt(self.cores) if self.cores else "default")
 
-    # ---- construction ---------------------------------------------------------------------
-
-    def _setup_distributed(self, distributed, process_group):
-        import torch.distributed as dist
-        on = self.fsdp and dist.is_available() and dist.is_initialized() if distributed == "auto" else bool(distributed)
-        self.distributed = on
-        self._pg = None
-        self._comm_device = None
-        self._ranks = 1  # of the group the sums of squares are all-reduced over (one needs no all-reduce)
-        if not on:
-            return
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("SuperOffloadAdamW(distributed=True) needs an initialised torch.distributed process group")
-        if process_group is None and self.fsdp:
-            p = self._infos[0].param
-            mesh, placements = p.device_mesh, p.placements
-            shard_dims = [d for d, pl in enumerate(placements) if pl.is_shard()]
-            for info in self._infos:
-                if info.param.device_mesh != mesh or tuple(info.param.placements) != tuple(placements):
-                    raise ValueError("SuperOffloadAdamW: DTensor parameters on different meshes or placements")
-            if len(shard_dims) != 1:
-                raise ValueError(f"SuperOffloadAdamW: expected one sharded mesh dimension, got placements {placements}")
-            process_group = mesh.get_group(shard_dims[0]) if mesh.ndim > 1 else mesh.get_group()
-        self._pg = process_group
-        self._ranks = dist.get_world_size(process_group)
-        backend = dist.get_backend(process_group)
-        self._comm_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    # ---- the model's state_dict hooks -----------------------------------------------------
 
     def _model_hook_sync(self, module, *args, **kwargs):
         if not self._closed:
@@ -349,103 +304,13 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         if not self._closed:
             self.reload_from_params()
 
-    def _install_module_waits(self, model):
-        by_module = {}
-        for m in model.modules():
-            sgs = sorted({self._by_param[id(p)].sg for p in m._parameters.values()
-                          if p is not None and id(p) in self._by_param and self._by_param[id(p)].sg is not None})
-            if sgs:
-                by_module[m] = sgs
-        covered = {s for sgs in by_module.values() for s in sgs}
-        self._unowned = [s for s in self._all_sgs if s not in covered]  # waited for at step()
-        for m, sgs in by_module.items():
-            self._hooks.append(m.register_forward_pre_hook(self._make_module_wait(sgs)))
-
-    def _make_module_wait(self, sgs):
-        def pre_forward(module, args):
-            if not self._pending:
-                return None
-            todo = [s for s in sgs if s in self._pending]
-            if todo:
-                self._pending.difference_update(todo)
-                self._wait_subgroups(todo)
-            return None
-        return pre_forward
-
-    # ---- gradients ------------------------------------------------------------------------
-
-    def _stream(self):
-        return torch.cuda.current_stream(self.device).cuda_stream
-
-    def _make_hook(self, info):
-        def post_accumulate_grad(p):
-            if self._closed or p.grad is None:
-                return
-            info.count += 1
-            if info.count < self.accumulation_steps:
-                return  # keep accumulating in p.grad
-            self._hand_over(info, p)
-        return post_accumulate_grad
-
-    def _hand_over(self, info, p):
-        with self._times.timed("handoff_s"), self._nvtx.range(f"superoffload:hand_over {info.name}"):
-            g = p.grad
-            if is_dtensor(g):
-                g = g._local_tensor
-            if not self._in_step and (info.sg is not None or self.distributed):
-                self._begin()  # distributed: even a rank whose shards are all empty joins the all-reduce
-            if info.sg is None:  # empty local shard
-                p.grad = None
-                return
-            if g.numel() != info.numel:
-                raise _core.SuperOffloadError(_abi.Status.INVALID_ARGUMENT,
-                                              f"the gradient of {info.name} has {g.numel()} elements; the parameter "
-                                              f"{info.numel}")
-            if self.cuda:
-                if not g.is_cuda:
-                    raise _core.SuperOffloadError(_abi.Status.INVALID_ARGUMENT,
-                                                  f"the gradient of {info.name} is on {g.device}; this CUDA session "
-                                                  f"takes gradients on {self.device}")
-                # Casting or compacting runs on the current stream, which is where the copy is ordered.
-                t = g if g.dtype == self._accum_torch else g.to(self._accum_torch)
-                t = t.contiguous()
-                # The lifetime rule of so_session_grad_device: the caching allocator must not reuse
-                # this memory before the copy stream has passed the copy. Recorded before the
-                # hand-off, so a failure cannot leave a copy reading freed memory.
-                t.record_stream(self._copy_stream)
-                self.session.grad_device(info.slice, t.data_ptr(), t.numel(), self.session.accum_dtype, self._stream())
-            else:
-                t = g if g.dtype == self._accum_torch else g.to(self._accum_torch)
-                t = t.contiguous()
-                if t.device.type != "cpu":
-                    raise _core.SuperOffloadError(_abi.Status.INVALID_ARGUMENT,
-                                                  f"the gradient of {info.name} is on {t.device}; a host session takes "
-                                                  "CPU gradients")
-                self.session.grad_copy(info.slice, t.data_ptr(), t.numel())
-                if self._taker is not None:
-                    self._taker.taken.add(id(info))
-            p.grad = None  # the session has it (CUDA: record_stream'ed on the copy stream)
-
-    def _hand_over_written(self, info):
-        """A gradient is in the slice's borrowed buffer (FSDP2 on the host, _fsdp.GradientTaker)."""
-        with self._times.timed("handoff_s"), self._nvtx.range(f"superoffload:hand_over {info.name}"):
-            self.session.grad_written(info.slice)
-
-    def _begin_gradient(self, info):
-        """Before a lent gradient buffer is written: the step begun, and the buffer free, i.e.
-        the previous step's state pass of this sub-group (which reads it) ended. Per sub-group,
-        so the backward's first gradients wait only for the state passes of the last layers,
-        which the session runs first."""
-        if not self._in_step:
-            self._begin()
-        with self._times.timed("wait_s"):
-            self.session.wait_settled(info.sg)
+    # ---- a step's beginning ---------------------------------------------------------------
 
     def _begin(self):
-        if self._pending:  # sub-groups no forward waited for (their modules did not run)
-            todo = sorted(self._pending)
-            self._pending.clear()
-            self._wait_subgroups(todo)
+        """Begins the step at its first gradient (once a step)."""
+        if self._in_step:
+            return
+        self._waits.wait_pending()
         self._sync_groups()
         if self._budget_unmeasured:
             self._limit_budget_to_fraction()
@@ -474,13 +339,6 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
                 self.session.set_group(gi, *hp)
                 self._group_hp[gi] = hp
 
-    def _wait_subgroups(self, sgs):
-        if self.cuda:
-            self.session.enqueue_wait_final(sgs, self._stream())
-        else:
-            with self._times.timed("wait_s"), self._nvtx.range("superoffload:wait"):
-                self.session.wait_final(sgs)
-
     # ---- the optimizer API ----------------------------------------------------------------
 
     @torch.no_grad()
@@ -493,59 +351,28 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._taker is not None:
-            self._taker.flush()
-        for info in self._infos:  # gradients still held in p.grad (short accumulation, no hook, set by hand)
-            if info.param.grad is not None:
-                self._hand_over(info, info.param)
-        if self._taker is not None and self._in_step:
-            self._zero_untaken()
+        self._handoff.flush()
         if not self._in_step:
             return loss  # no gradient this step: like torch, nothing changes
+        self._handoff.zero_untaken()
         with self._times.timed("step_call_s"), self._nvtx.range("superoffload:step"):
             self._sync_groups()
             if self.cuda:
-                self.session.set_compute_stream(self._stream())
+                self.session.set_compute_stream(torch.cuda.current_stream(self.device).cuda_stream)
             max_norm = self.max_grad_norm if max_grad_norm is None else float(max_grad_norm)
-            if self._ranks > 1:
-                self._ticket = self.session.step(max_norm, self._all_reduced_norm(), False)
+            if self._norm_group.ranks > 1:
+                norm = self._norm_group.global_norm(self.session.local_grad_sumsq())
+                self._ticket = self.session.step(max_norm, norm, False)
             else:
                 self._ticket = self.session.step(max_norm)
             self._in_step = False
             self._result = None
             self._nsteps += 1
             self._expose_state()
-            for info in self._infos:
-                info.count = 0
-            if self._taker is not None:
-                self._taker.taken.clear()
-            if self.wait_mode == "module":
-                self._pending = set(self._all_sgs)
-                if self._unowned:
-                    self._pending.difference_update(self._unowned)
-                    self._wait_subgroups(self._unowned)
-            elif self.cuda:
-                self.session.enqueue_wait_final(self._all_sgs, self._stream())
-            else:
-                self.session.wait(self._ticket)
+            self._handoff.end_step()
+            self._waits.after_step(self._ticket)
         self._times.end_step()
         return loss
-
-    def _zero_untaken(self):
-        """A parameter whose unsharded gradient backward did not produce is stepped with a zero
-        gradient, as in every other mode (its buffer still holds an earlier step's)."""
-        for info in self._infos:
-            if info.sg is not None and id(info) not in self._taker.taken:
-                info.grad_buffer.zero_()
-                self._hand_over_written(info)
-
-    def _all_reduced_norm(self):
-        """The global gradient norm over every rank's shards (NaN when a sum is not finite)."""
-        import torch.distributed as dist
-        t = torch.tensor([self.session.local_grad_sumsq()], dtype=torch.float64, device=self._comm_device)
-        dist.all_reduce(t, group=self._pg)
-        total = t.item()
-        return math.sqrt(total) if math.isfinite(total) and total >= 0 else float("nan")
 
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none=set_to_none)
@@ -565,13 +392,10 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         if self._ticket is not None:
             with self._times.timed("wait_s"):
                 self.session.wait(self._ticket)
-        if self._pending:
-            todo = sorted(self._pending)
-            self._pending.clear()
-            self._wait_subgroups(todo)
+        self._waits.wait_pending()
         if self._ticket is None or not self.cuda:
             return
-        self.session.enqueue_wait_final(self._all_sgs, self._stream())
+        self._waits.enqueue_all()
         if host:
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -665,17 +489,6 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         """Writes the recorded timeline as Chrome trace JSON (bench/trace_plot.py renders it)."""
         self.session.save_trace(str(path))
 
-    def _master_bytes(self):
-        if self._master_arena is not None:
-            return self._master_arena.numel() * 4
-        return sum(sg.master.numel() * 4 for sg in self._subgroups)
-
-    def _grad_bytes(self):
-        """The gradient buffers this optimizer lends the session (FSDP2 on one host rank), with
-        the pinned buffers later micro-steps' gradients are staged in."""
-        lent = sum(sg.grad.numel() * sg.grad.element_size() for sg in self._subgroups if sg.grad is not None)
-        return lent + (self._taker.staging_bytes if self._taker is not None else 0)
-
     def _device_state_bytes(self):
         return self.session.device_bytes() if self.cuda and not self.session.closed else 0
 
@@ -686,18 +499,10 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         page-locked bytes, and bytes per offloaded parameter;
         GPU-resident parameters and the session's device bytes (their f32 master and moment
         bytes, and staging buffers)."""
-        gpu = sum(i.numel for i in self._device_infos)
-        numel = sum(i.numel for i in self._infos) - gpu
-        master = self._master_bytes()
-        moments = sum(sg.exp_avg.numel() * sg.exp_avg.element_size() * 2 for sg in self._subgroups)
-        session = self.session.host_bytes()
-        lent_master = master if self._master_arena is not None else 0  # host FSDP: the shards are the masters
-        grads = self._grad_bytes()
-        return {"params": numel, "session_host_bytes": session, "master_bytes": master, "moment_bytes": moments,
-                "grad_bytes": grads, "host_bytes": session + lent_master + moments + grads,
-                "host_bytes_per_param": (session + master + moments + grads) / max(numel, 1),
-                "pinned_bytes": self.session.pinned_bytes(), "gpu_resident_params": gpu,
-                "gpu_resident_bytes": self._device_state_bytes()}
+        return _buffers.memory(self.session, self._subgroups, numel=sum(i.numel for i in self._infos),
+                               gpu_numel=sum(i.numel for i in self._device_infos), master_arena=self._master_arena,
+                               staging_bytes=self._handoff.staging_bytes,
+                               device_bytes=self._device_state_bytes())
 
     def subgroups(self):
         """[(sub-group id, param group, numel, [slice names])] in forward order."""
@@ -706,6 +511,16 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
     def gpu_resident(self):
         """Names of the GPU-resident parameters (see gpu_fraction)."""
         return [i.name for i in self._device_infos]
+
+    @property
+    def distributed(self):
+        """Whether the global norm is all-reduced over a process group (see `distributed`)."""
+        return self._norm_group.enabled
+
+    @property
+    def wait_mode(self):
+        """What waits for a step's weights: "module" or "step" (see `wait`)."""
+        return self._waits.mode
 
     @property
     def closed(self):
@@ -723,12 +538,12 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for hooks in (self._taker, self._forward_waits):
+        for hooks in (self._handoff, self._waits):
             if hooks is not None:
                 hooks.close()
         if self.cuda and not self.session.closed:
             if self._ticket is not None:
-                self.session.enqueue_wait_final(self._all_sgs, self._stream())
+                self._waits.enqueue_all()
             # Destroying the session frees the events that enqueued waits read: every stream
             # must have passed its waits first.
             torch.cuda.synchronize(self.device)
