@@ -10,7 +10,12 @@ produces them (so nothing is reduced or offloaded after it). The systems:
   offload            fully_shard per decoder layer and at the root, CPUOffloadPolicy (pinned
                      shards of --shard-dtype), MixedPrecisionPolicy(param_dtype=bf16)
   offload-prefetch   the same, each layer prefetching the next two in forward and the two
-                     before it in backward (set_modules_to_forward_prefetch / _backward_)
+                     before it in backward (set_modules_to_forward_prefetch / _backward_):
+                     at one rank FSDP2's prefetch only marks a group, its copy still runs
+                     on the compute stream when the group is needed
+  offload-read-ahead the same as offload, with superoffload's ShardPrefetcher: the next
+                     group's shards copied to the GPU on a stream of their own while the
+                     current group computes (what SuperOffloadAdamW installs at one rank)
 
 Prints every pass's seconds and the steady median, and writes --json. With --profile, one more
 pass under torch.profiler: the GPU's busy time (the union of every kernel and copy), the pass's
@@ -35,7 +40,7 @@ sys.path.insert(0, HERE)
 
 from peers_systems import E2E_DIR, MODELS, Context  # noqa: E402
 
-SYSTEMS = ("gpu", "offload", "offload-prefetch")
+SYSTEMS = ("gpu", "offload", "offload-prefetch", "offload-read-ahead")
 PREFETCH_DEPTH = 2
 
 
@@ -51,6 +56,9 @@ def build(ctx, system, shard_dtype):
         for i, layer in enumerate(layers):
             layer.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + PREFETCH_DEPTH])
             layer.set_modules_to_backward_prefetch(layers[max(0, i - PREFETCH_DEPTH):i][::-1])
+    if system == "offload-read-ahead":
+        from superoffload.torch import _fsdp
+        _fsdp.ShardPrefetcher(_fsdp.fsdp_modules(model), {}, ctx.device, wait=lambda sgs: None)
     torch.cuda.empty_cache()
     return model
 

@@ -261,6 +261,89 @@ class GradientTaker:
             self._thread = None
 
 
+class ShardPrefetcher:
+    """One rank, shards on the host, compute on a GPU: FSDP2 copies a group's host shards to the
+    GPU when the group is needed (its one-rank `wait_for_unshard`), on the compute stream, so no
+    copy overlaps compute (at 2.8 B a fifth of the forward and backward). This copies the next
+    group's shards ahead, on a stream of its own, while the current group computes (the next one
+    in forward order during forward, the one before during backward) and FSDP2's copy then reads
+    them on the GPU. `wait(sgs)` is called before the shards of those sub-groups are read: they
+    must be final. Copies made ahead are dropped at `reset()` (every optimizer step), so none
+    outlives the weights it copied."""
+
+    def __init__(self, modules, infos_by_param, device, wait):
+        self.device = device
+        self._wait = wait
+        self._stream = torch.cuda.Stream(device)
+        self._groups = []  # (FSDPParamGroup, its sub-groups), in forward order
+        for fm in modules:
+            for group in _groups(fm.state):
+                infos = [infos_by_param.get(id(fp.sharded_param)) for fp in group.fsdp_params]
+                self._groups.append((group, sorted({i.sg for i in infos if i is not None and i.sg is not None})))
+        self._ahead = {}  # group index -> (the shards' copies on the GPU, the event they are ready at)
+        for k, (group, _) in enumerate(self._groups):
+            group.wait_for_unshard = self._wrap(k, group.wait_for_unshard)
+
+    @staticmethod
+    def supported(modules):
+        """Whether FSDP2's groups have the one-rank copy this reads ahead of: host shards, plain
+        tensors (no `fsdp_pre_all_gather` extension), one rank."""
+        return shard_group_size(modules) == 1 and all(
+            hasattr(group, "wait_for_unshard") and hasattr(group, "_all_gather_result")
+            and hasattr(group, "_training_state")
+            and all(getattr(fp, "offload_to_cpu", False) and hasattr(fp, "_sharded_param_data")
+                    and not hasattr(getattr(fp, "_sharded_local_tensor", None), "fsdp_pre_all_gather")
+                    for fp in group.fsdp_params)
+            for fm in modules for group in _groups(fm.state))
+
+    def _wrap(self, k, original):
+        group = self._groups[k][0]
+
+        def wait_for_unshard():
+            ahead = self._ahead.pop(k, None)
+            if group._all_gather_result is None or ahead is None:
+                # Unsharded already (FSDP2 copies nothing), or not read ahead: FSDP2's own copy.
+                original()
+            else:
+                copies, ready = ahead
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(ready)
+                saved = [fp._sharded_param_data for fp in group.fsdp_params]
+                try:
+                    for fp, copy in zip(group.fsdp_params, copies):
+                        fp._sharded_param_data = copy
+                    original()
+                finally:
+                    for fp, data in zip(group.fsdp_params, saved):
+                        fp._sharded_param_data = data
+                for copy in copies:
+                    copy.record_stream(current)  # made on the side stream, read on this one
+            self._read_ahead(k - 1 if group._training_state.name == "PRE_BACKWARD" else k + 1)
+        return wait_for_unshard
+
+    def _read_ahead(self, j):
+        if not 0 <= j < len(self._groups) or j in self._ahead:
+            return
+        group, sgs = self._groups[j]
+        if getattr(group, "is_unsharded", False):
+            return  # kept unsharded (the root after forward): nothing to copy
+        self._wait(sgs)
+        with torch.cuda.stream(self._stream):
+            copies = [fp._sharded_param_data.to(self.device, non_blocking=True) for fp in group.fsdp_params]
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        self._ahead[j] = (copies, ready)
+
+    def reset(self):
+        self._ahead.clear()
+
+    def close(self):
+        self._ahead.clear()
+        for group, _ in self._groups:
+            group.__dict__.pop("wait_for_unshard", None)
+        self._groups = []
+
+
 class ForwardWaits:
     """Each FSDP2 module's forward waits for its own sub-groups' final pass (and those of the
     modules it prefetches) before FSDP2 gathers the shards: a pre-forward hook ahead of FSDP2's."""

@@ -153,6 +153,7 @@ class StateDictMixin:
         torch.optim.AdamW state dict of the same param groups (migration: its moments and steps;
         master weights from the model's current parameters)."""
         self._check_idle("load_state_dict")
+        self._drop_read_ahead()
         so = state_dict.get("superoffload") if isinstance(state_dict, dict) else None
         if isinstance(so, dict) and so.get("format") != STATE_DICT_FORMAT:
             raise ValueError(f"state dict format {so.get('format')!r}: this version loads format "
@@ -316,6 +317,7 @@ class StateDictMixin:
     def load_checkpoint(self, path):
         """Loads a file of `save_checkpoint` (CUDA: republishes the weights)."""
         self._check_idle("load_checkpoint")
+        self._drop_read_ahead()
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.session.load(str(path))

@@ -57,14 +57,17 @@ class Waits:
     def module_wait(self, sgs):
         """A forward pre-hook waiting for those of `sgs` still pending."""
         def pre_forward(module, args):
-            if not self.pending:
-                return None
-            todo = [s for s in sgs if s in self.pending]
-            if todo:
-                self.pending.difference_update(todo)
-                self.wait(todo)
-            return None
+            self.wait_pending_of(sgs)
         return pre_forward
+
+    def wait_pending_of(self, sgs):
+        """Waits for those of `sgs` the latest step left pending (the next forward's reads)."""
+        if not self.pending:
+            return
+        todo = [s for s in sgs if s in self.pending]
+        if todo:
+            self.pending.difference_update(todo)
+            self.wait(todo)
 
     def _stream(self):
         return torch.cuda.current_stream(self.device).cuda_stream

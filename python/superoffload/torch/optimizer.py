@@ -192,7 +192,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         # FSDP2 with the shards on the host: the sub-groups in the order forward gathers them and,
         # on one rank, the gradients taken before FSDP2 reduces them (see _fsdp.py).
         self._fsdp_modules = _fsdp.fsdp_modules(model) if self.fsdp and not self.cuda else None
-        self._handoff = self._waits = None
+        self._handoff = self._waits = self._prefetcher = None
         take_dtype = None
         if self._fsdp_modules:
             _fsdp.forward_order(infos, self._fsdp_modules)
@@ -274,6 +274,11 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         self._waits = _waits.Waits(self.session, self.device, [sg.id for sg in self._subgroups], self._times,
                                    self._nvtx)
         self._waits.install(wait, model, self._by_param, self.fsdp, self._fsdp_modules)
+        if self._fsdp_modules and _fsdp.compute_device(self._fsdp_modules).type == "cuda" and \
+                _fsdp.ShardPrefetcher.supported(self._fsdp_modules):
+            self._prefetcher = _fsdp.ShardPrefetcher(self._fsdp_modules, self._by_param,
+                                                     _fsdp.compute_device(self._fsdp_modules),
+                                                     self._waits.wait_pending_of)
         if model is not None:
             # model.state_dict() reads the weights, model.load_state_dict() writes them: both
             # after the latest step is final; a load also refreshes the master weights.
@@ -370,9 +375,16 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             self._nsteps += 1
             self._expose_state()
             self._handoff.end_step()
+            self._drop_read_ahead()
             self._waits.after_step(self._ticket)
         self._times.end_step()
         return loss
+
+    def _drop_read_ahead(self):
+        """Shards copied to the GPU ahead of FSDP2 (one rank) hold the weights before a step or
+        a load: none is read after it."""
+        if self._prefetcher is not None:
+            self._prefetcher.reset()
 
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none=set_to_none)
@@ -410,6 +422,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         self._check_idle("reload_from_params")
         if self._ticket is not None:
             self.session.wait(self._ticket)  # the step ticket: every sub-group is final
+        self._drop_read_ahead()
         for sg in self._subgroups:
             with self._host_authoritative(sg):
                 for info in sg.params:
@@ -538,7 +551,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for hooks in (self._handoff, self._waits):
+        for hooks in (self._handoff, self._waits, self._prefetcher):
             if hooks is not None:
                 hooks.close()
         if self.cuda and not self.session.closed:
