@@ -27,7 +27,8 @@ CUDA mode, SuperOffloadAdamW on a tiny GPT (python/tests/_models.py), determinis
                        weights bit for bit as the CUDA mode on bf16 parameters with the same
                        sub-groups, clipping every step (speculation off), unclipped (speculation on)
                        and with accumulation_steps=2; 2 bytes a parameter of lent bf16 gradient
-                       buffers; bf16 shards equal to the master weights rounded
+                       buffers; bf16 shards equal to the master weights rounded; shards read ahead
+                       onto the GPU (ShardPrefetcher) in every run
 Hugging Face Trainer on a LlamaConfig-built model (f32 parameters, bf16 autocast, full_determinism):
   trainer_parity       SuperOffloadTrainer vs Trainer's AdamW, max_grad_norm active, >= 30 steps:
                        mean relative loss difference <= 1e-3
@@ -365,11 +366,12 @@ def torch_checks(dev):
             rounded = all(torch.equal(local[n], masters[n].to(local[n].dtype)) for n in order)
             mem = oa.memory()
             outcomes[label] = dict(losses_equal=la == lb, masters_equal=same, shards_rounded=rounded,
-                                   falls=la[-1] < la[0], grad_bytes_per_param=mem["grad_bytes"] / mem["params"])
+                                   falls=la[-1] < la[0], grad_bytes_per_param=mem["grad_bytes"] / mem["params"],
+                                   groups_read_ahead=oa._prefetcher.groups_read_ahead if oa._prefetcher else 0)
             oa.close()
             ob.close()
         ok = all(o["losses_equal"] and o["masters_equal"] and o["shards_rounded"] and o["falls"]
-                 and o["grad_bytes_per_param"] == 2 for o in outcomes.values())
+                 and o["grad_bytes_per_param"] == 2 and o["groups_read_ahead"] > 0 for o in outcomes.values())
         check("cuda_fsdp2_offload", ok, **outcomes)
 
     for name, fn in (("cuda_fsdp2_offload", fsdp2_offload), ("cuda_state_dict_read", state_dict_read), ("cuda_budget_fraction", budget_under_fraction), ("cuda_parity", parity), ("cuda_speculation", speculation), ("cuda_resume", resume_check),

@@ -265,22 +265,34 @@ class ShardPrefetcher:
     """One rank, shards on the host, compute on a GPU: FSDP2 copies a group's host shards to the
     GPU when the group is needed (its one-rank `wait_for_unshard`), on the compute stream, so no
     copy overlaps compute (at 2.8 B a fifth of the forward and backward). This copies the next
-    group's shards ahead, on a stream of its own, while the current group computes (the next one
-    in forward order during forward, the one before during backward) and FSDP2's copy then reads
-    them on the GPU. `wait(sgs)` is called before the shards of those sub-groups are read: they
-    must be final. Copies made ahead are dropped at `reset()` (every optimizer step), so none
-    outlives the weights it copied."""
+    group's shards ahead, on a stream of its own, while the current group computes (in forward
+    once a module's forward is queued, the next group; in backward, as a group's is about to
+    be, the one before) and FSDP2's copy then reads them on the GPU. `wait(sgs)` is called
+    before the shards of those sub-groups are read: they must be final. Copies made ahead are
+    dropped at `reset()` (every optimizer step), so none outlives the weights it copied."""
 
     def __init__(self, modules, infos_by_param, device, wait):
         self.device = device
         self._wait = wait
         self._stream = torch.cuda.Stream(device)
         self._groups = []  # (FSDPParamGroup, its sub-groups), in forward order
+        self._hooks = []
+        self._enclosing = set()  # groups of a module enclosing others (the root): its forward ends last
+        inner = {id(fm.module) for fm in modules}
         for fm in modules:
+            indices = []
+            encloses = any(id(m) in inner for m in fm.module.modules() if m is not fm.module)
             for group in _groups(fm.state):
                 infos = [infos_by_param.get(id(fp.sharded_param)) for fp in group.fsdp_params]
+                indices.append(len(self._groups))
+                if encloses:
+                    self._enclosing.add(len(self._groups))
                 self._groups.append((group, sorted({i.sg for i in infos if i is not None and i.sg is not None})))
+            if not encloses:
+                self._hooks.append(fm.module.register_forward_hook(self._after_forward(indices)))
         self._ahead = {}  # group index -> (the shards' copies on the GPU, the event they are ready at)
+        self.groups_read_ahead = 0  # gathers that found their shards on the GPU (a count, for tests)
+        self._gathered = set()  # groups whose forward copied their shards, not yet followed
         for k, (group, _) in enumerate(self._groups):
             group.wait_for_unshard = self._wrap(k, group.wait_for_unshard)
 
@@ -301,8 +313,9 @@ class ShardPrefetcher:
 
         def wait_for_unshard():
             ahead = self._ahead.pop(k, None)
-            if group._all_gather_result is None or ahead is None:
-                # Unsharded already (FSDP2 copies nothing), or not read ahead: FSDP2's own copy.
+            if group._all_gather_result is None:
+                return original()  # unsharded already (a recomputation): FSDP2 copies nothing
+            if ahead is None:
                 original()
             else:
                 copies, ready = ahead
@@ -318,8 +331,22 @@ class ShardPrefetcher:
                         fp._sharded_param_data = data
                 for copy in copies:
                     copy.record_stream(current)  # made on the side stream, read on this one
-            self._read_ahead(k - 1 if group._training_state.name == "PRE_BACKWARD" else k + 1)
+                self.groups_read_ahead += 1
+            if group._training_state.name == "PRE_BACKWARD":
+                self._read_ahead(k - 1)
+            elif k in self._enclosing:
+                self._read_ahead(k + 1)
+            else:
+                self._gathered.add(k)  # the next group follows once this module's forward is queued
         return wait_for_unshard
+
+    def _after_forward(self, indices):
+        def post_forward(module, args, output):
+            for k in indices:
+                if k in self._gathered:
+                    self._gathered.discard(k)
+                    self._read_ahead(k + 1)
+        return post_forward
 
     def _read_ahead(self, j):
         if not 0 <= j < len(self._groups) or j in self._ahead:
@@ -336,9 +363,13 @@ class ShardPrefetcher:
 
     def reset(self):
         self._ahead.clear()
+        self._gathered.clear()
 
     def close(self):
-        self._ahead.clear()
+        self.reset()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         for group, _ in self._groups:
             group.__dict__.pop("wait_for_unshard", None)
         self._groups = []
