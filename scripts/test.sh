@@ -233,19 +233,24 @@ fi
 
 # ---------------------------------------------------------------- the libtorch component
 # Against the torch that scripts/python_test.sh installed and the install above: no second
-# library build, two libtorch translation units (the component, its test) and the quick start's.
+# library build, three libtorch translation units (the component, its test, the Llama
+# benchmark) and the quick start's.
 torch_python="${SO_PY_WORK:-$so_root/target/python-test}/venv/bin/python"
 if ! wanted libtorch; then
     skip "libtorch component (SO_SKIP)"
 elif [ ! -x "$torch_python" ] || ! "$torch_python" -c 'import torch' 2>/dev/null; then
     skip "libtorch component: no torch in the Python test environment ($torch_python)"
 else
-    section "libtorch component: SuperOffload::torch against the test environment's torch, its ctest, the README's libtorch quick start"
+    section "libtorch component: SuperOffload::torch against the test environment's torch, its ctest, the Llama benchmark on the CPU, the README's libtorch quick start"
     torch_cmake="$("$torch_python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
     cmake -S . -B "$build_dir/torch" -DCMAKE_BUILD_TYPE=Release -DSO_PREBUILT_DIR="$prefix" \
-        -DSO_TORCH_BENCH=OFF -DCMAKE_PREFIX_PATH="$torch_cmake"
-    cmake --build "$build_dir/torch" -j "$jobs" --target superoffload_torch torch_adamw_test
+        -DSO_TORCH_BENCH=ON -DCMAKE_PREFIX_PATH="$torch_cmake"
+    cmake --build "$build_dir/torch" -j "$jobs" --target superoffload_torch torch_adamw_test so_llama_bench
     ctest --test-dir "$build_dir/torch" --output-on-failure -R '^torch_adamw$'
+    # The GPU benchmark's program on the CPU, small shapes: it runs, and both optimizers agree.
+    bash bench/libtorch/run.sh --bin "$build_dir/torch/bench/libtorch/so_llama_bench" --out "$build_dir/llama-cpu" \
+        --max-loss-diff 1e-5 --device cpu --steps 4 --warmup 1 --batch 2 --seq 32 --layers 2 --hidden 64 \
+        --intermediate 128 --heads 4 --kv-heads 2 --vocab 256
     cmake --install "$build_dir/torch" --prefix "$prefix" >/dev/null
     rm -rf "$build_dir/snippets-torch"
     # That environment's python3 first on PATH: the quick start asks it for torch's CMake config.

@@ -13,12 +13,13 @@
 // Model (defaults: TinyLlama's shape, 1.1 B parameters): token embedding, decoder layers of
 // RMSNorm, attention with rotary embedding and grouped KV heads (at::scaled_dot_product_attention),
 // RMSNorm and a SwiGLU MLP, a final RMSNorm and an untied head; bf16 parameters and compute on
-// one GPU; random tokens. A step: forward, cross-entropy, backward, the optimizer step; its time
+// one GPU (f32 on the CPU with --device cpu, a check of the program on small shapes); random
+// tokens. A step: forward, cross-entropy, backward, the optimizer step; its time
 // runs from one step's end (the device synchronized) to the next one's, so work an optimizer
 // leaves running (ours: the last sub-groups' CPU passes) lands in the next step. Every step's
 // time is printed and written to the JSON file (--json).
 //
-//   so_llama_bench --system ours|fused [--clip 1.0|0] [--steps 20] [--warmup 5] [--batch 8]
+//   so_llama_bench --system ours|fused [--device cuda|cpu] [--clip 1.0|0] [--steps 20] [--warmup 5] [--batch 8]
 //                  [--seq 2048] [--layers 22] [--hidden 2048] [--intermediate 5632] [--heads 32]
 //                  [--kv-heads 4] [--vocab 32000] [--sub-group-numel N] [--json FILE]
 
@@ -45,6 +46,7 @@ namespace sot = superoffload::torch;
 
 struct Config {
     std::string system = "ours";
+    std::string device = "cuda";
     double clip = 1.0; // max_norm; 0: no clipping
     int steps = 20, warmup = 5;
     int64_t batch = 8, seq = 2048, layers = 22, hidden = 2048, intermediate = 5632, heads = 32, kv_heads = 4;
@@ -124,12 +126,12 @@ struct LlamaImpl : torch::nn::Module {
         for (int64_t l = 0; l < c.layers; l++)
             layers.push_back(register_module("layer" + std::to_string(l), Layer(c, o)));
         head = register_module("head", Head(c, o));
-        // Rotary angles, f32 then the compute dtype: [T, head_dim / 2], repeated for both halves.
+        // Rotary angles, f32 then the compute dtype: [T, head_dim / 2], one per rotated pair.
         const int64_t hd = c.hidden / c.heads;
         const auto inv = torch::pow(10000.0, -torch::arange(0, hd, 2, torch::kFloat64) / static_cast<double>(hd));
         const auto angles = torch::outer(torch::arange(c.seq, torch::kFloat64), inv).to(torch::kFloat32);
-        cos = torch::cat({angles.cos(), angles.cos()}, -1).to(o.device(), o.dtype());
-        sin = torch::cat({angles.sin(), angles.sin()}, -1).to(o.device(), o.dtype());
+        cos = angles.cos().to(o.device(), o.dtype());
+        sin = angles.sin().to(o.device(), o.dtype());
     }
     /** Logits; `opt`, when given, makes each layer wait for its own weights first. */
     torch::Tensor forward(const torch::Tensor& tokens, sot::AdamW* opt) {
@@ -177,6 +179,7 @@ public:
             const auto total = torch::linalg_vector_norm(torch::stack(norms), 2);
             at::_foreach_mul_(grads_, torch::clamp_max(max_norm / (total + 1e-6), 1.0));
         }
+        at::_foreach_add_(steps_, 1); // the fused kernel reads the step count; its caller counts
         at::_fused_adamw_(masters_, grads_, exp_avgs_, exp_avg_sqs_, {}, steps_, lr_, 0.9, 0.95, weight_decay_, 1e-8,
                           /*amsgrad=*/false, /*maximize=*/false);
         at::_foreach_copy_(params_, masters_);
@@ -193,7 +196,7 @@ Config parse(int argc, char** argv) {
         const std::string k = argv[i];
         if (k == "--help" || k == "-h") {
             std::printf(
-                "so_llama_bench --system ours|fused [--clip X (0: none)] [--steps N] [--warmup N] [--batch B]\n"
+                "so_llama_bench --system ours|fused [--device cuda|cpu] [--clip X (0: none)] [--steps N] [--warmup N] [--batch B]\n"
                 "  [--seq T] [--layers L] [--hidden H] [--intermediate I] [--heads N] [--kv-heads N]\n"
                 "  [--vocab V] [--sub-group-numel N] [--json FILE]\n");
             std::exit(0);
@@ -211,6 +214,7 @@ Config parse(int argc, char** argv) {
         kv.erase(it);
     };
     take("system", c.system);
+    take("device", c.device);
     take("clip", c.clip);
     take("steps", c.steps);
     take("warmup", c.warmup);
@@ -226,6 +230,7 @@ Config parse(int argc, char** argv) {
     take("json", c.json);
     if (!kv.empty()) throw std::invalid_argument("unknown argument --" + kv.begin()->first + " (--help)");
     if (c.system != "ours" && c.system != "fused") throw std::invalid_argument("--system ours|fused");
+    if (c.device != "cuda" && c.device != "cpu") throw std::invalid_argument("--device cuda|cpu");
     if (c.steps <= c.warmup) throw std::invalid_argument("--steps must exceed --warmup");
     return c;
 }
@@ -237,8 +242,14 @@ double median(std::vector<double> v) {
 }
 
 int run(const Config& c) {
-    if (!torch::cuda::is_available()) throw std::runtime_error("torch sees no CUDA device");
-    const auto o = torch::TensorOptions().device(torch::kCUDA, 0).dtype(torch::kBFloat16);
+    const bool cuda = c.device == "cuda";
+    if (cuda && !torch::cuda::is_available()) throw std::runtime_error("torch sees no CUDA device");
+    // The optimizer takes bf16 parameters on a GPU, f32 ones on the CPU.
+    const auto o = cuda ? torch::TensorOptions().device(torch::kCUDA, 0).dtype(torch::kBFloat16)
+                        : torch::TensorOptions().dtype(torch::kFloat32);
+    auto synchronize = [cuda] {
+        if (cuda) torch::cuda::synchronize();
+    };
     torch::manual_seed(0);
     Llama model(c, o);
     int64_t numel = 0;
@@ -264,7 +275,7 @@ int run(const Config& c) {
     std::fflush(stdout);
 
     std::vector<double> step_s, losses;
-    torch::cuda::synchronize();
+    synchronize();
     auto last = std::chrono::steady_clock::now();
     for (int step = 0; step < c.steps; step++) {
         torch::manual_seed(1000 + step);
@@ -278,7 +289,7 @@ int run(const Config& c) {
         } else {
             fused->step(c.clip);
         }
-        torch::cuda::synchronize();
+        synchronize();
         const auto now = std::chrono::steady_clock::now();
         step_s.push_back(std::chrono::duration<double>(now - last).count());
         last = now;
@@ -311,12 +322,19 @@ int run(const Config& c) {
         auto list = [](const std::vector<double>& v) {
             std::ostringstream s;
             s.precision(9);
-            for (size_t i = 0; i < v.size(); i++) s << (i ? ", " : "") << v[i];
+            for (size_t i = 0; i < v.size(); i++) {
+                s << (i ? ", " : "");
+                if (std::isfinite(v[i])) {
+                    s << v[i];
+                } else {
+                    s << "NaN"; // as Python's json reads it
+                }
+            }
             return "[" + s.str() + "]";
         };
         f << "{\"system\": \"" << c.system << "\", \"clip\": " << c.clip << ", \"parameters\": " << numel
           << ", \"layers\": " << c.layers << ", \"hidden\": " << c.hidden << ", \"batch\": " << c.batch
-          << ", \"seq\": " << c.seq << ", \"torch\": \"" << TORCH_VERSION << "\", \"superoffload\": \""
+          << ", \"seq\": " << c.seq << ", \"device\": \"" << c.device << "\", \"torch\": \"" << TORCH_VERSION << "\", \"superoffload\": \""
           << superoffload::version_string() << "\", \"warmup\": " << c.warmup << ", \"step_s\": " << list(step_s)
           << ", \"loss\": " << list(losses) << ", \"median_s\": " << med << ", \"mean_s\": " << mean << extra << "}\n";
         if (!f) throw std::runtime_error("cannot write " + c.json);
