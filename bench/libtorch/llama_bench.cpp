@@ -196,7 +196,8 @@ Config parse(int argc, char** argv) {
         const std::string k = argv[i];
         if (k == "--help" || k == "-h") {
             std::printf(
-                "so_llama_bench --system ours|fused [--device cuda|cpu] [--clip X (0: none)] [--steps N] [--warmup N] [--batch B]\n"
+                "so_llama_bench --system ours|fused [--device cuda|cpu] [--clip X (0: none)] [--steps N] [--warmup N] "
+                "[--batch B]\n"
                 "  [--seq T] [--layers L] [--hidden H] [--intermediate I] [--heads N] [--kv-heads N]\n"
                 "  [--vocab V] [--sub-group-numel N] [--json FILE]\n");
             std::exit(0);
@@ -334,9 +335,10 @@ int run(const Config& c) {
         };
         f << "{\"system\": \"" << c.system << "\", \"clip\": " << c.clip << ", \"parameters\": " << numel
           << ", \"layers\": " << c.layers << ", \"hidden\": " << c.hidden << ", \"batch\": " << c.batch
-          << ", \"seq\": " << c.seq << ", \"device\": \"" << c.device << "\", \"torch\": \"" << TORCH_VERSION << "\", \"superoffload\": \""
-          << superoffload::version_string() << "\", \"warmup\": " << c.warmup << ", \"step_s\": " << list(step_s)
-          << ", \"loss\": " << list(losses) << ", \"median_s\": " << med << ", \"mean_s\": " << mean << extra << "}\n";
+          << ", \"seq\": " << c.seq << ", \"device\": \"" << c.device << "\", \"torch\": \"" << TORCH_VERSION
+          << "\", \"superoffload\": \"" << superoffload::version_string() << "\", \"warmup\": " << c.warmup
+          << ", \"step_s\": " << list(step_s) << ", \"loss\": " << list(losses) << ", \"median_s\": " << med
+          << ", \"mean_s\": " << mean << extra << "}\n";
         if (!f) throw std::runtime_error("cannot write " + c.json);
     }
     return 0;
