@@ -269,18 +269,19 @@ class Checks:
             opt.close()
         return out
 
+    def _same_bits_on_both_platforms(self, dtype, name):
+        out = self._both_platforms(dtype, None)
+        (cuda_params, cuda_master), (cpu_params, cpu_master) = out["cuda"], out["cpu"]
+        assert same_bits(cuda_master, cpu_master), \
+            f"the master weights differ (relative {relative_error(cuda_master, cpu_master):.3g})"
+        assert same_bits(cuda_params, cpu_params), f"the {name} differ"
+
     def cuda_equals_cpu_f32(self):
-        out = self._both_platforms(self.jnp.float32, None)
-        assert same_bits(out["cuda"][1], out["cpu"][1]), \
-            f"the master weights differ (relative {relative_error(out['cuda'][1], out['cpu'][1]):.3g})"
-        assert same_bits(out["cuda"][0], out["cpu"][0]), "the parameters differ"
+        self._same_bits_on_both_platforms(self.jnp.float32, "parameters")
         return "5 steps, f32: master weights and parameters bit for bit"
 
     def cuda_equals_cpu_bf16(self):
-        out = self._both_platforms(self.jnp.bfloat16, None)
-        assert same_bits(out["cuda"][1], out["cpu"][1]), \
-            f"the master weights differ (relative {relative_error(out['cuda'][1], out['cpu'][1]):.3g})"
-        assert same_bits(out["cuda"][0], out["cpu"][0]), "the bf16 parameters differ"
+        self._same_bits_on_both_platforms(self.jnp.bfloat16, "bf16 parameters")
         return "5 steps, bf16 parameters (f32 masters): bit for bit"
 
     def cuda_near_cpu_clipped(self):
