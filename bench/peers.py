@@ -126,6 +126,10 @@ def main():
     ap.add_argument("--micro-batches", type=int, default=1,
                     help="backward passes a step, each over an equal part of the batch, for every system that "
                          "accumulates (default 1; under a memory cap the same for every system)")
+    ap.add_argument("--loss-chunk-tokens", type=int, default=0,
+                    help="every system: the vocabulary projection and the cross-entropy taken this many tokens "
+                         "at a time, each piece recomputed in backward (default 0: transformers' loss over the "
+                         "whole batch's logits; 8 B's 128K vocabulary under a 16 GiB cap needs pieces)")
     ap.add_argument("--clip", choices=("none", "every", "both"), default="both",
                     help="runs without clipping, clipping every step, or both (default)")
     ap.add_argument("--clip-max-norm", type=float, default=1e-3,
@@ -169,8 +173,8 @@ def main():
     worker.add_argument("--result", help="where the worker writes its rows (JSON)")
     worker.add_argument("--trace-dir", help="with --trace: where the worker writes its timelines")
     args = ap.parse_args()
-    if args.steps < 1 or args.warmup < 0 or args.ranks < 1:
-        ap.error("--steps and --ranks must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.ranks < 1 or args.loss_chunk_tokens < 0:
+        ap.error("--steps and --ranks must be >= 1, --warmup and --loss-chunk-tokens >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device here: use --device cpu --models tiny for a dry run")
     if args.worker:

@@ -37,7 +37,8 @@ def run_worker(job, args, workdir, log_file, seconds):
     cmd = [sys.executable, PEERS, "--worker", system, "--model", model,
            "--cap-gib", str(cap or 0), "--clips", ",".join(repr(c) for c in clips), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--device", args.device, "--result", result,
-           *(["--batch", str(args.batch)] if args.batch else []), "--micro-batches", str(args.micro_batches), *(["--no-settle"] if args.no_settle else []),
+           *(["--batch", str(args.batch)] if args.batch else []), "--micro-batches", str(args.micro_batches),
+           "--loss-chunk-tokens", str(args.loss_chunk_tokens), *(["--no-settle"] if args.no_settle else []),
            *(["--trace-dir", args.out] if args.trace else [])]
     # The ranks of one process group on this host (a group of one for DeepSpeed and FSDP2).
     env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),

@@ -117,7 +117,7 @@ def worker_main(args):
         save()
     for row in rows:
         row.update(params=n_params, tokens_per_step=spec["batch"] * spec["seq"] * ctx.world, ranks=ctx.world,
-                   batch=spec["batch"], micro_batches=ctx.micro_batches,
+                   batch=spec["batch"], micro_batches=ctx.micro_batches, loss_chunk_tokens=ctx.loss_chunk_tokens,
                    versions=package_versions(),
                    device_name=torch.cuda.get_device_name(ctx.device) if ctx.cuda else "cpu")
     save()

@@ -80,3 +80,35 @@ def test_the_profile_of_a_system_is_written_and_summarised(tmp_path):
     assert all(w > 0 for w in summary["wall_s"])
     assert summary["device_events"] == 0  # no GPU: the host's view only
     assert (out / "profile_ours_0.001.json.gz").stat().st_size > 0
+
+
+def test_the_chunked_loss_is_transformers_loss(tmp_path):
+    """--loss-chunk-tokens: the same loss and gradients as transformers' loss over the whole
+    logits, in pieces that do not divide the batch's tokens; and a run with it."""
+    import argparse
+    import sys
+
+    import torch
+    sys.path[:0] = [os.path.join(ROOT, "bench"), os.path.join(ROOT, "examples", "torch_optimizer")]
+    import bench_e2e
+    from peers_systems import MODELS, chunk_the_loss
+    shape = argparse.Namespace(**MODELS["tiny"], dtype=torch.float64, activation_checkpointing=True)
+    batch = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(1))
+    results = []
+    for chunk in (0, 100):
+        model = bench_e2e.build_model(shape, torch.device("cpu"))
+        if chunk:
+            chunk_the_loss(model, chunk)
+        loss = bench_e2e.forward_backward(model, batch)
+        results.append((loss, {n.replace("vocab_head", "lm_head"): p.grad for n, p in model.named_parameters()}))
+    (whole, whole_grads), (pieces, piece_grads) = results
+    assert pieces.item() == pytest.approx(whole.item(), rel=1e-12)
+    assert whole_grads.keys() == piece_grads.keys()
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(piece_grads[name], grad, rtol=1e-10, atol=1e-14, msg=name)
+    proc, out = peers(tmp_path, "--systems", "torch-gpu-adamw,ours-fsdp2-offload", "--clip", "every",
+                      "--loss-chunk-tokens", "100")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out / "peers.json") as f:
+        rows = json.load(f)["rows"]
+    assert [(r["status"], r["loss_chunk_tokens"]) for r in rows] == [("ok", 100)] * 2, rows
