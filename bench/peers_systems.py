@@ -252,7 +252,8 @@ class Ours(Trainer):
         self.splits = options.get("gpu_budget_bytes") != 0
         self.speculation_auto = options.get("speculation", "auto") == "auto"
         self.config = {**options, "subgroups": len(self.opt.subgroups()), "cores": self.opt.cores,
-                       **({"fsdp2": "CPUOffloadPolicy, f32 shards on the host"} if offload else {})}
+                       **({"fsdp2": f"CPUOffloadPolicy, {str(offload).removeprefix('torch.')} shards on the host"}
+                          if offload else {})}
         self.step_metrics = None
 
     def set_clip(self, max_norm):
