@@ -7,7 +7,6 @@ mod common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
 
 use superoffload::error::{Error, Result, Status};
 use superoffload::kernels::{DType, Floats, Isa, Pool, PoolOptions};
@@ -26,28 +25,19 @@ const WARM_UP: u64 = 3;
 
 /// A device that reports `free` of `total` bytes and keeps placed sub-groups "on the device"
 /// (their state is not touched: these tests look at placement, not at the weights). It
-/// refuses placements after the first `accepts`, and takes `place_delay` to place each.
-/// Each step it reports `exposed` seconds of waiting for the optimizer (a second: more than
-/// any split here could hide).
+/// refuses placements after the first `accepts`. Each step it reports `exposed` seconds of
+/// waiting for the optimizer (a second: more than any split here could hide).
 struct ReportedMemory {
     free: usize,
     total: usize,
     accepts: usize,
     exposed: f64,
-    place_delay: Duration,
     placed: AtomicUsize,
 }
 
 impl ReportedMemory {
     fn new(free: usize, total: usize) -> ReportedMemory {
-        ReportedMemory {
-            free,
-            total,
-            accepts: usize::MAX,
-            exposed: 1.0,
-            place_delay: Duration::ZERO,
-            placed: AtomicUsize::new(0),
-        }
+        ReportedMemory { free, total, accepts: usize::MAX, exposed: 1.0, placed: AtomicUsize::new(0) }
     }
 }
 
@@ -61,7 +51,6 @@ impl Transport for ReportedMemory {
         if placement == Placement::Device && self.placed.fetch_add(1, Ordering::Relaxed) >= self.accepts {
             return Err(Error::new(Status::CudaError, "cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY"));
         }
-        std::thread::sleep(self.place_delay);
         Ok(())
     }
     fn device_step(&self, _: u32, _: &[DevicePass], _: bool) -> Result<()> {
@@ -139,44 +128,6 @@ fn with_time_exposed_the_first_subgroups_that_fit_go_to_the_device_after_the_war
     run_step(&s);
     assert_eq!(s.step_result(s.last_ticket(), None).unwrap().device_stepped, 3);
     assert_eq!(transport.placed.load(Ordering::Relaxed), 3, "placed once, all at once");
-}
-
-#[test]
-fn a_split_slower_to_place_than_its_allowance_is_placed_over_the_next_steps() {
-    // Steps 200 ms apart allow 80 ms of placing a step (40 %); each placement takes 100 ms:
-    // one sub-group in the step the split is chosen, the others over the next steps, each
-    // placed once and none left on the host.
-    const PERIOD: Duration = Duration::from_millis(200);
-    let transport =
-        Arc::new(ReportedMemory { place_delay: Duration::from_millis(100), ..ReportedMemory::new(16 * GIB, 16 * GIB) });
-    let (s, _masters) = session(transport.clone());
-    s.trace(true);
-    for _ in 0..WARM_UP {
-        s.begin_step(None, 1).unwrap();
-        run_step(&s);
-        std::thread::sleep(PERIOD);
-    }
-    s.begin_step(None, 1).unwrap();
-    let first = s.device_subgroups();
-    assert!((1..SUBGROUPS as u32).contains(&first), "{first} of {SUBGROUPS} placed in the first step");
-    let mut steps = 1;
-    while s.device_subgroups() < SUBGROUPS as u32 {
-        let before = s.device_subgroups();
-        run_step(&s);
-        std::thread::sleep(PERIOD);
-        s.begin_step(None, 1).unwrap();
-        assert!(s.device_subgroups() > before, "each step places at least one");
-        steps += 1;
-    }
-    assert!(steps > 1);
-    run_step(&s);
-    assert_eq!(s.step_result(s.last_ticket(), None).unwrap().device_stepped, SUBGROUPS as u32);
-    assert_eq!(transport.placed.load(Ordering::Relaxed), SUBGROUPS, "each placed once");
-    let path = std::env::temp_dir().join(format!("so-gpu-budget-{}-spread.json", std::process::id()));
-    s.save_trace(&path).unwrap();
-    let trace = std::fs::read_to_string(&path).unwrap();
-    std::fs::remove_file(&path).ok();
-    assert!(trace.contains("the first 5 of 5 sub-groups") && trace.contains("left for the next steps"), "{trace}");
 }
 
 #[test]

@@ -77,10 +77,6 @@ pub(crate) const HISTORY: usize = 8;
 const REGIME: usize = 2;
 /// Steps measured before the automatic split is chosen, and again before it grows.
 pub(crate) const SPLIT_AFTER: usize = 3;
-/// The most a step's placements of the split may take, as a fraction of the step period: a
-/// split larger than that is placed over the next steps, so that no step of the settling
-/// takes more than about 1.4 periods (placing 14 GiB at once took 5 periods at 1.1 B).
-const PLACING_PER_STEP: f64 = 0.4;
 /// Exposed optimizer time below this fraction of the step period is not worth a split.
 const EXPOSED_NEGLIGIBLE: f64 = 0.01;
 /// A step that speculated defers its state when the CPU-Adam thread was busy for at most
@@ -114,8 +110,6 @@ pub(crate) struct Policy {
     /// since the split last changed (the last [`SPLIT_AFTER`] at most).
     waits: Vec<(f64, f64)>,
     last_step: Option<Instant>,
-    /// The latest host period measured (seconds between two `step()` calls; 0: none yet).
-    period_s: f64,
     /// Seconds the CPU-Adam thread spent on jobs since the last `step()`.
     busy_s: f64,
     /// Fraction of the previous step period the CPU-Adam thread was busy.
@@ -138,7 +132,6 @@ impl Policy {
             secs_per_element: None,
             waits: Vec::new(),
             last_step: None,
-            period_s: 0.0,
             busy_s: 0.0,
             busy_fraction: None,
             placed: 0,
@@ -159,7 +152,6 @@ impl Policy {
         self.last_step = Some(now);
         self.busy_fraction = (period > 0.0).then(|| self.busy_s / period);
         if period > 0.0 {
-            self.period_s = period;
             self.state_after.measured(period, self.busy_s, forward_wait_s);
         }
         self.busy_s = 0.0;
@@ -336,23 +328,6 @@ impl Policy {
             self.state_after.reset();
             count
         })
-    }
-
-    /// How many first sub-groups the split places on the device.
-    pub(crate) fn placed(&self) -> usize {
-        self.placed
-    }
-
-    /// How long one step may spend placing the split's sub-groups (`None`: no period measured
-    /// yet, no limit).
-    pub(crate) fn placing_allowance(&self) -> Option<Duration> {
-        (self.period_s > 0.0).then(|| Duration::from_secs_f64(PLACING_PER_STEP * self.period_s))
-    }
-
-    /// Some of the split's sub-groups are still on the host: the steps until they are placed
-    /// measure no split (the next one measures from the settled placement).
-    pub(crate) fn still_placing(&mut self) {
-        self.waits.clear();
     }
 
     /// Whether every step the split measured changed the factor (clipped or skipped): no

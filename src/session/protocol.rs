@@ -5,7 +5,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::auto_budget::AUTO_BUDGET_AFTER;
 use super::buffers::HostBuf;
@@ -475,10 +475,8 @@ fn wait_final(shared: &Shared, ticket: Ticket) {
 /// The automatic split: each time the policy has measured enough steps, places more of
 /// the first sub-groups in forward order on the device (see `policy.rs` for the rule);
 /// with the automatic budget, first measures the budget once the warm-up steps have run.
-/// A step places them for at most the policy's allowance (a fraction of the step period,
-/// at least one sub-group); those left follow in the next steps. A device that refuses a
-/// placement ends the split there; with the automatic budget that is no error of the step
-/// (the budget is a best effort).
+/// A device that refuses a placement ends the split there; with the automatic budget that
+/// is no error of the step (the budget is a best effort).
 fn maybe_split(reg: &Registry, shared: &Shared, serial: u64) -> Result<()> {
     let options = &shared.options;
     let numels: Vec<usize> = reg.live().map(|tr| tr.sg().numel).collect();
@@ -494,53 +492,28 @@ fn maybe_split(reg: &Registry, shared: &Shared, serial: u64) -> Result<()> {
     } else {
         options.gpu_budget_bytes
     };
-    let (grown, target, allowance) = {
-        let mut policy = shared.policy.lock().unwrap();
-        let grown = policy.split(&numels, per_element, budget).is_some();
-        (grown, policy.placed(), policy.placing_allowance())
-    };
-    let on_host = reg.first_on_host(target);
-    if on_host.is_empty() {
+    let Some(count) = shared.policy.lock().unwrap().split(&numels, per_element, budget) else {
         return Ok(());
-    }
-    let started = Instant::now();
-    let mut placed_now = 0;
+    };
+    let ids: Vec<u32> = reg.live().take(count).map(|tr| tr.sg().id).collect();
     let mut refused = None;
-    for &id in &on_host {
-        if placed_now > 0 && allowance.is_some_and(|a| started.elapsed() >= a) {
-            break;
-        }
+    for (placed, &id) in ids.iter().enumerate() {
         if let Err(e) = reg.place(id, Placement::Device, shared) {
-            let placed = target - on_host.len() + placed_now;
             let bytes = numels[..placed].iter().map(|n| n * per_element).sum();
             shared.policy.lock().unwrap().placement_refused(placed, bytes);
             refused = Some((placed, id, e));
             break;
         }
-        placed_now += 1;
-    }
-    let left = on_host.len() - placed_now;
-    if refused.is_none() && left > 0 {
-        shared.policy.lock().unwrap().still_placing();
     }
     shared.tracer.instant(Lane::Caller, || {
-        let placed = refused.as_ref().map_or(target, |r| r.0);
-        let mut what = if grown {
-            format!(
-                "automatic split: the first {placed} of {} sub-groups on the GPU (budget {})",
-                numels.len(),
-                gib(budget)
-            )
-        } else {
-            format!("automatic split: {placed_now} more of its first {placed} sub-groups on the GPU")
-        };
+        let placed = refused.as_ref().map_or(count, |r| r.0);
+        let mut what = format!(
+            "automatic split: the first {placed} of {} sub-groups on the GPU (budget {})",
+            numels.len(),
+            gib(budget)
+        );
         if let Some((_, id, e)) = &refused {
             what.push_str(&format!("; sub-group {id} could not be placed: {}", e.message));
-        } else if left > 0 {
-            what.push_str(&format!(
-                "; {placed_now} placed in {:.3} s, {left} left for the next steps",
-                started.elapsed().as_secs_f64()
-            ));
         }
         what
     });

@@ -44,10 +44,6 @@ impl SgTrack {
         &self.sg
     }
 
-    fn on_device(&self) -> bool {
-        self.sg.data.lock().unwrap().placement == Placement::Device
-    }
-
     /// The ids of its slices.
     pub(crate) fn slice_ids(&self) -> Range<usize> {
         self.slices.clone()
@@ -470,12 +466,7 @@ impl Registry {
 
     /// Sub-groups placed on the device.
     pub(crate) fn device_subgroups(&self) -> u32 {
-        self.live().filter(|tr| tr.on_device()).count() as u32
-    }
-
-    /// The ids of the first `count` live sub-groups (in forward order) not on the device.
-    pub(crate) fn first_on_host(&self, count: usize) -> Vec<u32> {
-        self.live().take(count).filter(|tr| !tr.on_device()).map(|tr| tr.sg.id).collect()
+        self.live().filter(|tr| tr.sg.data.lock().unwrap().placement == Placement::Device).count() as u32
     }
 }
 
