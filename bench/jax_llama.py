@@ -4,7 +4,8 @@ TinyLlama's shape by default (22 layers, hidden 2048, intermediate 5632, 32 head
 32000, RMSNorm, SwiGLU, rotary positions, jax.nn.dot_product_attention), bf16 compute, sequence 2048,
 8 x 2048 tokens per optimizer step, random tokens. Systems:
 
-  optax  optax.adamw with its state on the GPU: f32 parameters, cast to bf16 in the forward;
+  optax  optax.adamw with its state on the GPU: f32 parameters, cast to bf16 in the forward
+         (the step donates its parameters and state);
   ours   superoffload.jax.adamw: bf16 parameters on the GPU, f32 master weights and moments in host
          memory, stepped by the CPU-Adam thread during backward.
 
@@ -169,11 +170,14 @@ def run_child(args):
             tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), tx)
         state = jax.device_put(tx.init(params), device)
 
-        @jax.jit
-        def step(params, state, tokens):
+        def optax_step(params, state, tokens):
             loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
             updates, state = tx.update(grads, state, params)
             return loss, optax.apply_updates(params, updates), state
+
+        # Donated, as ours' parameters are: a training loop keeps no step's inputs, and XLA then
+        # updates the parameters and moments in place instead of holding both copies.
+        step = jax.jit(optax_step, donate_argnums=(0, 1))
     else:
         import superoffload.jax as sojax
         params = jax.device_put(init_params(args, jnp.bfloat16), device)
