@@ -54,6 +54,8 @@ def parse():
     p.add_argument("--attention", default=None, choices=[None, "xla", "cudnn"],
                    help="jax.nn.dot_product_attention's implementation (default: JAX chooses)")
     p.add_argument("--cores", default=None, help="ours: CPU cores for the session's pool, e.g. 0-15")
+    p.add_argument("--moment-dtype", default="f32", choices=["f32", "bf16"],
+                   help="ours: the moments' dtype in host memory (default f32, as optax's)")
     p.add_argument("--timeout", type=int, default=900, help="seconds each child process may run")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (checks the script)")
@@ -181,7 +183,8 @@ def run_child(args):
     else:
         import superoffload.jax as sojax
         params = jax.device_put(init_params(args, jnp.bfloat16), device)
-        opt = sojax.adamw(3e-4, weight_decay=0.01, max_grad_norm=max_grad_norm, cores=cores(args.cores))
+        opt = sojax.adamw(3e-4, weight_decay=0.01, max_grad_norm=max_grad_norm, cores=cores(args.cores),
+                          moment_dtype=args.moment_dtype)
         state = opt.init(params)
         step = jax.jit(lambda p, s, t: opt.step(loss_fn, p, s, t), donate_argnums=(0,))
         metrics = opt.metrics

@@ -109,6 +109,12 @@ def cuda_available():
     return st == 0, ("" if st == 0 else last_error_message())
 
 
+def check_moment_dtype(moment_dtype):
+    """The moment dtypes an optimizer takes: "f32" or "bf16" (the sessions' host state)."""
+    if moment_dtype not in ("f32", "bf16"):
+        raise ValueError(f'moment_dtype must be "f32" or "bf16", not {moment_dtype!r}')
+
+
 def dtype(x, allow_none=False):
     """DType from a DType, its name ("f32", "bf16", "f16", "none") or a torch dtype."""
     if isinstance(x, DType):

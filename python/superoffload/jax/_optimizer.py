@@ -99,11 +99,14 @@ class SuperOffloadAdamW:
             elements (0: one per leaf). Put the parameters in forward order (e.g. a list of layers)
             so that backward completes sub-groups early and the next forward reads them first.
         cores: CPU cores for the session's own pinned thread pool (None: the library's default pool).
+        moment_dtype: "f32" (12 bytes of host state per parameter with the f32 master weights) or
+            "bf16" (8: both moments stored rounded to bf16, the step computed in f32).
     """
 
     def __init__(self, learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, *, max_grad_norm=None,
-                 loss_scale=1.0, speculation="auto", sub_group_numel=1 << 25, cores=None):
+                 loss_scale=1.0, speculation="auto", sub_group_numel=1 << 25, cores=None, moment_dtype="f32"):
         _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay, max_grad_norm, loss_scale)
+        _core.check_moment_dtype(moment_dtype)
         _ffi.register()
         self.learning_rate = learning_rate
         self.b1, self.b2, self.eps, self.weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
@@ -112,6 +115,7 @@ class SuperOffloadAdamW:
         self.speculation = speculation
         self.sub_group_numel = int(sub_group_numel)
         self.cores = None if cores is None else list(cores)
+        self.moment_dtype = moment_dtype
         self._session = self._device = None
         self._lock = threading.Lock()
 
@@ -131,7 +135,8 @@ class SuperOffloadAdamW:
             if device is not None:
                 _ffi.register(_ffi.CUDA)
             session = _core.Session(cuda=device is not None, device=_cuda_ordinal(device), speculation=self.speculation,
-                                    grad_dtype=dtype, accum_dtype=dtype, moment_dtype="f32", cores=self.cores)
+                                    grad_dtype=dtype, accum_dtype=dtype, moment_dtype=self.moment_dtype,
+                                    cores=self.cores)
             try:
                 group = session.add_group(self._lr_at(0), self.b1, self.b2, self.eps, self.weight_decay)
                 for sg in subgroups:

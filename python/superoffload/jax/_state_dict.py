@@ -1,35 +1,45 @@
 """The optimizer's state as a pytree of numpy arrays and back, bit for bit: what the session holds
-(f32 master weights, both moments and the step count of every parameter, the clip history automatic
-speculation decides from) and the state's step count. `SuperOffloadAdamW.state_dict` and
-`load_state_dict` call these."""
+(f32 master weights, both moments (f32 or bf16, the optimizer's `moment_dtype`) and the step count
+of every parameter, the clip history automatic speculation decides from) and the state's step
+count. `SuperOffloadAdamW.state_dict` and `load_state_dict` call these."""
 import ctypes as C
 
 import numpy as np
 
 import jax
+import jax.numpy as jnp
 
 from .. import _core
-from .._abi import Status
+from .._abi import DType, Status
 from . import _ffi
 
 STATE_DICT_FORMAT = "superoffload.jax/1"
 _KEYS = ("master", "exp_avg", "exp_avg_sq", "step")
+# The session's host dtypes as numpy's: (the C element type, the numpy dtype it is viewed as).
+_HOST_DTYPES = {DType.F32: (C.c_float, np.dtype(np.float32)), DType.BF16: (C.c_uint16, np.dtype(jnp.bfloat16))}
 
 
-def _host_view(address, numel):
-    """The session's f32 buffer at `address` as a numpy array (no copy)."""
+def _moment_dtype(opt):
+    return _HOST_DTYPES[_core.dtype(opt.moment_dtype)][1]
+
+
+def _host_view(address, numel, dtype):
+    """The session's buffer of `dtype` (a DType) at `address` as a numpy array (no copy)."""
+    element, np_dtype = _HOST_DTYPES[dtype]
     if numel == 0:
-        return np.zeros(0, np.float32)
-    return np.ctypeslib.as_array((C.c_float * numel).from_address(address))
+        return np.zeros(0, np_dtype)
+    return np.ctypeslib.as_array((element * numel).from_address(address)).view(np_dtype)
 
 
 def _buffers(session, sg):
     """(master, exp_avg, exp_avg_sq, step count) of a sub-group, after its outstanding work."""
     st = session.get_subgroup_state(sg.id)
-    if st["master_dtype"] != 1 or st["moment_dtype"] != 1:  # SO_DTYPE_F32
-        raise RuntimeError(f"sub-group {sg.id} does not hold f32 state")
-    return (_host_view(st["master"], sg.numel), _host_view(st["exp_avg"], sg.numel),
-            _host_view(st["exp_avg_sq"], sg.numel), int(st["step_count"]))
+    master_dtype, moment_dtype = DType(st["master_dtype"]), DType(st["moment_dtype"])
+    if master_dtype != DType.F32 or moment_dtype not in _HOST_DTYPES:
+        raise RuntimeError(f"sub-group {sg.id} holds {master_dtype.name} master weights and {moment_dtype.name} "
+                           "moments; this optimizer reads f32 master weights and f32 or bf16 moments")
+    return (_host_view(st["master"], sg.numel, master_dtype), _host_view(st["exp_avg"], sg.numel, moment_dtype),
+            _host_view(st["exp_avg_sq"], sg.numel, moment_dtype), int(st["step_count"]))
 
 
 def _require_between_steps(session, what):
@@ -46,7 +56,8 @@ def _require_between_steps(session, what):
 
 def state_dict(opt, state, ticket):
     """{"format", "count", "speculation_history", "master", "exp_avg", "exp_avg_sq", "step"}: the last
-    four are pytrees shaped like the parameters (f32 arrays, and int step counts)."""
+    four are pytrees shaped like the parameters (f32 master weights, moments of the optimizer's
+    `moment_dtype`, and int step counts)."""
     session = opt._live_session()
     _ffi.wait_for_dispatched_steps()
     if ticket:
@@ -62,8 +73,8 @@ def state_dict(opt, state, ticket):
     buffers = {sg.id: _buffers(session, sg) for sg in opt._subgroups}
     for leaf in opt._leaves:
         if leaf.slice_id is None:
-            master = m = v = np.zeros(leaf.shape, np.float32)
-            step = 0
+            master, step = np.zeros(leaf.shape, np.float32), 0
+            m = v = np.zeros(leaf.shape, _moment_dtype(opt))
         else:
             master, m, v, step = buffers[opt._subgroups[leaf.subgroup].id]
             span = slice(leaf.offset, leaf.offset + leaf.numel)
@@ -94,13 +105,15 @@ def _checked_plan(opt, sd):
         except (ValueError, TypeError) as e:
             raise ValueError(f"state dict entry {key!r} does not have the parameters' tree structure: {e}") from None
     plan, steps = [], {}
+    expected = dict(zip(_KEYS[:3], (np.dtype(np.float32), _moment_dtype(opt), _moment_dtype(opt))))
     for i, leaf in enumerate(opt._leaves):
         arrays = []
         for key in _KEYS[:3]:
             a = np.asarray(per_key[key][i])
-            if a.shape != leaf.shape or a.dtype != np.float32:
+            if a.shape != leaf.shape or a.dtype != expected[key]:
                 raise ValueError(f"state dict {key!r} of {leaf.name}: {a.dtype}{list(a.shape)}, expected "
-                                 f"float32{list(leaf.shape)}")
+                                 f"{expected[key]}{list(leaf.shape)} (this optimizer's moment_dtype is "
+                                 f"{opt.moment_dtype!r})")
             arrays.append(a.reshape(-1))
         step = int(per_key["step"][i])
         if step < 0:

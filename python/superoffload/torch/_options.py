@@ -2,7 +2,7 @@
 import math
 import numbers
 
-from .. import _abi
+from .. import _abi, _core
 
 
 def check_arguments(lr, betas, max_grad_norm, accumulation_steps, gpu_fraction, moment_dtype, wait):
@@ -16,8 +16,7 @@ def check_arguments(lr, betas, max_grad_norm, accumulation_steps, gpu_fraction, 
         raise ValueError("accumulation_steps must be >= 1")
     if not 0.0 <= gpu_fraction < 1.0:
         raise ValueError(f"gpu_fraction must be in [0, 1), not {gpu_fraction}")
-    if moment_dtype not in ("f32", "bf16"):
-        raise ValueError(f'moment_dtype must be "f32" or "bf16", not {moment_dtype!r}')
+    _core.check_moment_dtype(moment_dtype)
     if wait not in ("auto", "module", "step"):
         raise ValueError(f'wait must be "auto", "module" or "step", not {wait!r}')
 
