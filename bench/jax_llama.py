@@ -21,13 +21,15 @@ discounted, recomputation not counted).
   python bench/jax_llama.py --largest --json out/jax_largest.json        # the deepest model each trains
 
 --largest: per system, the most layers (at the given width) with which a step clipping every step
-runs on the device: from --layers, doubling while it runs, then bisecting between the last depth
-that ran and the first that did not (out of memory, or past --timeout), one process per depth, up to
---largest-max-layers.
+runs (out of device or host memory, or past --timeout, it does not), one process per depth, up to
+--largest-max-layers: --layers and twice that give the peak device and host bytes per layer, the
+tighter limit predicts the deepest, and probes from there bisect until the depth that ran and the
+first that did not are within 2 % of each other.
 """
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -211,8 +213,10 @@ def run_child(args):
     result = {"system": system, "clip": clip, "max_grad_norm": max_grad_norm, "params": n_params,
               "tokens_per_step": args.batch * args.seq, "step_s": times, "median_step_s": median,
               "model_tflops": flops / median / 1e12, "losses": losses, "clip_coefs": clip_coefs,
-              "peak_device_bytes": stats.get("peak_bytes_in_use"), "device": device.device_kind,
-              "jax": jax.__version__}
+              "peak_device_bytes": stats.get("peak_bytes_in_use"), "device_bytes_limit": stats.get("bytes_limit"),
+              "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+              "host_bytes_total": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+              "device": device.device_kind, "jax": jax.__version__}
     print(f"{system} clip={clip}: {n_params / 1e9:.3f} B parameters, median step {median * 1e3:.1f} ms, "
           f"{result['model_tflops']:.1f} model TFLOPS, peak device memory "
           f"{(result['peak_device_bytes'] or 0) / 2**30:.1f} GiB", flush=True)
@@ -262,38 +266,73 @@ def run_config(args, passthrough, system, clip, extra=(), echo=True):
     return result, None
 
 
+def deepest(runs, first, most, tolerance=0.02):
+    """The most layers (at most `most`) for which `runs(layers)` (a probe's result, or None where it
+    did not run) runs, from two probes: `first` layers and twice that give the device's and the
+    host's peak bytes per layer, the tighter of the two limits predicts the depth, and probes
+    from there bisect until the depth that ran and the first that did not are within `tolerance`
+    of each other. Returns (the deepest that ran, the shallowest that did not or None, its
+    result)."""
+    results = {}
+
+    def probe(layers):
+        if layers not in results:
+            results[layers] = runs(layers)
+        return results[layers] is not None
+
+    good, bad = 0, None
+    for layers in (first, min(2 * first, most)):
+        if probe(layers):
+            good = layers
+        else:
+            bad = layers
+            break
+    if bad is None and good < most:
+        (l1, r1), (l2, r2) = (first, results[first]), (good, results[good])
+        limits = []
+        for used, limit in (("peak_device_bytes", "device_bytes_limit"), ("peak_host_bytes", "host_bytes_total")):
+            per_layer = (r2[used] - r1[used]) / max(l2 - l1, 1)
+            if per_layer > 0 and r2.get(limit):
+                limits.append(l2 + (r2[limit] - r2[used]) / per_layer)
+        predicted = min(most, int(min(limits))) if limits else most
+        step = max(1, int(predicted * tolerance))
+        if predicted > good and probe(predicted):
+            good = predicted  # then up, by steps that double, to the first that does not run
+            while good < most and probe(min(most, good + step)):
+                good, step = min(most, good + step), 2 * step
+            bad = None if good >= most else min(most, good + step)
+        elif predicted > good:
+            bad = predicted  # then down, likewise, to the first that runs
+            while bad - step > good and not probe(bad - step):
+                bad, step = bad - step, 2 * step
+            if bad - step > good:
+                good = bad - step
+    while bad is not None and bad - good > max(1, int(good * tolerance)):
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if probe(mid) else (good, mid)
+    return good, bad, results.get(good)
+
+
 def largest(args, passthrough, systems):
     """Per system, the deepest model (layers at the given width) whose clipped step runs."""
     found = []
     for system in systems:
-        ran = {}
-
         def runs(layers):
-            if layers not in ran:
-                extra = ["--probe-layers", str(layers), "--steps", "1", "--warmup", "1"]
-                ran[layers] = run_config(args, passthrough, system, "every", extra, echo=False)[0]
-                print(f"{system}: {layers} layers {'ran' if ran[layers] else 'did not run'}", flush=True)
-            return ran[layers] is not None
+            extra = ["--probe-layers", str(layers), "--steps", "1", "--warmup", "1"]
+            result = run_config(args, passthrough, system, "every", extra, echo=False)[0]
+            peak = f", peak {result['peak_device_bytes'] / 2**30:.1f} GiB on the device, " \
+                   f"{result['peak_host_bytes'] / 2**30:.1f} GiB of host RSS" if result else ""
+            print(f"{system}: {layers} layers {'ran' if result else 'did not run'}{peak}", flush=True)
+            return result
 
-        good, bad = 0, None
-        layers = args.layers
-        while layers <= args.largest_max_layers:
-            if not runs(layers):
-                bad = layers
-                break
-            good, layers = layers, layers * 2
-        if bad is None:
-            bad = min(layers, args.largest_max_layers + 1)
-        while bad - good > 1:
-            mid = (good + bad) // 2
-            good, bad = (mid, bad) if runs(mid) else (good, mid)
-        best = ran.get(good)
-        found.append({"system": system, "layers": good, "capped": good == args.largest_max_layers,
-                      "params": best["params"] if best else 0,
-                      "peak_device_bytes": best["peak_device_bytes"] if best else None})
+        good, bad, best = deepest(runs, args.layers, args.largest_max_layers)
+        found.append({"system": system, "layers": good, "first_that_did_not_run": bad,
+                      "capped": good == args.largest_max_layers, "params": best["params"] if best else 0,
+                      "peak_device_bytes": best["peak_device_bytes"] if best else None,
+                      "peak_host_bytes": best["peak_host_bytes"] if best else None})
     for f in found:
         print(f"{f['system']:>5}: {f['layers']}{'+' if f['capped'] else ''} layers, {f['params'] / 1e9:.3f} B "
-              f"parameters", flush=True)
+              f"parameters (did not run: {f['first_that_did_not_run']})", flush=True)
     return found
 
 

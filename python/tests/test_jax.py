@@ -460,3 +460,27 @@ def test_bad_input_is_refused_and_changes_nothing():
     jax.block_until_ready(session_trainer(other)(params, other_state, *batch(1)))
     jax.effects_barrier()
     other.close()
+
+
+@pytest.mark.parametrize("limit_layers, skew", [(90.4, 1.0), (90.4, 1.03), (90.4, 0.95), (30.0, 1.0), (600.0, 1.0)])
+def test_the_deepest_model_search_finds_it_in_a_few_probes(limit_layers, skew):
+    """bench/jax_llama.py --largest's search: with memory linear in the depth except a skew at
+    depth (the prediction off by a few %), the depth it reports ran, the next one up to the 2 %
+    tolerance did not, in at most 8 probes."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+    from jax_llama import deepest
+    fixed, per_layer, limit = 10e9, 0.8e9, 10e9 + 0.8e9 * limit_layers
+    probes = []
+
+    def runs(layers):
+        probes.append(layers)
+        used = fixed + per_layer * layers * (skew if layers > 44 else 1.0)
+        return None if used > limit else {"peak_device_bytes": used, "device_bytes_limit": limit,
+                                          "peak_host_bytes": 1e9 + 1e6 * layers, "host_bytes_total": 1e12}
+
+    good, bad, best = deepest(runs, 22, 512)
+    truth = max(n for n in range(513) if fixed + per_layer * n * (skew if n > 44 else 1.0) <= limit)
+    assert best is not None and good <= truth and good >= truth - max(1, int(truth * 0.02)), (good, truth, probes)
+    assert bad is None if truth >= 512 else bad > truth, (bad, truth)
+    assert len(probes) <= 8, probes
