@@ -33,11 +33,15 @@ from ._buffers import PinnedHostBuffer
 STAGING_BUFFERS = 3
 
 
+def _staging_numel(infos):
+    """The elements of one staging buffer: the largest parameter's gradient."""
+    return max((info.numel for info in infos), default=0)
+
+
 def staging_bytes(infos, dtype):
     """The pinned host bytes a GradientTaker stages later micro-steps' gradients in (`dtype`, a
     torch dtype): STAGING_BUFFERS of the largest parameter's gradient."""
-    largest = max((info.numel for info in infos), default=0)
-    return STAGING_BUFFERS * largest * torch.empty(0, dtype=dtype).element_size()
+    return STAGING_BUFFERS * _staging_numel(infos) * torch.empty(0, dtype=dtype).element_size()
 
 
 def _fsdp_module_class():
@@ -210,12 +214,11 @@ class GradientTaker:
         """A free staging buffer, waiting for the thread to release one: the pinned memory of
         the later micro-steps stays bounded however far the backward runs ahead."""
         if self._staging is None:
-            largest = max(info.numel for info in self._by_sharded.values())
+            numel = _staging_numel(self._by_sharded.values())
             self._staging = queue.Queue()
             for _ in range(STAGING_BUFFERS):
-                buf = PinnedHostBuffer(largest, dtype)
-                self.staging_bytes += buf.tensor.numel() * buf.tensor.element_size()
-                self._staging.put(buf)
+                self._staging.put(PinnedHostBuffer(numel, dtype))
+            self.staging_bytes = staging_bytes(self._by_sharded.values(), dtype)
         return self._staging.get()
 
     def _check_thread(self):
