@@ -379,7 +379,50 @@ def torch_checks(dev):
                  and o["grad_bytes_expected"] and o["groups_read_ahead"] > 0 for o in outcomes.values())
         check("cuda_fsdp2_offload", ok, **outcomes)
 
-    for name, fn in (("cuda_fsdp2_offload", fsdp2_offload), ("cuda_state_dict_read", state_dict_read), ("cuda_budget_fraction", budget_under_fraction), ("cuda_parity", parity), ("cuda_speculation", speculation), ("cuda_resume", resume_check),
+    def fsdp2_one_rank():
+        """FSDP2 with bf16 shards on the GPU, one rank: the gradients taken from FSDP2's unsharded
+        parameters as backward produces them; the same losses and master weights as the CUDA mode
+        on the plain model with the same sub-groups, clipped and unclipped."""
+        import socket
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+        if not dist.is_initialized():
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+        hp = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        outcomes = {}
+        for label, clip, spec in (("clipped", CLIP, False), ("unclipped", 0.0, True)):
+            sharded = make_model(0, dev, dt)
+            for blk in sharded.blocks:
+                fully_shard(blk)
+            fully_shard(sharded)
+            oa = SuperOffloadAdamW(sharded.named_parameters(), model=sharded, max_grad_norm=clip, speculation=spec,
+                                   gpu_budget_bytes=0, **hp)
+            order = [names[0] for _, _, _, names in oa.subgroups()]
+            plain = make_model(0, dev, dt)
+            named = dict(plain.named_parameters())
+            ob = SuperOffloadAdamW([(n, named[n]) for n in order], max_grad_norm=clip, speculation=spec,
+                                   sub_group_numel=0, gpu_budget_bytes=0, wait="step", **hp)
+            la, _ = train(sharded, oa, torch.optim.lr_scheduler.LambdaLR(oa, lr_lambda), data[:12])
+            lb, _ = train(plain, ob, torch.optim.lr_scheduler.LambdaLR(ob, lr_lambda), data[:12])
+            oa.synchronize(host=True)
+            ob.synchronize(host=True)
+            ours = {sg.params[0].name: sg.master for sg in oa._subgroups}
+            masters = {sg.params[0].name: sg.master for sg in ob._subgroups}
+            outcomes[label] = dict(losses_equal=la == lb, masters_equal=all(torch.equal(ours[n], masters[n])
+                                                                            for n in order),
+                                   falls=la[-1] < la[0], unsharded_handed=oa._handoff.unsharded_handed,
+                                   expected=12 * len(order))
+            oa.close()
+            ob.close()
+        ok = all(o["losses_equal"] and o["masters_equal"] and o["falls"] and o["unsharded_handed"] == o["expected"]
+                 for o in outcomes.values())
+        check("cuda_fsdp2_one_rank", ok, **outcomes)
+
+    for name, fn in (("cuda_fsdp2_one_rank", fsdp2_one_rank), ("cuda_fsdp2_offload", fsdp2_offload), ("cuda_state_dict_read", state_dict_read), ("cuda_budget_fraction", budget_under_fraction), ("cuda_parity", parity), ("cuda_speculation", speculation), ("cuda_resume", resume_check),
                      ("cuda_rerun", rerun),
                      ("cuda_accumulation", accumulation), ("cuda_gpu_fraction", gpu_fraction),
                      ("cuda_bf16_moments", bf16_moments), ("cuda_direct_read", direct_read),

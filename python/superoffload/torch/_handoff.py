@@ -2,7 +2,10 @@
 over at the last micro-step and drops it: in CUDA mode the library copies it to pinned host
 memory on its copy stream (`so_session_grad_device`), in host mode it copies it in
 (`so_session_grad_copy`). Under host FSDP2 on one rank, `_fsdp.GradientTaker` takes the
-unsharded gradients into buffers lent to the session instead."""
+unsharded gradients into buffers lent to the session instead; under FSDP2 with GPU shards on
+one rank the hook is on FSDP2's unsharded parameters, whose gradients backward produces layer
+by layer (FSDP2 sets a sharded gradient at its group's post-backward, the root's, with the
+output layer, only after the whole backward)."""
 import torch
 
 from .. import _abi, _core
@@ -29,23 +32,42 @@ class Handoff:
         self._begin = begin
         self._times, self._nvtx = times, nvtx
         self._hooks = []
+        self.unsharded_handed = 0  # gradients handed over from FSDP2's unsharded parameters (a count, for tests)
         # so_session_grad_device's lifetime rule: each gradient is record_stream'ed on this stream.
         self._copy_stream = torch.cuda.ExternalStream(session.copy_stream(), device=device) if self.cuda else None
 
-    def install(self, fsdp_modules, infos_by_param, take_dtype, compute):
-        """Hooks each parameter, or with a `take_dtype` FSDP2's unsharded parameters on `compute`."""
+    def install(self, fsdp_modules, infos_by_param, take_dtype, compute, unsharded_modules=None):
+        """Hooks each parameter, or with a `take_dtype` FSDP2's unsharded parameters on `compute`;
+        with `unsharded_modules` (FSDP2 modules of one rank, GPU shards, no accumulation) also
+        their unsharded parameters, once a first forward made them: the one of a pair that gets a
+        gradient hands it over (FSDP2 then reduces nothing)."""
         if take_dtype:
             self.taker = _fsdp.GradientTaker(fsdp_modules, infos_by_param, self.accumulation_steps,
                                              self._begin_gradient, self.written, compute)
             return
         for info in self._infos:
             self._hooks.append(info.param.register_post_accumulate_grad_hook(self._hook(info)))
+        for fm in unsharded_modules or ():
+            self._hooks.append(fm.module.register_forward_hook(self._hook_unsharded(fm, infos_by_param)))
+
+    def _hook_unsharded(self, fm, infos_by_param):
+        hooked = set()
+
+        def post_forward(module, args, output):
+            for fp in fm.fsdp_params:
+                up = getattr(fp, "_unsharded_param", None)
+                info = infos_by_param.get(id(fp.sharded_param))
+                if up is None or info is None or id(up) in hooked:
+                    continue
+                hooked.add(id(up))
+                self._hooks.append(up.register_post_accumulate_grad_hook(self._hook(info, unsharded=True)))
+        return post_forward
 
     @property
     def staging_bytes(self):
         return self.taker.staging_bytes if self.taker is not None else 0
 
-    def _hook(self, info):
+    def _hook(self, info, unsharded=False):
         def post_accumulate_grad(p):
             if self.closed or p.grad is None:
                 return
@@ -53,6 +75,7 @@ class Handoff:
             if info.count < self.accumulation_steps:
                 return  # keep accumulating in p.grad
             self.hand_over(info, p)
+            self.unsharded_handed += unsharded
         return post_accumulate_grad
 
     def _stream(self):

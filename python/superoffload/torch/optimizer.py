@@ -269,7 +269,8 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             self.session, infos, device=self.device, accum_dtype=TORCH_DTYPES[dt],
             accumulation_steps=self.accumulation_steps, distributed=self.distributed, begin=self._begin,
             times=self._times, nvtx=self._nvtx)
-        self._handoff.install(self._fsdp_modules, self._by_param, take_dtype, compute)
+        self._handoff.install(self._fsdp_modules, self._by_param, take_dtype, compute,
+                              unsharded_modules=self._unsharded_gradients(model))
 
         self._waits = _waits.Waits(self.session, self.device, [sg.id for sg in self._subgroups], self._times,
                                    self._nvtx)
@@ -291,6 +292,15 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
                     "CUDA" if self.cuda else "host", mem["params"], len(self._subgroups),
                     mem["host_bytes_per_param"], moment_dtype, len(self._device_infos), speculation,
                     self.max_grad_norm or "off", _cores._fmt(self.cores) if self.cores else "default")
+
+    def _unsharded_gradients(self, model):
+        """FSDP2 with GPU shards on one rank, one backward a step: its modules, whose unsharded
+        parameters' gradients are handed over as backward produces them (None: the sharded
+        parameters' gradients, as FSDP2 reduces them)."""
+        if not (self.fsdp and self.cuda and self.accumulation_steps == 1):
+            return None
+        modules = _fsdp.fsdp_modules(model)
+        return modules if modules and _fsdp.shard_group_size(modules) == 1 else None
 
     # ---- the model's state_dict hooks -----------------------------------------------------
 
