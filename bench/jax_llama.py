@@ -21,7 +21,8 @@ discounted, recomputation not counted).
   python bench/jax_llama.py --largest --json out/jax_largest.json        # the deepest model each trains
 
 --largest: per system, the most layers (at the given width) with which a step clipping every step
-runs (out of device or host memory, or past --timeout, it does not), one process per depth, up to
+runs (out of device or host memory, it does not; a probe past --timeout ends the search with an
+error, as it tells nothing of the memory), one process per depth, up to
 --largest-max-layers: --layers and twice that give the peak device and host bytes per layer, the
 tighter limit predicts the deepest, and probes from there bisect until the depth that ran and the
 first that did not are within 2 % of each other.
@@ -319,7 +320,11 @@ def largest(args, passthrough, systems):
     for system in systems:
         def runs(layers):
             extra = ["--probe-layers", str(layers), "--steps", "1", "--warmup", "1"]
-            result = run_config(args, passthrough, system, "every", extra, echo=False)[0]
+            result, failure = run_config(args, passthrough, system, "every", extra, echo=False)
+            if failure is not None and failure["exit"] == "timeout":
+                # A probe cut short says nothing of the memory the depth needs.
+                raise SystemExit(f"{system}: {layers} layers ran past --timeout {args.timeout} s; the first step "
+                                 "compiles the model, the longer the deeper it is: give a longer --timeout")
             peak = f", peak {result['peak_device_bytes'] / 2**30:.1f} GiB on the device, " \
                    f"{result['peak_host_bytes'] / 2**30:.1f} GiB of host RSS" if result else ""
             print(f"{system}: {layers} layers {'ran' if result else 'did not run'}{peak}", flush=True)

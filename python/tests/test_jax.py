@@ -484,3 +484,27 @@ def test_the_deepest_model_search_finds_it_in_a_few_probes(limit_layers, skew):
     assert best is not None and good <= truth and good >= truth - max(1, int(truth * 0.02)), (good, truth, probes)
     assert bad is None if truth >= 512 else bad > truth, (bad, truth)
     assert len(probes) <= 8, probes
+
+
+def test_the_deepest_model_search_stops_at_a_probe_past_its_timeout(monkeypatch):
+    """bench/jax_llama.py --largest: a probe cut short by --timeout (a deep model's compilation)
+    ends the search with an error naming --timeout, rather than counting as too deep."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+    import jax_llama
+    probes = []
+
+    def run_config(args, passthrough, system, clip, extra=(), echo=True):
+        layers = int(extra[extra.index("--probe-layers") + 1])
+        probes.append(layers)
+        if layers > 22:
+            return None, {"system": system, "clip": clip, "exit": "timeout", "tail": ""}
+        return {"params": 1, "peak_device_bytes": 1e9, "device_bytes_limit": 8e10,
+                "peak_host_bytes": 1e9, "host_bytes_total": 1e12}, None
+
+    monkeypatch.setattr(jax_llama, "run_config", run_config)
+    monkeypatch.setattr(sys, "argv", ["jax_llama.py", "--largest", "--timeout", "90"])
+    args = jax_llama.parse()
+    with pytest.raises(SystemExit, match="past --timeout 90 s"):
+        jax_llama.largest(args, [], ["optax"])
+    assert probes == [22, 44]
