@@ -46,6 +46,7 @@ cuda|py:bench/cuda_bench.py|GPU: gradient copies in pieces, a synthetic layered 
 e2e|py:examples/torch_optimizer/bench_e2e.py|GPU: a 1.1B Llama-style model trained end to end, ours vs torch AdamW (--smoke: CPU)
 libtorch|sh:bench/libtorch/run.sh|GPU: a 1.1B Llama-style model trained from C++, superoffload::torch::AdamW vs torch's fused AdamW, clipping and not
 jax-llama|py:bench/jax_llama.py|GPU: a 1.1B Llama-style model in plain JAX, superoffload.jax vs optax.adamw, one process per system (--smoke: CPU)
+pin-rate|py:bench/pin_rate.py|GPU: page-locking host memory, and copies to the device from pageable and from pinned memory
 EOF
     if [ -f bench/peers.py ]; then
         printf 'peers|py:bench/peers.py|%s\n' "$(docline bench/peers.py)"
