@@ -150,8 +150,7 @@ def main():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     sys.path.insert(0, E2E_DIR)
-    ctx = Context(argparse.Namespace(model=args.model, batch=0, device="cuda", cap_gib=0, clips=[0.0],
-                                     no_settle=True, micro_batches=1, loss_chunk_tokens=0))
+    ctx = Context(args.model, settle=False)
     shard_dtype = torch.bfloat16 if args.shard_dtype == "bf16" else torch.float32
     rows = []
     for system in systems:

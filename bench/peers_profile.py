@@ -157,9 +157,8 @@ def main():
     sys.path.insert(0, E2E_DIR)
     if args.system not in SYSTEMS or args.model not in MODELS:
         ap.error(f"--system is one of {', '.join(SYSTEMS)}; --model one of {', '.join(MODELS)}")
-    ctx = Context(argparse.Namespace(model=args.model, batch=args.batch, device=args.device, cap_gib=0,
-                                     clips=[args.clip], no_settle=False, micro_batches=args.micro_batches,
-                                     loss_chunk_tokens=0))
+    ctx = Context(args.model, batch=args.batch, device=args.device, clips=[args.clip],
+                  micro_batches=args.micro_batches)
     trainer = SYSTEMS[args.system][1](ctx)
     trainer.set_clip(args.clip)
     trainer.before_phase(first=True)

@@ -64,24 +64,26 @@ class Unsupported(Exception):
 class Context:
     """What every system shares: the model's shape, the device, the batch, the cap, the ranks."""
 
-    def __init__(self, args):
+    def __init__(self, model, *, batch=0, device="cuda", cap_gib=0, clips=(0.0,), settle=True, micro_batches=1,
+                 loss_chunk_tokens=0):
+        """`model` one of MODELS; `batch` 0 for the model's; as bench/peers.py's flags otherwise."""
         import bench_e2e
         self.e2e = bench_e2e
-        self.spec = dict(MODELS[args.model], **({"batch": args.batch} if args.batch else {}))
-        self.cuda = args.device == "cuda"
+        self.spec = dict(MODELS[model], **({"batch": batch} if batch else {}))
+        self.cuda = device == "cuda"
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
         if self.cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
-        self.cap_bytes = int(args.cap_gib * GIB) if args.cap_gib else 0
-        self.clips = args.clips
-        self.micro_batches = args.micro_batches
+        self.cap_bytes = int(cap_gib * GIB) if cap_gib else 0
+        self.clips = list(clips)
+        self.micro_batches = micro_batches
         if self.spec["batch"] % self.micro_batches:
             raise SystemExit(f"--micro-batches {self.micro_batches} does not divide the batch {self.spec['batch']}")
-        self.settle = not args.no_settle
-        self.loss_chunk_tokens = args.loss_chunk_tokens
+        self.settle = settle
+        self.loss_chunk_tokens = loss_chunk_tokens
         # Data parallel: each rank its own tokens.
         generator = torch.Generator().manual_seed(self.rank)
         shape = (self.spec["batch"], self.spec["seq"])

@@ -42,7 +42,9 @@ def package_versions():
 
 def worker_main(args):
     sys.path.insert(0, E2E_DIR)
-    ctx = Context(args)
+    ctx = Context(args.model, batch=args.batch, device=args.device, cap_gib=args.cap_gib, clips=args.clips,
+                  settle=not args.no_settle, micro_batches=args.micro_batches,
+                  loss_chunk_tokens=args.loss_chunk_tokens)
     if ctx.cuda and ctx.cap_bytes:
         total = torch.cuda.get_device_properties(ctx.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, ctx.cap_bytes / total), ctx.device)
