@@ -325,17 +325,21 @@ def torch_checks(dev):
               cap_bytes=cap)
         opt.close()
 
-    def fsdp2_offload():
+    def one_rank_process_group():
+        """The NCCL process group of one rank the FSDP2 checks shard over (made once)."""
         import socket
         import torch.distributed as dist
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-        from superoffload.torch import _fsdp
         if not dist.is_initialized():
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+
+    def fsdp2_offload():
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from superoffload.torch import _fsdp
+        one_rank_process_group()
         policies = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dt), offload_policy=CPUOffloadPolicy())
         hp = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
         outcomes = {}
@@ -383,15 +387,8 @@ def torch_checks(dev):
         """FSDP2 with bf16 shards on the GPU, one rank: the gradients taken from FSDP2's unsharded
         parameters as backward produces them; the same losses and master weights as the CUDA mode
         on the plain model with the same sub-groups, clipped and unclipped."""
-        import socket
-        import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
-        if not dist.is_initialized():
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+        one_rank_process_group()
         hp = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
         outcomes = {}
         for label, clip, spec in (("clipped", CLIP, False), ("unclipped", 0.0, True)):
