@@ -27,7 +27,9 @@ const WARM_UP: u64 = 3;
 /// (their state is not touched: these tests look at placement, not at the weights). It
 /// refuses placements after the first `accepts`. Each step it reports `exposed` seconds of
 /// waiting for the optimizer (a second: more than any split here could hide). It records the
-/// addresses of the buffers the session pins.
+/// addresses of the buffers the session pins, and with `refuses_moments` refuses, while the
+/// sub-groups register, the second and third pin of every three (a placeable sub-group's
+/// moments, after its master weights).
 struct ReportedMemory {
     free: usize,
     total: usize,
@@ -35,6 +37,8 @@ struct ReportedMemory {
     exposed: f64,
     placed: AtomicUsize,
     pins: Mutex<Vec<usize>>,
+    refuses_moments: bool,
+    pin_calls: AtomicUsize,
 }
 
 impl ReportedMemory {
@@ -46,6 +50,8 @@ impl ReportedMemory {
             exposed: 1.0,
             placed: AtomicUsize::new(0),
             pins: Mutex::default(),
+            refuses_moments: false,
+            pin_calls: AtomicUsize::new(0),
         }
     }
 }
@@ -55,6 +61,10 @@ impl Transport for ReportedMemory {
         self
     }
     fn pin(&self, ptr: *mut u8, _: usize) -> Result<()> {
+        let call = self.pin_calls.fetch_add(1, Ordering::Relaxed);
+        if self.refuses_moments && call < 3 * SUBGROUPS && !call.is_multiple_of(3) {
+            return Err(Error::new(Status::CudaError, "cuMemHostRegister failed: CUDA_ERROR_OUT_OF_MEMORY"));
+        }
         self.pins.lock().unwrap().push(ptr as usize);
         Ok(())
     }
@@ -219,4 +229,18 @@ fn the_moments_of_the_sub_groups_the_split_may_place_are_pinned_at_registration(
         drop(s);
         assert!(transport.pins.lock().unwrap().is_empty(), "every pin undone with the session");
     }
+}
+
+#[test]
+fn moments_that_cannot_be_pinned_stay_pageable_and_the_sub_group_registers() {
+    // Pinned moments only make a placement faster: a refused pin leaves them pageable.
+    let transport = Arc::new(ReportedMemory { refuses_moments: true, ..ReportedMemory::new(16 * GIB, 16 * GIB) });
+    let (s, masters) = session(transport.clone());
+    let pins = transport.pins.lock().unwrap().clone();
+    assert_eq!(pins.len(), SUBGROUPS, "the master weights alone");
+    assert!(pins.iter().all(|p| masters.iter().any(|m| m.as_ptr() as usize == *p)));
+    assert_eq!(transport.pin_calls.load(Ordering::Relaxed), 3 * SUBGROUPS, "each moment tried");
+    let trace = warm_up_and_begin(&s, "pageable");
+    assert_eq!(s.device_subgroups() as usize, SUBGROUPS, "placed all the same: {trace}");
+    run_step(&s);
 }

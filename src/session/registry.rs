@@ -510,17 +510,24 @@ fn to_f32(values: Floats<'_>) -> Vec<f32> {
 }
 
 /// Pins, through the transport, the buffers of a new sub-group that cross to the device:
-/// the master weights, a lent gradient buffer, and the moments of one the split may place.
-/// Undone on failure.
+/// the master weights and a lent gradient buffer (undone on failure), and, where it can, the
+/// moments of one the split may place (they only make its placement faster: unpinned, the
+/// driver copies them from pageable memory).
 fn pin_all(shared: &Shared, data: &mut SgData, placeable: bool) -> Result<Vec<usize>> {
     let mut pinned = Vec::new();
-    let moments = placeable.then_some([&mut data.exp_avg, &mut data.exp_avg_sq]).into_iter().flatten();
-    for buf in std::iter::once(&mut data.master).chain(data.grad.as_mut()).chain(moments) {
+    for buf in std::iter::once(&mut data.master).chain(data.grad.as_mut()) {
         match shared.pin(buf) {
             Ok(p) => pinned.extend(p),
             Err(e) => {
                 shared.unpin_all(pinned.into_iter());
                 return Err(e);
+            }
+        }
+    }
+    if placeable {
+        for buf in [&mut data.exp_avg, &mut data.exp_avg_sq] {
+            if let Ok(p) = shared.pin(buf) {
+                pinned.extend(p);
             }
         }
     }
