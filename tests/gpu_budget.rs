@@ -5,8 +5,8 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use superoffload::error::{Error, Result, Status};
 use superoffload::kernels::{DType, Floats, Isa, Pool, PoolOptions};
@@ -26,23 +26,51 @@ const WARM_UP: u64 = 3;
 /// A device that reports `free` of `total` bytes and keeps placed sub-groups "on the device"
 /// (their state is not touched: these tests look at placement, not at the weights). It
 /// refuses placements after the first `accepts`. Each step it reports `exposed` seconds of
-/// waiting for the optimizer (a second: more than any split here could hide).
+/// waiting for the optimizer (a second: more than any split here could hide). It records the
+/// addresses of the buffers the session pins, and with `refuses_moments` refuses, while the
+/// sub-groups register, the second and third pin of every three (a placeable sub-group's
+/// moments, after its master weights).
 struct ReportedMemory {
     free: usize,
     total: usize,
     accepts: usize,
     exposed: f64,
     placed: AtomicUsize,
+    pins: Mutex<Vec<usize>>,
+    refuses_moments: bool,
+    pin_calls: AtomicUsize,
 }
 
 impl ReportedMemory {
     fn new(free: usize, total: usize) -> ReportedMemory {
-        ReportedMemory { free, total, accepts: usize::MAX, exposed: 1.0, placed: AtomicUsize::new(0) }
+        ReportedMemory {
+            free,
+            total,
+            accepts: usize::MAX,
+            exposed: 1.0,
+            placed: AtomicUsize::new(0),
+            pins: Mutex::default(),
+            refuses_moments: false,
+            pin_calls: AtomicUsize::new(0),
+        }
     }
 }
 
 impl Transport for ReportedMemory {
-    transport_without_pinning!();
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn pin(&self, ptr: *mut u8, _: usize) -> Result<()> {
+        let call = self.pin_calls.fetch_add(1, Ordering::Relaxed);
+        if self.refuses_moments && call < 3 * SUBGROUPS && !call.is_multiple_of(3) {
+            return Err(Error::new(Status::CudaError, "cuMemHostRegister failed: CUDA_ERROR_OUT_OF_MEMORY"));
+        }
+        self.pins.lock().unwrap().push(ptr as usize);
+        Ok(())
+    }
+    fn unpin(&self, ptr: *mut u8) {
+        self.pins.lock().unwrap().retain(|&p| p != ptr as usize);
+    }
     transport_without_publishing!();
     fn gradient_ready(&self, _: u32) -> Result<()> {
         Ok(())
@@ -70,13 +98,13 @@ impl Transport for ReportedMemory {
 /// A session of [`SUBGROUPS`] sub-groups with the automatic budget over `transport`; the
 /// masters are returned with it (they must outlive it).
 fn session(transport: Arc<ReportedMemory>) -> (Session, Vec<Vec<f32>>) {
+    session_with_budget(transport, SessionOptions::GPU_BUDGET_AUTO)
+}
+
+fn session_with_budget(transport: Arc<ReportedMemory>, gpu_budget_bytes: usize) -> (Session, Vec<Vec<f32>>) {
     let pool =
         Arc::new(Pool::new(&PoolOptions { num_threads: 1, isa: Some(Isa::best()), ..Default::default() }).unwrap());
-    let opts = SessionOptions {
-        pool: Some(pool),
-        gpu_budget_bytes: SessionOptions::GPU_BUDGET_AUTO,
-        ..SessionOptions::default()
-    };
+    let opts = SessionOptions { pool: Some(pool), gpu_budget_bytes, ..SessionOptions::default() };
     let s = Session::with_transport(opts, Some(transport)).unwrap();
     s.add_group(GroupHparams::default()).unwrap();
     let mut masters = vec![vec![0.5f32; SUBGROUP_NUMEL]; SUBGROUPS];
@@ -177,4 +205,42 @@ fn host_sessions_refuse_the_automatic_budget() {
     assert_eq!(e.status, Status::Unsupported);
     let s = Session::new(SessionOptions { gpu_budget_bytes: 0, ..SessionOptions::default() }).unwrap();
     assert_eq!(s.gpu_budget(), Some(0), "0: everything offloaded");
+}
+
+#[test]
+fn the_moments_of_the_sub_groups_the_split_may_place_are_pinned_at_registration() {
+    // Pinned moments let a placement copy them beside the step. The split places the first
+    // sub-groups in forward order within the budget, or with the automatic budget within the
+    // device's total memory: those, and only those, have their moments pinned (every
+    // sub-group's master weights are, as before).
+    let device_bytes = SUBGROUP_NUMEL * DEVICE_BYTES_PER_ELEMENT;
+    for (budget, total, placeable) in [
+        (SessionOptions::GPU_BUDGET_AUTO, 2 * device_bytes + device_bytes / 2, 2),
+        (SessionOptions::GPU_BUDGET_AUTO, 16 * GIB, SUBGROUPS),
+        (3 * device_bytes, 16 * GIB, 3),
+        (0, 16 * GIB, 0),
+    ] {
+        let transport = Arc::new(ReportedMemory::new(total, total));
+        let (s, masters) = session_with_budget(transport.clone(), budget);
+        let pins = transport.pins.lock().unwrap().clone();
+        let is_master = |p: &usize| masters.iter().any(|m| m.as_ptr() as usize == *p);
+        assert_eq!(pins.iter().filter(|p| is_master(p)).count(), SUBGROUPS, "budget {budget}");
+        assert_eq!(pins.iter().filter(|p| !is_master(p)).count(), 2 * placeable, "budget {budget}, total {total}");
+        drop(s);
+        assert!(transport.pins.lock().unwrap().is_empty(), "every pin undone with the session");
+    }
+}
+
+#[test]
+fn moments_that_cannot_be_pinned_stay_pageable_and_the_sub_group_registers() {
+    // Pinned moments only make a placement faster: a refused pin leaves them pageable.
+    let transport = Arc::new(ReportedMemory { refuses_moments: true, ..ReportedMemory::new(16 * GIB, 16 * GIB) });
+    let (s, masters) = session(transport.clone());
+    let pins = transport.pins.lock().unwrap().clone();
+    assert_eq!(pins.len(), SUBGROUPS, "the master weights alone");
+    assert!(pins.iter().all(|p| masters.iter().any(|m| m.as_ptr() as usize == *p)));
+    assert_eq!(transport.pin_calls.load(Ordering::Relaxed), 3 * SUBGROUPS, "each moment tried");
+    let trace = warm_up_and_begin(&s, "pageable");
+    assert_eq!(s.device_subgroups() as usize, SUBGROUPS, "placed all the same: {trace}");
+    run_step(&s);
 }

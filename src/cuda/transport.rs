@@ -243,8 +243,20 @@ impl CudaTransport {
     /// A device state of `numel` elements holding `host`'s (complete on return; freed again
     /// if the upload fails).
     fn uploaded(&self, numel: usize, host: &mut HostState<'_>) -> Result<DeviceState> {
+        let dev = self.queued_upload(numel, host)?;
+        self.noted(driver::stream_synchronize(self.h2d.0))?;
+        Ok(dev)
+    }
+
+    /// A device state of `numel` elements that `host`'s is copied into on the publish stream,
+    /// not waited for: the sub-group's device steps, the publications of its weights and every
+    /// later copy of its state run on that stream after it. From the page-locked buffers of a
+    /// sub-group registered as one the split may place, the copies overlap the step; `host`
+    /// is not written before they end (its device-placed state is only written by a load,
+    /// which copies it up again behind them).
+    fn queued_upload(&self, numel: usize, host: &mut HostState<'_>) -> Result<DeviceState> {
         let dev = DeviceState::alloc(numel, host.exp_avg.dtype(), self.gradients.accum_dtype())?;
-        self.upload(&dev, host)?;
+        dev.upload(host, self.h2d.0)?;
         Ok(dev)
     }
 
@@ -516,8 +528,8 @@ impl Transport for CudaTransport {
         let d = state.attached_mut(sg)?;
         match (placement, d.device()) {
             (Placement::Device, None) => {
-                let uploaded = self.uploaded(d.numel(), &mut host)?;
-                d.placed_on_device(uploaded);
+                let queued = self.queued_upload(d.numel(), &mut host)?;
+                d.placed_on_device(queued);
             }
             (Placement::Host, Some(dev)) => {
                 // The kept gradient first, and the device state freed only once the host holds it.

@@ -480,7 +480,7 @@ fn wait_final(shared: &Shared, ticket: Ticket) {
 fn maybe_split(reg: &Registry, shared: &Shared, serial: u64) -> Result<()> {
     let options = &shared.options;
     let numels: Vec<usize> = reg.live().map(|tr| tr.sg().numel).collect();
-    let per_element = device_bytes_per_element(options);
+    let per_element = options.device_bytes_per_element();
     let automatic = options.gpu_budget_bytes == SessionOptions::GPU_BUDGET_AUTO;
     let budget = if automatic {
         let chosen = shared.policy.lock().unwrap().auto_budget();
@@ -546,10 +546,4 @@ fn choose_budget(shared: &Shared) -> Result<usize> {
         )
     });
     Ok(chosen.budget)
-}
-
-/// Device bytes per element of a device-placed sub-group: f32 master, both moments and
-/// the gradient buffer.
-fn device_bytes_per_element(options: &SessionOptions) -> usize {
-    4 + 2 * options.moment_dtype.size() + options.accum_dtype.size()
 }

@@ -11,7 +11,7 @@ use super::shared::Shared;
 use super::subgroup::{SgData, SgWork, SubGroup};
 use super::tickets::Ticket;
 use super::transport::Transport;
-use super::types::{GroupHparams, Placement, SliceDesc, SubGroupDesc};
+use super::types::{GroupHparams, Placement, SessionOptions, SliceDesc, SubGroupDesc};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{DType, Floats};
 
@@ -83,6 +83,9 @@ pub(crate) struct Registry {
     host_bytes: usize,
     /// Sub-groups registered but not yet provisioned (`provision.rs`), in registration order.
     unprovisioned: Vec<u32>,
+    /// Device bytes of the sub-groups registered with their moments page-locked, as the
+    /// split may place them ([`Registry::may_be_placed`]).
+    placeable_bytes: usize,
 }
 
 impl Registry {
@@ -269,7 +272,8 @@ impl Registry {
                 buf.zero_range(gap.clone());
             }
         }
-        let pinned = pin_all(shared, &mut data)?;
+        let placeable = self.may_be_placed(numel, data.master.dtype(), shared);
+        let pinned = pin_all(shared, &mut data, placeable)?;
         if let Some(transport) = transport {
             let attached = transport
                 .attach(id, desc.device, &ranges, desc.placement, data.host_state())
@@ -320,6 +324,9 @@ impl Registry {
             self.slices.push(SliceInfo { name: s.name.clone(), sg: id, index, range: s.offset..s.offset + s.numel });
         }
         self.host_bytes += host_bytes;
+        if placeable {
+            self.placeable_bytes += numel * o.device_bytes_per_element();
+        }
         let slice_ids = first..self.slices.len();
         shared.sched.add_subgroup(id);
         self.subgroups.push(Some(SgTrack { sg, slices: slice_ids, final_ticket: 0, borrowed, host_bytes, pinned }));
@@ -327,6 +334,26 @@ impl Registry {
             self.unprovisioned.push(id);
         }
         Ok(id)
+    }
+
+    /// Whether the split may place a new sub-group of `numel` elements with `master` weights
+    /// on the device: the sub-groups registered before it (the split places the first ones in
+    /// forward order) and it fit the budget, or with the automatic budget the device's total
+    /// memory. Its moments are then page-locked at registration, so that a placement copies
+    /// them at the link's rate beside the step (from pageable memory the driver copies at
+    /// about a ninth of it, and the step begins only once it is done).
+    fn may_be_placed(&self, numel: usize, master: DType, shared: &Shared) -> bool {
+        let options = &shared.options;
+        let cap = match options.gpu_budget_bytes {
+            _ if master != DType::F32 => return false,
+            0 => return false,
+            SessionOptions::GPU_BUDGET_AUTO => match shared.transport().map(Transport::device_memory) {
+                Some(Ok((_, total))) => total,
+                _ => return false,
+            },
+            budget => budget,
+        };
+        self.placeable_bytes.saturating_add(numel.saturating_mul(options.device_bytes_per_element())) <= cap
     }
 
     /// Unregisters a sub-group (the caller checked that no step is in progress), after its
@@ -483,8 +510,10 @@ fn to_f32(values: Floats<'_>) -> Vec<f32> {
 }
 
 /// Pins, through the transport, the buffers of a new sub-group that cross to the device:
-/// the master weights and a lent gradient buffer. Undone on failure.
-fn pin_all(shared: &Shared, data: &mut SgData) -> Result<Vec<usize>> {
+/// the master weights and a lent gradient buffer (undone on failure), and, where it can, the
+/// moments of one the split may place (they only make its placement faster: unpinned, the
+/// driver copies them from pageable memory).
+fn pin_all(shared: &Shared, data: &mut SgData, placeable: bool) -> Result<Vec<usize>> {
     let mut pinned = Vec::new();
     for buf in std::iter::once(&mut data.master).chain(data.grad.as_mut()) {
         match shared.pin(buf) {
@@ -492,6 +521,13 @@ fn pin_all(shared: &Shared, data: &mut SgData) -> Result<Vec<usize>> {
             Err(e) => {
                 shared.unpin_all(pinned.into_iter());
                 return Err(e);
+            }
+        }
+    }
+    if placeable {
+        for buf in [&mut data.exp_avg, &mut data.exp_avg_sq] {
+            if let Ok(p) = shared.pin(buf) {
+                pinned.extend(p);
             }
         }
     }

@@ -129,6 +129,12 @@ impl SessionOptions {
     /// it takes the device's free memory less a headroom, and the split places within it as
     /// the exposed time asks (`policy.rs`). C: `SO_GPU_BUDGET_AUTO`.
     pub const GPU_BUDGET_AUTO: usize = usize::MAX;
+
+    /// Device bytes per element of a device-placed sub-group: f32 master, both moments and
+    /// the gradient buffer.
+    pub(crate) fn device_bytes_per_element(&self) -> usize {
+        4 + 2 * self.moment_dtype.size() + self.accum_dtype.size()
+    }
 }
 
 impl Default for SessionOptions {

@@ -104,7 +104,10 @@ pub struct so_session_options {
     /// CUDA sessions: device bytes for the automatic split, which places the first
     /// sub-groups in forward order on the GPU after a few measured steps (see
     /// docs/library.md); `SO_GPU_BUDGET_AUTO` for a budget the session measures itself; 0
-    /// (the default) turns it off. A host session refuses any other value than 0.
+    /// (the default) turns it off. A host session refuses any other value than 0. With a
+    /// budget, the moments of the sub-groups it may place (the first ones in forward order
+    /// within the budget, or the GPU's total memory for `SO_GPU_BUDGET_AUTO`) are page-locked
+    /// at registration, so that a placement copies them to the GPU beside the step.
     pub gpu_budget_bytes: u64,
     /// One of `so_host_copy`: whether a CUDA session keeps a full host copy of the weights in
     /// `copy_dtype` (default `SO_HOST_COPY_AUTO`: where host memory allows).
