@@ -385,8 +385,9 @@ def torch_checks(dev):
 
     def fsdp2_one_rank():
         """FSDP2 with bf16 shards on the GPU, one rank: the gradients taken from FSDP2's unsharded
-        parameters as backward produces them; the same losses and master weights as the CUDA mode
-        on the plain model with the same sub-groups, clipped and unclipped."""
+        parameters as backward produces them, each FSDP2 module's forward waiting for its own
+        sub-groups; the same losses and master weights as the CUDA mode on the plain model with
+        the same sub-groups, clipped and unclipped."""
         from torch.distributed.fsdp import fully_shard
         one_rank_process_group()
         hp = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
@@ -412,11 +413,11 @@ def torch_checks(dev):
             outcomes[label] = dict(losses_equal=la == lb, masters_equal=all(torch.equal(ours[n], masters[n])
                                                                             for n in order),
                                    falls=la[-1] < la[0], unsharded_handed=oa._handoff.unsharded_handed,
-                                   expected=12 * len(order))
+                                   expected=12 * len(order), waits=oa._waits.mode)
             oa.close()
             ob.close()
         ok = all(o["losses_equal"] and o["masters_equal"] and o["falls"] and o["unsharded_handed"] == o["expected"]
-                 for o in outcomes.values())
+                 and o["waits"] == "module" for o in outcomes.values())
         check("cuda_fsdp2_one_rank", ok, **outcomes)
 
     for name, fn in (("cuda_fsdp2_one_rank", fsdp2_one_rank), ("cuda_fsdp2_offload", fsdp2_offload), ("cuda_state_dict_read", state_dict_read), ("cuda_budget_fraction", budget_under_fraction), ("cuda_parity", parity), ("cuda_speculation", speculation), ("cuda_resume", resume_check),

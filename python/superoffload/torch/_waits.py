@@ -24,16 +24,16 @@ class Waits:
         self._forward_waits = None
 
     def install(self, wait, model, infos_by_param, fsdp, fsdp_modules):
-        """Picks the mode (`wait`, "auto": "module" with a model and no FSDP2, or FSDP2 modules
-        with host shards) and, for "module", hooks each module's forward."""
+        """Picks the mode (`wait`, "auto": "module" with a model and no FSDP2, or with FSDP2
+        modules whose state this torch exposes) and, for "module", hooks each module's forward."""
         if wait == "auto":
             wait = "module" if model is not None and (not fsdp or fsdp_modules) else "step"
         if wait == "module":
             if model is None:
                 raise ValueError('wait="module" needs model=')
             if fsdp and not fsdp_modules:
-                raise ValueError('wait="module" under FSDP2 needs the shards on the host (CPUOffloadPolicy) and a '
-                                 'torch whose FSDP2 modules expose their state; use wait="step"')
+                raise ValueError('wait="module" under FSDP2 needs a torch whose FSDP2 modules expose their state; '
+                                 'use wait="step"')
             if fsdp_modules:
                 self._forward_waits = _fsdp.ForwardWaits(fsdp_modules, infos_by_param, self.module_wait)
                 covered = self._forward_waits.covered

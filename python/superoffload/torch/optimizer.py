@@ -111,7 +111,8 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             the one that is not).
         wait: "module" (per-module forward pre-hooks; needs `model`), "step" (everything waited
             for at the end of step(): on the GPU without blocking in CUDA mode, on the host in
-            host mode) or "auto" ("module" with a model and no FSDP, else "step").
+            host mode) or "auto" ("module" with a model, under FSDP2 where this torch's FSDP2
+            modules expose their state, else "step").
         copy_dtype: "auto" (bf16/f16 parameters get a bf16/f16 copy of the master weights made on
             the CPU in the same pass, which halves the weights sent to the GPU), "none", "bf16", "f16".
         accumulation_steps: backward passes per step; gradients accumulate in p.grad (on the GPU)
@@ -189,13 +190,16 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
         self.device, self.param_dtype, self.fsdp = _params.common_placement(infos)
         self.cuda = self.device.type == "cuda"
         self._norm_group = _distributed.NormGroup(infos, self.fsdp, distributed, process_group)
-        # FSDP2 with the shards on the host: the sub-groups in the order forward gathers them and,
-        # on one rank, the gradients taken before FSDP2 reduces them (see _fsdp.py).
-        self._fsdp_modules = _fsdp.fsdp_modules(model) if self.fsdp and not self.cuda else None
+        # FSDP2: the sub-groups in the order forward gathers them, and each module's forward
+        # waiting for its own (_waits.py); with the shards on the host (`_fsdp_modules`) also, on
+        # one rank, the gradients taken before FSDP2 reduces them (see _fsdp.py).
+        fsdp_modules = _fsdp.fsdp_modules(model) if self.fsdp else None
+        self._fsdp_modules = None if self.cuda else fsdp_modules
         self._handoff = self._waits = self._prefetcher = None
         take_dtype = None
+        if fsdp_modules:
+            _fsdp.forward_order(infos, fsdp_modules)
         if self._fsdp_modules:
-            _fsdp.forward_order(infos, self._fsdp_modules)
             gdt = _fsdp.gradient_dtype(self._fsdp_modules)
             if _fsdp.shard_group_size(self._fsdp_modules) == 1 and gdt in DTYPE_NAMES:
                 take_dtype = DTYPE_NAMES[gdt]
@@ -270,11 +274,11 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             accumulation_steps=self.accumulation_steps, distributed=self.distributed, begin=self._begin,
             times=self._times, nvtx=self._nvtx)
         self._handoff.install(self._fsdp_modules, self._by_param, take_dtype, compute,
-                              unsharded_modules=self._unsharded_gradients(model))
+                              unsharded_modules=self._unsharded_gradients(fsdp_modules))
 
         self._waits = _waits.Waits(self.session, self.device, [sg.id for sg in self._subgroups], self._times,
                                    self._nvtx)
-        self._waits.install(wait, model, self._by_param, self.fsdp, self._fsdp_modules)
+        self._waits.install(wait, model, self._by_param, self.fsdp, fsdp_modules)
         if self._fsdp_modules and _fsdp.compute_device(self._fsdp_modules).type == "cuda" and \
                 _fsdp.ShardPrefetcher.supported(self._fsdp_modules):
             self._prefetcher = _fsdp.ShardPrefetcher(self._fsdp_modules, self._by_param,
@@ -293,14 +297,13 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
                     mem["host_bytes_per_param"], moment_dtype, len(self._device_infos), speculation,
                     self.max_grad_norm or "off", _cores._fmt(self.cores) if self.cores else "default")
 
-    def _unsharded_gradients(self, model):
+    def _unsharded_gradients(self, fsdp_modules):
         """FSDP2 with GPU shards on one rank, one backward a step: its modules, whose unsharded
         parameters' gradients are handed over as backward produces them (None: the sharded
         parameters' gradients, as FSDP2 reduces them)."""
         if not (self.fsdp and self.cuda and self.accumulation_steps == 1):
             return None
-        modules = _fsdp.fsdp_modules(model)
-        return modules if modules and _fsdp.shard_group_size(modules) == 1 else None
+        return fsdp_modules if fsdp_modules and _fsdp.shard_group_size(fsdp_modules) == 1 else None
 
     # ---- the model's state_dict hooks -----------------------------------------------------
 
