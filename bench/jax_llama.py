@@ -59,6 +59,11 @@ def parse():
     p.add_argument("--cores", default=None, help="ours: CPU cores for the session's pool, e.g. 0-15")
     p.add_argument("--moment-dtype", default="f32", choices=["f32", "bf16"],
                    help="ours: the moments' dtype in host memory (default f32, as optax's)")
+    p.add_argument("--gpu-budget", default="0",
+                   help="ours: gpu_budget_bytes, \"auto\" or bytes (default 0: all state in host memory)")
+    p.add_argument("--ours-mem-fraction", type=float, default=None,
+                   help="ours: XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.95, as optax's), less to leave the "
+                        "session's GPU budget room")
     p.add_argument("--timeout", type=int, default=900, help="seconds each child process may run")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (checks the script)")
@@ -186,8 +191,9 @@ def run_child(args):
     else:
         import superoffload.jax as sojax
         params = jax.device_put(init_params(args, jnp.bfloat16), device)
+        budget = args.gpu_budget if args.gpu_budget == "auto" else int(args.gpu_budget)
         opt = sojax.adamw(3e-4, weight_decay=0.01, max_grad_norm=max_grad_norm, cores=cores(args.cores),
-                          moment_dtype=args.moment_dtype)
+                          moment_dtype=args.moment_dtype, gpu_budget_bytes=budget)
         state = opt.init(params)
         step = jax.jit(lambda p, s, t: opt.step(loss_fn, p, s, t), donate_argnums=(0,))
         metrics = opt.metrics
@@ -203,7 +209,8 @@ def run_child(args):
         if metrics is not None:
             m = metrics(state)
             clip_coefs.append(m["clip_coef"])
-            extra = f" clip_coef {m['clip_coef']:.3g} speculative {m['speculative']} kept {m['kept']}"
+            extra = (f" clip_coef {m['clip_coef']:.3g} speculative {m['speculative']} kept {m['kept']} "
+                     f"device-stepped {m['device_stepped']}")
         if i >= args.warmup:
             times.append(took)
         print(f"{system} clip={clip} step {i}{' (warm-up)' if i < args.warmup else ''}: {took * 1e3:.1f} ms "
@@ -245,6 +252,8 @@ def run_config(args, passthrough, system, clip, extra=(), echo=True):
     """One child process: (its result, or None; a failure record, or None)."""
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    if system == "ours" and args.ours_mem_fraction is not None:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.ours_mem_fraction)
     if args.smoke:
         env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, __file__, *passthrough, *extra, "--child", f"{system}:{clip}"]

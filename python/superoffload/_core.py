@@ -115,6 +115,22 @@ def check_moment_dtype(moment_dtype):
         raise ValueError(f'moment_dtype must be "f32" or "bf16", not {moment_dtype!r}')
 
 
+def gpu_budget_bytes(value, automatic):
+    """so_session_options.gpu_budget_bytes of an optimizer's argument: "auto" is the library's
+    automatic budget where it applies (`automatic`), else 0; a number of bytes is passed on."""
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f'gpu_budget_bytes must be "auto" or a number of bytes, not {value!r}')
+        return _abi.GPU_BUDGET_AUTO if automatic else 0
+    try:
+        ok = not isinstance(value, bool) and int(value) == value and 0 <= value < _abi.GPU_BUDGET_AUTO
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise ValueError(f'gpu_budget_bytes must be "auto" or a number of bytes >= 0, not {value!r}')
+    return int(value)
+
+
 def dtype(x, allow_none=False):
     """DType from a DType, its name ("f32", "bf16", "f16", "none") or a torch dtype."""
     if isinstance(x, DType):

@@ -51,7 +51,8 @@ def main():
     checks = Checks(gpu)
     failed = 0
     for name in ("parity_clipped", "parity_unclipped", "skip_and_loss_scale", "state_dict_resume",
-                 "skip_after_load", "cuda_equals_cpu_f32", "cuda_equals_cpu_bf16", "cuda_near_cpu_clipped"):
+                 "skip_after_load", "cuda_equals_cpu_f32", "cuda_equals_cpu_bf16", "cuda_near_cpu_clipped",
+                 "gpu_budget_split"):
         start = time.perf_counter()
         try:
             detail = getattr(checks, name)()
@@ -291,6 +292,35 @@ class Checks:
         err = relative_error(out["cuda"][1], out["cpu"][1])
         assert err <= 1e-6, f"relative difference {err:.3g}"
         return f"5 steps clipped at 0.5: relative difference {err:.3g}"
+
+    def gpu_budget_split(self):
+        """gpu_budget_bytes: clipping every step, the automatic split places sub-groups on the GPU
+        after a few measured steps, and the library's GPU kernel steps them with the bits of a run
+        that keeps everything in host memory; a state dict taken and loaded while they are placed
+        resumes bit for bit."""
+        def make(budget):
+            return self.sojax.adamw(self.schedule(), weight_decay=0.01, max_grad_norm=1e-3,
+                                    sub_group_numel=64 * 64, gpu_budget_bytes=budget)
+        runs = {}
+        for budget in (0, 1 << 30):
+            opt = make(budget)
+            p, s = self._train(opt, self.params(), opt.init(self.params()), 10)
+            runs[budget] = (p, opt.state_dict(s)["master"], opt.metrics(s)["device_stepped"])
+            opt.close()
+        (host_p, host_master, _), (split_p, split_master, placed) = runs[0], runs[1 << 30]
+        assert placed > 0, "nothing was placed on the GPU in 10 steps"
+        assert same_bits(split_master, host_master), \
+            f"the master weights differ (relative {relative_error(split_master, host_master):.3g})"
+        assert same_bits(split_p, host_p), "the parameters differ"
+        opt = make(1 << 30)
+        p, s = self._train(opt, self.params(), opt.init(self.params()), 8)
+        saved = pickle.dumps(opt.state_dict(s))
+        p10, _ = self._train(opt, p, s, 2, first=8)
+        params, state = opt.load_state_dict(pickle.loads(saved))
+        again, _ = self._train(opt, params, state, 2, first=8)
+        assert same_bits(again, p10), "a load with sub-groups on the GPU did not resume bit for bit"
+        opt.close()
+        return f"{placed} sub-groups stepped on the GPU, bit for bit with the host's; a load while placed resumes"
 
 
 if __name__ == "__main__":

@@ -323,6 +323,31 @@ def test_bf16_moments_train_near_optax_and_resume_bit_exact():
         sojax.adamw(1e-3, moment_dtype="f16")
 
 
+def test_gpu_budget_is_checked_and_on_the_cpu_platform_only_nothing_is_placed():
+    """gpu_budget_bytes: a bad value is refused when the optimizer is made; on the CPU platform
+    "auto" means 0 (the same bits as the default), and a number of bytes is refused by the
+    library at init, which leaves the optimizer without a session to try again."""
+    for bad in (-1, "most", True, 1.5, 1 << 64):
+        with pytest.raises(ValueError, match="gpu_budget_bytes"):
+            sojax.adamw(1e-3, gpu_budget_bytes=bad)
+    params, runs = init_params(3), []
+    for budget in (0, "auto"):
+        opt = sojax.adamw(1e-3, max_grad_norm=0.5, sub_group_numel=64 * 64, gpu_budget_bytes=budget)
+        state, train = opt.init(params), session_trainer(opt)
+        p = params
+        for step in range(3):
+            _, p, state = train(p, state, *batch(step))
+        runs.append(p)
+        assert opt.session.gpu_budget() == 0
+        opt.close()
+    assert all(same_bits(a, b) for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])))
+    opt = sojax.adamw(1e-3, gpu_budget_bytes=1 << 30)
+    with pytest.raises(sojax.SuperOffloadError, match="gpu_budget_bytes|host session"):
+        opt.init(params)
+    with pytest.raises(RuntimeError, match="no session"):
+        opt.session
+
+
 def test_a_step_left_unfinished_by_a_failed_execution_is_skipped():
     """An execution that began a step and failed before ending it leaves the session mid-step: the
     next step skips that one first and then trains as if it had never begun."""

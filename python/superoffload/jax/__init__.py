@@ -28,13 +28,13 @@ _register()
 
 
 def adamw(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, *, max_grad_norm=None, loss_scale=1.0,
-          speculation="auto", sub_group_numel=1 << 25, cores=None, moment_dtype="f32"):
+          speculation="auto", sub_group_numel=1 << 25, cores=None, moment_dtype="f32", gpu_budget_bytes=0):
     """SuperOffloadAdamW with optax.adamw's arguments and defaults (plus clipping, loss scaling and
     the session's settings): the equivalent of `optax.chain(optax.clip_by_global_norm(max_grad_norm),
     optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay))`. See SuperOffloadAdamW."""
     return SuperOffloadAdamW(learning_rate, b1, b2, eps, weight_decay, max_grad_norm=max_grad_norm,
                              loss_scale=loss_scale, speculation=speculation, sub_group_numel=sub_group_numel,
-                             cores=cores, moment_dtype=moment_dtype)
+                             cores=cores, moment_dtype=moment_dtype, gpu_budget_bytes=gpu_budget_bytes)
 
 
 __all__ = ["adamw", "SuperOffloadAdamW", "SuperOffloadState", "SuperOffloadError"]

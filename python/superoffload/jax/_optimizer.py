@@ -101,12 +101,20 @@ class SuperOffloadAdamW:
         cores: CPU cores for the session's own pinned thread pool (None: the library's default pool).
         moment_dtype: "f32" (12 bytes of host state per parameter with the f32 master weights) or
             "bf16" (8: both moments stored rounded to bf16, the step computed in f32).
+        gpu_budget_bytes: on the GPU, device bytes the session's automatic split may fill with the
+            state of the first sub-groups (tree order), stepped there by the library's GPU kernel
+            with the same bits, as the exposed optimizer time asks; "auto" for a budget it measures
+            from the GPU's free memory after 3 steps (XLA's memory pool must leave that memory
+            free: XLA_PYTHON_CLIENT_MEM_FRACTION); 0 (the default) keeps all of it in host memory.
+            On the CPU platform only 0 (and "auto", which means 0 there).
     """
 
     def __init__(self, learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, *, max_grad_norm=None,
-                 loss_scale=1.0, speculation="auto", sub_group_numel=1 << 25, cores=None, moment_dtype="f32"):
+                 loss_scale=1.0, speculation="auto", sub_group_numel=1 << 25, cores=None, moment_dtype="f32",
+                 gpu_budget_bytes=0):
         _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay, max_grad_norm, loss_scale)
         _core.check_moment_dtype(moment_dtype)
+        _core.gpu_budget_bytes(gpu_budget_bytes, automatic=True)  # its checks, before anything is made
         _ffi.register()
         self.learning_rate = learning_rate
         self.b1, self.b2, self.eps, self.weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
@@ -116,6 +124,7 @@ class SuperOffloadAdamW:
         self.sub_group_numel = int(sub_group_numel)
         self.cores = None if cores is None else list(cores)
         self.moment_dtype = moment_dtype
+        self.gpu_budget_bytes = gpu_budget_bytes
         self._session = self._device = None
         self._lock = threading.Lock()
 
@@ -134,9 +143,10 @@ class SuperOffloadAdamW:
             dtype = _layout.DTYPES[leaves[0].dtype]
             if device is not None:
                 _ffi.register(_ffi.CUDA)
+            budget = _core.gpu_budget_bytes(self.gpu_budget_bytes, automatic=device is not None)
             session = _core.Session(cuda=device is not None, device=_cuda_ordinal(device), speculation=self.speculation,
                                     grad_dtype=dtype, accum_dtype=dtype, moment_dtype=self.moment_dtype,
-                                    cores=self.cores)
+                                    cores=self.cores, gpu_budget_bytes=budget)
             try:
                 group = session.add_group(self._lr_at(0), self.b1, self.b2, self.eps, self.weight_decay)
                 for sg in subgroups:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _core
-from .._abi import DType, Status
+from .._abi import DType, Placement, Status
 from . import _ffi
 
 STATE_DICT_FORMAT = "superoffload.jax/1"
@@ -142,7 +142,13 @@ def load_state_dict(opt, sd):
     buffers = {sg_index: _buffers(session, sg) for sg_index, sg in enumerate(opt._subgroups)}
     current_history = session.speculation_history()
     session.set_speculation_history(*history)  # checked by the library before anything else changes
+    # The state of a sub-group the session keeps on the GPU (gpu_budget_bytes) is its host
+    # buffers' only while it is placed on the host: it goes there for the writes, and back.
+    on_device = [sg.id for sg in opt._subgroups if opt._device is not None and
+                 session.get_subgroup_state(sg.id)["placement"] == Placement.DEVICE]
     try:
+        for sg in on_device:
+            session.set_placement(sg, "host")
         for leaf, master, m, v in plan:
             if leaf.slice_id is None:
                 continue
@@ -154,6 +160,9 @@ def load_state_dict(opt, sd):
     except BaseException:
         session.set_speculation_history(*current_history)
         raise
+    finally:
+        for sg in on_device:
+            session.set_placement(sg, "device")
     params = [np.zeros(leaf.shape, leaf.dtype) if leaf.slice_id is None else
               master.reshape(leaf.shape).astype(leaf.dtype) for leaf, master, _, _ in plan]
     params = [jax.device_put(p, opt.device) for p in params]

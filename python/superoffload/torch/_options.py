@@ -2,7 +2,7 @@
 import math
 import numbers
 
-from .. import _abi, _core
+from .. import _core
 
 
 def check_arguments(lr, betas, max_grad_norm, accumulation_steps, gpu_fraction, moment_dtype, wait):
@@ -27,22 +27,6 @@ def choice(name, value, enum):
     if value not in names:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, names))}, not {value!r}")
     return int(enum[value.upper()])
-
-
-def gpu_budget(value, automatic):
-    """so_session_options.gpu_budget_bytes of the argument: "auto" is the library's automatic budget
-    where it applies (`automatic`), else 0; a number of bytes is passed on."""
-    if isinstance(value, str):
-        if value != "auto":
-            raise ValueError(f'gpu_budget_bytes must be "auto" or a number of bytes, not {value!r}')
-        return _abi.GPU_BUDGET_AUTO if automatic else 0
-    try:
-        ok = not isinstance(value, bool) and int(value) == value and 0 <= value < _abi.GPU_BUDGET_AUTO
-    except (TypeError, ValueError, OverflowError):
-        ok = False
-    if not ok:
-        raise ValueError(f'gpu_budget_bytes must be "auto" or a number of bytes >= 0, not {value!r}')
-    return int(value)
 
 
 def host_memory_limit(value):

@@ -209,7 +209,7 @@ class SuperOffloadAdamW(StateDictMixin, Optimizer):
             if not self.cuda or self.fsdp:
                 raise ValueError("SuperOffloadAdamW: gpu_fraction needs CUDA parameters without FSDP2")
             self._device_infos = _params.gpu_prefix(infos, float(gpu_fraction))
-        gpu_budget_bytes = _options.gpu_budget(gpu_budget_bytes, self.cuda and not self._device_infos)
+        gpu_budget_bytes = _core.gpu_budget_bytes(gpu_budget_bytes, self.cuda and not self._device_infos)
         # Until the library measures it (after the warm-up steps), the automatic budget is kept
         # within torch's per-process memory fraction, which the device's free memory does not show.
         self._budget_unmeasured = gpu_budget_bytes == _abi.GPU_BUDGET_AUTO
