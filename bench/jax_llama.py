@@ -64,6 +64,9 @@ def parse():
     p.add_argument("--ours-mem-fraction", type=float, default=None,
                    help="ours: XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.95, as optax's), less to leave the "
                         "session's GPU budget room")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="ours: the session's timeline of the timed steps, DIR/trace_jax_ours_<clip>.json "
+                        "(bench/trace_plot.py renders it)")
     p.add_argument("--timeout", type=int, default=900, help="seconds each child process may run")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (checks the script)")
@@ -200,6 +203,8 @@ def run_child(args):
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     times, losses, clip_coefs = [], [], []
     for i in range(args.warmup + args.steps):
+        if metrics is not None and args.trace and i == args.warmup:
+            opt.session.trace(True)
         start = time.perf_counter()
         loss, params, state = step(params, state, batches[i % len(batches)])
         jax.block_until_ready((loss, params))
@@ -230,6 +235,9 @@ def run_child(args):
           f"{(result['peak_device_bytes'] or 0) / 2**30:.1f} GiB", flush=True)
     print("RESULT " + json.dumps(result), flush=True)
     if metrics is not None:
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+            opt.session.save_trace(os.path.join(args.trace, f"trace_jax_ours_{clip}.json"))
         opt.close()
 
 
