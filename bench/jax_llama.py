@@ -61,6 +61,8 @@ def parse():
                    help="ours: the moments' dtype in host memory (default f32, as optax's)")
     p.add_argument("--gpu-budget", default="0",
                    help="ours: gpu_budget_bytes, \"auto\" or bytes (default 0: all state in host memory)")
+    p.add_argument("--wait", default="forward", choices=["forward", "step"],
+                   help="ours: where each step reads the updated weights (default: in the next forward)")
     p.add_argument("--ours-mem-fraction", type=float, default=None,
                    help="ours: XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.95, as optax's), less to leave the "
                         "session's GPU budget room")
@@ -196,7 +198,7 @@ def run_child(args):
         params = jax.device_put(init_params(args, jnp.bfloat16), device)
         budget = args.gpu_budget if args.gpu_budget == "auto" else int(args.gpu_budget)
         opt = sojax.adamw(3e-4, weight_decay=0.01, max_grad_norm=max_grad_norm, cores=cores(args.cores),
-                          moment_dtype=args.moment_dtype, gpu_budget_bytes=budget)
+                          moment_dtype=args.moment_dtype, gpu_budget_bytes=budget, wait=args.wait)
         state = opt.init(params)
         step = jax.jit(lambda p, s, t: opt.step(loss_fn, p, s, t), donate_argnums=(0,))
         metrics = opt.metrics

@@ -50,7 +50,8 @@ def main():
     print(f"jax {jax.__version__} on {gpu.device_kind}; library {_core.library_path()}")
     checks = Checks(gpu)
     failed = 0
-    for name in ("parity_clipped", "parity_unclipped", "skip_and_loss_scale", "state_dict_resume",
+    for name in ("parity_clipped", "parity_unclipped", "parity_clipped_wait_step", "skip_and_loss_scale",
+                 "state_dict_resume",
                  "skip_after_load", "cuda_equals_cpu_f32", "cuda_equals_cpu_bf16", "cuda_near_cpu_clipped",
                  "gpu_budget_split"):
         start = time.perf_counter()
@@ -151,11 +152,11 @@ class Checks:
 
     # ---- the checks ---------------------------------------------------------------------------
 
-    def _parity(self, max_grad_norm):
+    def _parity(self, max_grad_norm, wait="forward"):
         optax, steps = self.optax, 8
         lr = self.schedule()
         opt = self.sojax.adamw(lr, weight_decay=0.01, max_grad_norm=max_grad_norm, speculation="on",
-                               sub_group_numel=64 * 64)
+                               sub_group_numel=64 * 64, wait=wait)
         adamw = optax.adamw(lr, weight_decay=0.01)
         tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw) if max_grad_norm else adamw
         as_is, f64_bias = self.optax_step(tx)
@@ -168,14 +169,18 @@ class Checks:
             x, y = self.batch(i)
             before = opt.state_dict(state)
             loss, params, state = step(params, state, x, y)
+            latest = opt.params(params, state)
             self.on_gpu(params)
+            self.on_gpu(latest)
+            if wait == "step":
+                assert same_bits(params, latest), "wait='step' returns the updated weights"
             m = opt.metrics(state)
             assert not m["skipped"], m
             clipped += m["clip_coef"] < 1.0
             for name, (train, bound) in bounds.items():
                 ref_loss, ref, _ = train(*self.optax_from(tx, before), x, y)
                 assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss)), (float(loss), float(ref_loss))
-                err = relative_error(params, ref)
+                err = relative_error(latest, ref)
                 worst[name] = max(worst[name], err)
                 assert err <= bound, f"step {i}: relative difference {err:.3g} from {name} (bound {bound})"
         if max_grad_norm:
@@ -189,6 +194,9 @@ class Checks:
     def parity_unclipped(self):
         return self._parity(None)
 
+    def parity_clipped_wait_step(self):
+        return self._parity(0.5, wait="step")
+
     def skip_and_loss_scale(self):
         runs = {}
         for scale in (1.0, 1024.0):
@@ -197,23 +205,24 @@ class Checks:
             state, step = opt.init(params), self.ours(opt)
             for i in range(3):
                 _, params, state = step(params, state, *self.batch(i))
-            before = params
+            before = opt.params(params, state)
             _, params, state = step(params, state, *self.batch(99, nan=True))
             m = opt.metrics(state)
             assert m["skipped"] and m["skip_reason"] == "non_finite_gradient", m
-            assert same_bits(params, before), "a skipped step changed a parameter"
+            assert same_bits(opt.params(params, state), before), "a skipped step changed a parameter"
             _, params, state = step(params, state, *self.batch(3))
             assert not opt.metrics(state)["skipped"]
-            runs[scale] = params
+            runs[scale] = opt.params(params, state)
             opt.close()
         assert same_bits(runs[1.0], runs[1024.0]), "a loss scale of 1024 changed bits"
         return "skipped with every bit unchanged; loss scale 1024 == 1 bit for bit"
 
     def _train(self, opt, params, state, steps, first=0):
+        """The latest weights and the state after `steps` steps."""
         step = self.ours(opt)
         for i in range(first, first + steps):
             _, params, state = step(params, state, *self.batch(i))
-        return params, state
+        return opt.params(params, state), state
 
     def state_dict_resume(self):
         make = lambda: self.sojax.adamw(self.schedule(), weight_decay=0.01, max_grad_norm=0.5,  # noqa: E731
@@ -248,7 +257,8 @@ class Checks:
         params, state = opt.load_state_dict(saved)
         _, out, state = self.ours(opt)(params, state, *self.batch(99, nan=True))
         assert opt.metrics(state)["skipped"]
-        assert same_bits(out, params), "a skipped step after a load did not return the loaded weights"
+        assert same_bits(out, params), "the forward after a load did not use the loaded weights"
+        assert same_bits(opt.params(out, state), params), "a skipped step after a load changed the loaded weights"
         opt.close()
         return "a skipped step right after load_state_dict returns the loaded weights"
 
@@ -268,7 +278,7 @@ class Checks:
             step = self.ours(opt, self.exact_loss)
             for _ in range(steps):
                 _, params, state = step(params, state, cd)
-            out[name] = (params, opt.state_dict(state)["master"])
+            out[name] = (opt.params(params, state), opt.state_dict(state)["master"])
             opt.close()
         return out
 

@@ -62,25 +62,28 @@ def begin_step(session, group, lr, loss_scale, *previous):
     return call(lr, loss_scale, *previous, **_attrs(session, group=np.uint32(group)))
 
 
-def hand_over(grad, loss_scale, session, slice_id):
-    """Hands a slice's gradient to the session; returns the gradient (the same buffer)."""
+def hand_over(grad, loss_scale, session, slice_id, *after):
+    """Hands a slice's gradient to the session, after `loss_scale` (the step's begin) and the arrays
+    in `after`; returns the gradient (the same buffer)."""
     call = jax.ffi.ffi_call(TARGETS["hand_over"][0], jax.ShapeDtypeStruct(grad.shape, grad.dtype),
                             has_side_effect=True, input_output_aliases={0: 0})
-    return call(grad, loss_scale, **_attrs(session, slice=np.uint32(slice_id)))
+    return call(grad, loss_scale, *after, **_attrs(session, slice=np.uint32(slice_id)))
 
 
-def step(handed, session, max_norm):
-    """Ends the step; returns its ticket (uint32[2]: low and high words)."""
+def step(handed, session, max_norm, after=()):
+    """Ends the step, after the hand-overs (`handed`, their results) and the arrays in `after`;
+    returns its ticket (uint32[2]: low and high words)."""
     call = jax.ffi.ffi_call(TARGETS["step"][0], jax.ShapeDtypeStruct((2,), jnp.uint32), has_side_effect=True)
-    return call(*handed, **_attrs(session, max_norm=np.float64(max_norm)))
+    return call(*handed, *after, **_attrs(session, max_norm=np.float64(max_norm)))
 
 
-def read_weights(ticket, shape, dtype, session, slice_id, subgroup, offset):
-    """A slice's weights after the step of `ticket` (waits for its own sub-group alone). `subgroup`
-    and `offset` (the slice's place in it) name where a CUDA session publishes them."""
+def read_weights(ticket, shape, dtype, session, slice_id, subgroup, offset, after=()):
+    """A slice's weights after the step of `ticket` (waits for its own sub-group alone), read after
+    the arrays in `after`. `subgroup` and `offset` (the slice's place in it) name where a CUDA
+    session publishes them."""
     call = jax.ffi.ffi_call(TARGETS["read_weights"][0], jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True)
-    return call(ticket, **_attrs(session, slice=np.uint32(slice_id), subgroup=np.uint32(subgroup),
-                                 offset=np.uint64(offset)))
+    return call(ticket, *after, **_attrs(session, slice=np.uint32(slice_id), subgroup=np.uint32(subgroup),
+                                         offset=np.uint64(offset)))
 
 
 def write_weights(weights, session, subgroup, offset):

@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from .. import _core
-from . import _ffi, _layout, _state_dict
+from . import _ffi, _first_use, _layout, _state_dict
+
+WAITS = ("forward", "step")
 
 
 class SuperOffloadState(NamedTuple):
@@ -45,6 +47,31 @@ def _hand_over_bwd(session, slice_id, loss_scale, grad):
 
 
 _hand_over_in_backward.defvjp(_hand_over_fwd, _hand_over_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _read_in_forward(param, loss_scale, ticket, after, where):
+    """A parameter's weights after the step of `ticket`, read from the session once the arrays in
+    `after` are computed (`where`: session, slice, sub-group, offset); its backward hands the
+    parameter's gradient to the session as soon as backward produces it."""
+    del loss_scale
+    return _ffi.read_weights(ticket, param.shape, param.dtype, *where, after=after)
+
+
+def _read_in_forward_fwd(param, loss_scale, ticket, after, where):
+    weights = _ffi.read_weights(ticket, param.shape, param.dtype, *where, after=after)
+    return weights, (loss_scale, weights)
+
+
+def _read_in_forward_bwd(where, residuals, grad):
+    loss_scale, weights = residuals
+    session, slice_id = where[:2]
+    # After the read: the gradient completes the sub-group, whose speculative steps then change
+    # the weights the read copies.
+    return _ffi.hand_over(grad, loss_scale, session, slice_id, weights), jnp.zeros_like(loss_scale), None, None
+
+
+_read_in_forward.defvjp(_read_in_forward_fwd, _read_in_forward_bwd)
 
 
 def _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay, max_grad_norm, loss_scale):
@@ -107,12 +134,21 @@ class SuperOffloadAdamW:
             from the GPU's free memory after 3 steps (XLA's memory pool must leave that memory
             free: XLA_PYTHON_CLIENT_MEM_FRACTION); 0 (the default) keeps all of it in host memory.
             On the CPU platform only 0 (and "auto", which means 0 there).
+        wait: "forward" (the default): each step reads every parameter's weights from the
+            session inside its forward, right before the parameter's first use, so the previous
+            step's last updates overlap the forward's first layers; the parameters a step returns
+            are then the weights its forward used, one step behind: call `opt.params(params,
+            state)` for the latest (evaluation, export). "step": the step reads the updated
+            weights at its end (each once its own sub-group is final) and returns them; the next
+            forward starts only when every sub-group is final.
     """
 
     def __init__(self, learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, *, max_grad_norm=None,
                  loss_scale=1.0, speculation="auto", sub_group_numel=1 << 25, cores=None, moment_dtype="f32",
-                 gpu_budget_bytes=0):
+                 gpu_budget_bytes=0, wait="forward"):
         _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay, max_grad_norm, loss_scale)
+        if wait not in WAITS:
+            raise ValueError(f"wait must be one of {', '.join(map(repr, WAITS))}, not {wait!r}")
         _core.check_moment_dtype(moment_dtype)
         _core.gpu_budget_bytes(gpu_budget_bytes, automatic=True)  # its checks, before anything is made
         _ffi.register()
@@ -125,7 +161,8 @@ class SuperOffloadAdamW:
         self.cores = None if cores is None else list(cores)
         self.moment_dtype = moment_dtype
         self.gpu_budget_bytes = gpu_budget_bytes
-        self._session = self._device = None
+        self.wait = wait
+        self._session = self._device = self._read_latest = None
         self._lock = threading.Lock()
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -222,9 +259,12 @@ class SuperOffloadAdamW:
         real scalar; with `has_aux`, `loss_fn` returns `(loss, aux)` as for `jax.value_and_grad`).
 
         The learning rate (the schedule at `state.count`) and the loss scale go to the session first;
-        the backward hands each leaf's gradient to the session as it is produced; the session then
-        decides the step (clipping, skipping) and each new parameter is read back once its own
-        sub-group is final."""
+        with `wait="forward"` the forward reads each parameter's weights (the previous step's result)
+        from the session before its first use, and `params` only gives the shapes; the backward hands
+        each leaf's gradient to the session as it is produced; the session then decides the step
+        (clipping, skipping). The parameters returned are the weights the forward used
+        (`wait="forward"`; `opt.params(params, state)` gives the latest) or the updated weights, each
+        read once its own sub-group is final (`wait="step"`)."""
         self._live_session()
         session = self._session_id
         leaves = self._treedef.flatten_up_to(params)
@@ -243,25 +283,60 @@ class SuperOffloadAdamW:
         scale = _ffi.begin_step(session, self._group, lr, jnp.float32(self.loss_scale), state.ticket, *leaves)
 
         def scaled_loss(p):
-            tapped = [x if leaf.slice_id is None else _hand_over_in_backward(x, scale, session, leaf.slice_id)
-                      for leaf, x in zip(self._leaves, self._treedef.flatten_up_to(p))]
-            out = loss_fn(jax.tree_util.tree_unflatten(self._treedef, tapped), *args)
+            p = self._treedef.flatten_up_to(p)
+            if self.wait == "forward":
+                out, read = _first_use.call(loss_fn, p, self._treedef, args, self._reader(p, scale, state.ticket))
+            else:
+                tapped = [x if leaf.slice_id is None else _hand_over_in_backward(x, scale, session, leaf.slice_id)
+                          for leaf, x in zip(self._leaves, p)]
+                out, read = loss_fn(jax.tree_util.tree_unflatten(self._treedef, tapped), *args), None
             loss, aux = out if has_aux else (out, None)
-            return loss * scale.astype(loss.dtype), (loss, aux)
+            return loss * scale.astype(loss.dtype), (loss, aux, read)
 
-        grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(params)
+        grads, (loss, aux, read) = jax.grad(scaled_loss, has_aux=True)(params)
         handed = [g for leaf, g in zip(self._leaves, self._treedef.flatten_up_to(grads)) if leaf.slice_id is not None]
         max_norm = 0.0 if self.max_grad_norm is None else self.max_grad_norm
-        ticket = _ffi.step(handed, session, max_norm)
-        new = [x if leaf.slice_id is None else
-               _ffi.read_weights(ticket, leaf.shape, leaf.dtype, session, leaf.slice_id,
-                                 self._subgroups[leaf.subgroup].id, leaf.offset)
-               for leaf, x in zip(self._leaves, leaves)]
+        # After every read of the previous step's weights: this step publishes over them.
+        ticket = _ffi.step(handed, session, max_norm, after=read or ())
+        new = read if self.wait == "forward" else self._read_all(leaves, ticket)
         new_params = jax.tree_util.tree_unflatten(self._treedef, new)
         new_state = SuperOffloadState(count=state.count + 1, ticket=ticket)
         return ((loss, aux) if has_aux else loss), new_params, new_state
 
+    def _where(self, leaf):
+        """Where the session keeps a leaf: (session, slice, sub-group, offset)."""
+        return self._session_id, leaf.slice_id, self._subgroups[leaf.subgroup].id, leaf.offset
+
+    def _read_all(self, leaves, ticket):
+        """Every leaf's weights after the step of `ticket`, each read once its own sub-group is final."""
+        return [x if leaf.slice_id is None else _ffi.read_weights(ticket, leaf.shape, leaf.dtype, *self._where(leaf))
+                for leaf, x in zip(self._leaves, leaves)]
+
+    def _reader(self, leaves, scale, ticket):
+        """`fetch` for `_first_use.call`: reads leaf `i` after the step of `ticket`, after the arrays it is
+        computed with and after the leaf read before it (reads in forward order)."""
+        latest = []
+
+        def fetch(i, after):
+            leaf = self._leaves[i]
+            if leaf.slice_id is None:
+                return leaves[i]
+            weights = _read_in_forward(leaves[i], scale, ticket, tuple(after) + tuple(latest), self._where(leaf))
+            latest[:] = [weights]
+            return weights
+        return fetch
+
     # ---- outside jit ----------------------------------------------------------------------------
+
+    def params(self, params, state):
+        """The weights after the step of `state`, for use outside the train step (evaluation,
+        export). With `wait="forward"` the parameters a step returns are the weights its forward
+        used, one step behind the session; this reads the latest ones (it waits for the step)."""
+        self._live_session()
+        if self._read_latest is None:
+            self._read_latest = jax.jit(lambda leaves, ticket: self._read_all(leaves, ticket))
+        leaves = self._read_latest(self._treedef.flatten_up_to(params), state.ticket)
+        return jax.tree_util.tree_unflatten(self._treedef, leaves)
 
     @staticmethod
     def _ticket(state):
