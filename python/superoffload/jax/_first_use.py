@@ -13,7 +13,6 @@ equations count one by one. Parameters the function never computes with are fetc
 import contextlib
 
 import jax
-from jax.extend import core as jcore
 
 # Equations of one parameter alone that only change its type or layout: carried with the marker.
 _CARRIED = frozenset({"convert_element_type", "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim",
@@ -50,7 +49,7 @@ class _Fetcher:
         env.update(zip(jaxpr.invars, args))
 
         def read(v):
-            return v.val if isinstance(v, jcore.Literal) else env[v]
+            return v.val if hasattr(v, "val") else env[v]  # a literal, or a variable
 
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
@@ -59,7 +58,7 @@ class _Fetcher:
                 outs = _bind(eqn, invals)
             elif (eqn.primitive.name in _CARRIED and len(invals) == 1 and len(eqn.outvars) == 1):
                 outs = [_Pending(pending[0].index, pending[0].carried + (eqn,))]
-            elif eqn.primitive.name in _INLINED and isinstance(eqn.params.get("jaxpr"), jcore.ClosedJaxpr):
+            elif eqn.primitive.name in _INLINED and hasattr(eqn.params.get("jaxpr"), "consts"):  # a ClosedJaxpr
                 inner = eqn.params["jaxpr"]
                 outs = self.run(inner.jaxpr, inner.consts, invals)
             else:
