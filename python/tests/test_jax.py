@@ -237,6 +237,40 @@ def test_the_forward_reads_each_layer_before_its_first_use():
     assert same_bits(runs["forward"][1], runs["step"][1])
 
 
+def test_the_forward_reads_beside_prng_keys_and_an_unused_parameter():
+    """A parameter first used by an equation that also takes a typed PRNG key (the read is then
+    ordered after the key too) and a parameter the loss never uses: both wait modes give the
+    same losses and weights, the unused one decayed as optax decays it."""
+    rng = np.random.default_rng(5)
+    params = {"a": jnp.asarray(rng.standard_normal((8, 8)), jnp.float32), "unused": jnp.ones(4)}
+    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+
+    def keyed_loss(p, x, key):
+        def branch(a, k):
+            return jnp.mean(jnp.tanh(x @ a) ** 2) + 0.01 * jax.random.normal(k)
+        return jax.lax.cond(jnp.sum(x) > -1e9, branch, branch, p["a"], key)
+
+    runs = {}
+    for wait in ("forward", "step"):
+        opt = sojax.adamw(1e-2, weight_decay=0.1, sub_group_numel=0, wait=wait)
+        state = opt.init(params)
+        train = jax.jit(lambda p, s, x, k: opt.step(keyed_loss, p, s, x, k))
+        p, losses = params, []
+        for i in range(3):
+            loss, p, state = train(p, state, x, jax.random.key(i))
+            losses.append(float(loss))
+        runs[wait] = losses, opt.params(p, state)
+        opt.close()
+    assert runs["forward"][0] == runs["step"][0]
+    assert same_bits(runs["forward"][1], runs["step"][1])
+    tx, p = optax.adamw(1e-2, weight_decay=0.1), params
+    s = tx.init(p)
+    for i in range(3):
+        updates, s = tx.update(jax.grad(keyed_loss)(p, x, jax.random.key(i)), s, p)
+        p = optax.apply_updates(p, updates)
+    assert relative_error(runs["forward"][1], p) <= PARITY_RTOL
+
+
 def test_non_finite_gradient_skips_the_step():
     opt = sojax.adamw(1e-3, weight_decay=0.01, max_grad_norm=1.0, speculation="on", sub_group_numel=0)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))

@@ -62,15 +62,10 @@ class _Fetcher:
                 inner = eqn.params["jaxpr"]
                 outs = self.run(inner.jaxpr, inner.consts, invals)
             else:
-                after = [x for x in invals if isinstance(x, jax.core.Tracer) and _orderable(x)]
+                after = [x for x in invals if isinstance(x, jax.core.Tracer)]
                 outs = _bind(eqn, [self.resolve(x, after) for x in invals])
             env.update(zip(eqn.outvars, outs))
         return [read(v) for v in jaxpr.outvars]
-
-
-def _orderable(x):
-    """Whether `x` can be an operand of a custom call (PRNG keys and other extended dtypes cannot)."""
-    return not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
 
 
 def _bind(eqn, invals):
