@@ -87,6 +87,5 @@ def call(fn, params, treedef, args, fetch):
     markers = [_Pending(i) for i in range(len(params))]
     outs = fetcher.run(closed.jaxpr, closed.consts, markers)
     outs = [fetcher.resolve(x, []) for x in outs]
-    fetched = [fetcher.resolve(m, []) if i not in fetcher.fetched else fetcher.fetched[i]
-               for i, m in enumerate(markers)]
+    fetched = [fetcher.resolve(m, []) for m in markers]  # the ones used were fetched already
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs), fetched

@@ -54,8 +54,7 @@ def _read_in_forward(param, loss_scale, ticket, after, where):
     """A parameter's weights after the step of `ticket`, read from the session once the arrays in
     `after` are computed (`where`: session, slice, sub-group, offset); its backward hands the
     parameter's gradient to the session as soon as backward produces it."""
-    del loss_scale
-    return _ffi.read_weights(ticket, param.shape, param.dtype, *where, after=after)
+    return _read_in_forward_fwd(param, loss_scale, ticket, after, where)[0]
 
 
 def _read_in_forward_fwd(param, loss_scale, ticket, after, where):
