@@ -5,8 +5,9 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use superoffload::error::{Error, Result, Status};
 use superoffload::kernels::{DType, Floats, Isa, Pool, PoolOptions};
@@ -29,7 +30,8 @@ const WARM_UP: u64 = 3;
 /// waiting for the optimizer (a second: more than any split here could hide). It records the
 /// addresses of the buffers the session pins, and with `refuses_moments` refuses, while the
 /// sub-groups register, the second and third pin of every three (a placeable sub-group's
-/// moments, after its master weights).
+/// moments, after its master weights). With `held` set and the hold armed, the final pass of
+/// that sub-group waits (up to [`HOLD_LIMIT`]) until a sub-group has been placed.
 struct ReportedMemory {
     free: usize,
     total: usize,
@@ -39,7 +41,13 @@ struct ReportedMemory {
     pins: Mutex<Vec<usize>>,
     refuses_moments: bool,
     pin_calls: AtomicUsize,
+    held: Option<u32>,
+    hold_armed: AtomicBool,
+    hold_timed_out: AtomicBool,
 }
+
+/// How long a held final pass waits for a placement before it gives up.
+const HOLD_LIMIT: Duration = Duration::from_secs(5);
 
 impl ReportedMemory {
     fn new(free: usize, total: usize) -> ReportedMemory {
@@ -52,6 +60,9 @@ impl ReportedMemory {
             pins: Mutex::default(),
             refuses_moments: false,
             pin_calls: AtomicUsize::new(0),
+            held: None,
+            hold_armed: AtomicBool::new(false),
+            hold_timed_out: AtomicBool::new(false),
         }
     }
 }
@@ -71,7 +82,35 @@ impl Transport for ReportedMemory {
     fn unpin(&self, ptr: *mut u8) {
         self.pins.lock().unwrap().retain(|&p| p != ptr as usize);
     }
-    transport_without_publishing!();
+    fn master_write(&self, sg: u32) -> Result<()> {
+        if self.held == Some(sg) && self.hold_armed.swap(false, Ordering::SeqCst) {
+            let start = Instant::now();
+            while self.placed.load(Ordering::SeqCst) == 0 {
+                if start.elapsed() > HOLD_LIMIT {
+                    self.hold_timed_out.store(true, Ordering::SeqCst);
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        Ok(())
+    }
+    fn publish_piece(&self, _: u32, _: usize, _: Floats<'_>) -> Result<()> {
+        Ok(())
+    }
+    fn publish_filled(
+        &self,
+        _: u32,
+        _: usize,
+        len: usize,
+        dtype: DType,
+        fill: &mut dyn FnMut(superoffload::kernels::FloatsMut<'_>) -> Result<()>,
+    ) -> Result<()> {
+        common::with_scratch(dtype, len, fill)
+    }
+    fn publish(&self, _: u32) -> Result<()> {
+        Ok(())
+    }
     fn gradient_ready(&self, _: u32) -> Result<()> {
         Ok(())
     }
@@ -118,12 +157,17 @@ fn session_with_budget(transport: Arc<ReportedMemory>, gpu_budget_bytes: usize) 
 }
 
 fn run_step(s: &Session) {
+    let ticket = submit_step(s);
+    s.wait(ticket, None).unwrap();
+}
+
+/// Hands over every sub-group's gradient and submits the step; its ticket.
+fn submit_step(s: &Session) -> superoffload::session::Ticket {
     let grad = vec![1e-3f32; SUBGROUP_NUMEL];
     for k in 0..SUBGROUPS {
         s.grad_copy(k as u32, Floats::F32(&grad)).unwrap();
     }
-    let ticket = s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false }).unwrap();
-    s.wait(ticket, None).unwrap();
+    s.step(StepArgs { max_norm: 0.0, norm: NormSource::Local, overflow: false }).unwrap()
 }
 
 /// Runs the warm-up steps and begins the next one; returns the trace.
@@ -196,6 +240,31 @@ fn a_refused_placement_ends_the_placement_but_not_the_step() {
     }
     run_step(&s);
     assert_eq!(s.device_subgroups(), 2, "not tried again");
+}
+
+#[test]
+fn placing_the_first_sub_groups_does_not_wait_for_the_last_ones_final_pass() {
+    // The split places at the beginning of a step, while the previous step's final passes may
+    // still run. A placement waits for its own sub-group's passes only: here the last
+    // sub-group's final pass cannot end before a sub-group has been placed.
+    let last = SUBGROUPS as u32 - 1;
+    let transport = Arc::new(ReportedMemory { held: Some(last), ..ReportedMemory::new(16 * GIB, 16 * GIB) });
+    let (s, _masters) = session(transport.clone());
+    for step in 0..WARM_UP {
+        s.begin_step(None, 1).unwrap();
+        if step + 1 < WARM_UP {
+            run_step(&s);
+        } else {
+            transport.hold_armed.store(true, Ordering::SeqCst);
+            submit_step(&s);
+        }
+    }
+    s.begin_step(None, 1).unwrap();
+    assert!(transport.placed.load(Ordering::SeqCst) > 0, "the split placed");
+    assert!(!transport.hold_timed_out.load(Ordering::SeqCst), "a placement waited for the last sub-group's pass");
+    assert!(!transport.hold_armed.load(Ordering::SeqCst), "the held pass ran");
+    run_step(&s);
+    assert_eq!(s.device_subgroups() as usize, SUBGROUPS);
 }
 
 #[test]

@@ -462,7 +462,8 @@ impl Registry {
 
     /// Moves a sub-group's master weights and moments to `placement` (the caller checked that
     /// no step is in progress), bit for bit; its host buffers hold the state whenever it is on
-    /// the host.
+    /// the host. It waits for this sub-group's outstanding work only (its final and state
+    /// passes), so that the first sub-groups are placed while the last ones' passes still run.
     pub(crate) fn place(&self, sg: u32, placement: Placement, shared: &Shared) -> Result<()> {
         let track = self.track(sg)?;
         let Some(transport) = shared.transport() else {
@@ -472,7 +473,10 @@ impl Registry {
                 Err(Error::unsupported("device placement needs a CUDA session"))
             };
         };
-        shared.tickets.drain();
+        if track.final_ticket != 0 {
+            shared.caller_wait(track.final_ticket, None, false).ok();
+        }
+        shared.caller_wait_settled(sg, None).ok();
         let mut data = track.sg.data.lock().unwrap();
         if data.placement == placement {
             return Ok(());
