@@ -95,22 +95,7 @@ impl Transport for ReportedMemory {
         }
         Ok(())
     }
-    fn publish_piece(&self, _: u32, _: usize, _: Floats<'_>) -> Result<()> {
-        Ok(())
-    }
-    fn publish_filled(
-        &self,
-        _: u32,
-        _: usize,
-        len: usize,
-        dtype: DType,
-        fill: &mut dyn FnMut(superoffload::kernels::FloatsMut<'_>) -> Result<()>,
-    ) -> Result<()> {
-        common::with_scratch(dtype, len, fill)
-    }
-    fn publish(&self, _: u32) -> Result<()> {
-        Ok(())
-    }
+    transport_without_publishing!(pieces);
     fn gradient_ready(&self, _: u32) -> Result<()> {
         Ok(())
     }

@@ -443,13 +443,16 @@ macro_rules! transport_without_pinning {
 
 /// The hooks of a test transport that publishes nowhere: `master_write`, `publish_piece`,
 /// `publish_filled` (which fills a scratch buffer: the session's pass runs in `fill`) and
-/// `publish`.
+/// `publish`; `(pieces)`: all but `master_write`, for a transport that watches the passes.
 #[macro_export]
 macro_rules! transport_without_publishing {
     () => {
         fn master_write(&self, _: u32) -> superoffload::error::Result<()> {
             Ok(())
         }
+        $crate::transport_without_publishing!(pieces);
+    };
+    (pieces) => {
         fn publish_piece(
             &self,
             _: u32,
