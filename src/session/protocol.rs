@@ -165,11 +165,8 @@ impl Protocol {
         let (index, range) = (info.index, info.range.clone());
         let track = reg.track(info.sg)?;
         let (sg, final_ticket) = (track.sg().clone(), track.final_ticket());
-        // The previous step's final pass first: until it ran, the sub-group is not idle; and
-        // its state pass, when the final pass left the master weights and moments for later (the
-        // gradient buffer is read).
-        wait_final(shared, final_ticket);
-        shared.caller_wait_settled(sg.id, None).ok(); // without a deadline it cannot time out
+        // Until its previous step is done with it, the gradient buffer is read.
+        shared.caller_wait_idle(sg.id, final_ticket);
         if shared.sched.is_complete(sg.id) {
             self.add_late(reg, shared, &sg, index, range, deliver)?;
             drop(span.arg("late", true));
@@ -209,7 +206,7 @@ impl Protocol {
                 "sub-group {sg_id} has a session-owned gradient buffer; hand gradients over with grad_copy"
             )));
         }
-        wait_final(shared, final_ticket);
+        shared.caller_wait_final(final_ticket);
         if shared.sched.state_pending(sg.id) {
             return Err(state_error(format!(
                 "slice {:?}: the previous step's state pass of sub-group {sg_id} still reads its gradient \
@@ -380,7 +377,7 @@ impl Protocol {
             // published only after this step's backward. A sub-group that got a gradient this
             // step was waited for at its hand-off; one that got none may still be finishing.
             for track in reg.live() {
-                wait_final(shared, track.final_ticket());
+                shared.caller_wait_final(track.final_ticket());
             }
             transport.before_step()?;
         }
@@ -461,14 +458,6 @@ pub(crate) fn local_sumsq(shared: &Shared, serial: u64, ticket: Ticket, timeout:
     match *shared.prepared.lock().unwrap() {
         Some((s, sumsq)) if s == serial => Ok(sumsq),
         _ => Err(Error::new(Status::Panic, "the preparation left no sum of squares")),
-    }
-}
-
-/// The sub-group's previous step must be final before its buffers are written again
-/// (the caller normally waited for the final ticket already).
-fn wait_final(shared: &Shared, ticket: Ticket) {
-    if ticket != 0 {
-        shared.caller_wait(ticket, None, false).ok();
     }
 }
 

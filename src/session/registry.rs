@@ -473,10 +473,7 @@ impl Registry {
                 Err(Error::unsupported("device placement needs a CUDA session"))
             };
         };
-        if track.final_ticket != 0 {
-            shared.caller_wait(track.final_ticket, None, false).ok();
-        }
-        shared.caller_wait_settled(sg, None).ok();
+        shared.caller_wait_idle(sg, track.final_ticket);
         let mut data = track.sg.data.lock().unwrap();
         if data.placement == placement {
             return Ok(());

@@ -64,6 +64,23 @@ impl Shared {
         outcome
     }
 
+    /// Waits, as the caller, for a sub-group's final ticket `ticket` of its previous step (0:
+    /// none yet) whatever its outcome, which the step's ticket reports: until it completes,
+    /// the sub-group's buffers must not be written again.
+    pub(crate) fn caller_wait_final(&self, ticket: Ticket) {
+        if ticket != 0 {
+            self.caller_wait(ticket, None, false).ok();
+        }
+    }
+
+    /// Waits, as the caller, until sub-group `sg` is done with its previous step: its final
+    /// ticket `final_ticket`, then the state pass that final pass left, if any (the gradient
+    /// buffer is read and the master weights and moments written until then).
+    pub(crate) fn caller_wait_idle(&self, sg: u32, final_ticket: Ticket) {
+        self.caller_wait_final(final_ticket);
+        self.caller_wait_settled(sg, None).ok(); // without a deadline it cannot time out
+    }
+
     /// Waits, up to `deadline` (None: forever), while sub-group `sg`'s state pass is pending,
     /// counting the time as the caller's wait (it holds the backward up); `Timeout` if the
     /// deadline passed first.
